@@ -1,0 +1,78 @@
+"""Paged attention in plain PyTorch: the CPU path, and the oracle for faster kernels.
+
+Decode rows are computed together with batched matmuls over the GQA groups (SDPA is slow for
+one-row queries on CPU); each prefill chunk uses SDPA over its own context.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata, PrefillChunk
+
+
+class TorchPagedAttention(AttentionBackend):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_kv_heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[3], q.shape[-1]
+        flat = kv_cache.view(2, num_kv_heads, -1, head_dim)
+        flat[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        flat[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        out = torch.empty(q.shape[0], q.shape[1] * head_dim, dtype=q.dtype, device=q.device)
+        if meta.num_decodes:
+            out[:meta.num_decodes] = _decode(q[:meta.num_decodes], kv_cache, meta, scale)
+        for chunk in meta.prefills:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
+            out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, block_size,
+                                 meta.sliding_window, scale)
+        return out
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+            scale: float) -> torch.Tensor:
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[1]
+    group = num_heads // num_kv_heads
+    # [Hkv, B, max_blocks, block_size, D] -> one [T, D] context per (kv head, sequence).
+    keys = kv_cache[0][:, meta.decode_block_tables].view(num_kv_heads * batch, -1, head_dim)
+    values = kv_cache[1][:, meta.decode_block_tables].view(num_kv_heads * batch, -1, head_dim)
+    queries = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
+    queries = queries.reshape(num_kv_heads * batch, group, head_dim)
+    bias = meta.decode_bias.unsqueeze(1).repeat(num_kv_heads, 1, 1)
+    scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs, values).view(num_kv_heads, batch, group, head_dim)
+    return out.transpose(0, 1).reshape(batch, num_heads * head_dim)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             chunk: PrefillChunk, block_size: int, window: int | None,
+             scale: float) -> torch.Tensor:
+    num_q, ctx = chunk.num_query_tokens, chunk.context_len
+    head_dim = q.shape[-1]
+    if num_q == ctx:  # no earlier context: the new keys are the whole context
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+    else:
+        num_kv_heads = kv_cache.shape[1]
+        keys = kv_cache[0][:, chunk.block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
+        values = kv_cache[1][:, chunk.block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
+    mask = None
+    if num_q != ctx or (window is not None and window < ctx):
+        mask = causal_mask(num_q, ctx, window, q.device)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+        attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[0])
+    return out.squeeze(0).transpose(0, 1).reshape(num_q, -1)
+
+
+def causal_mask(num_q: int, ctx: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Bool [num_q, ctx]: query i (at position ctx - num_q + i) sees key j iff j <= its
+    position and, with a sliding window W, j > position - W."""
+    pos = torch.arange(ctx - num_q, ctx, device=device).unsqueeze(1)
+    key = torch.arange(ctx, device=device).unsqueeze(0)
+    allowed = key <= pos
+    if window is not None:
+        allowed &= key > pos - window
+    return allowed

@@ -1,0 +1,201 @@
+"""Engine configuration: plain dataclasses, validated on construction."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.errors import CheckpointError
+from kvserve.models.registry import resolve_architecture
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+GiB = 1 << 30
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shapes and options of a decoder-only transformer, read from a HF `config.json`."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: str = "auto") -> ModelConfig:
+        folder = Path(path)
+        config_file = folder / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(f"model: no config.json in {str(folder)!r}")
+        try:
+            raw = json.loads(config_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(
+                f"model: config.json in {str(folder)!r} is not valid JSON: {e}") from None
+        arch = resolve_architecture(raw.get("architectures"))
+        for name in _REQUIRED:
+            if not isinstance(raw.get(name), int) or raw[name] < 1:
+                raise CheckpointError(f"model: config.json field {name!r} must be a positive "
+                                      f"integer, got {raw.get(name)!r}")
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise CheckpointError(
+                f"model: num_attention_heads ({num_heads}) must be a multiple of "
+                f"num_key_value_heads ({num_kv_heads})")
+        rope = _rope_parameters(raw)
+        sliding_window = raw.get("sliding_window") if arch.uses_sliding_window(raw) else None
+        return cls(
+            path=str(folder),
+            architecture=arch.name,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.pop("rope_theta", 10000.0)),
+            rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=arch.qkv_bias or bool(raw.get("attention_bias", False)),
+            qk_norm=arch.qk_norm,
+            sliding_window=int(sliding_window) if sliding_window else None,
+            dtype=resolve_dtype(dtype, raw),
+            eos_token_ids=_eos_ids(raw, folder),
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def resolve_dtype(dtype: str | torch.dtype, raw: dict[str, Any]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    if dtype == "auto":
+        dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
+    """Merge the pre-5.0 (`rope_theta` + `rope_scaling`) and 5.0 (`rope_parameters`) spellings."""
+    params = dict(raw.get("rope_parameters") or {})
+    params.update(raw.get("rope_scaling") or {})
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = params.pop("type", None)
+    params.setdefault("rope_type", rope_type or "default")
+    if params["rope_type"] not in ("default", "linear", "llama3"):
+        raise CheckpointError(
+            f"model: rope_scaling type {params['rope_type']!r} is not supported "
+            "(supported: default, linear, llama3)")
+    return params
+
+
+def _eos_ids(raw: dict[str, Any], folder: Path) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen_file = folder / "generation_config.json"
+    sources = [raw]
+    if gen_file.is_file():
+        try:
+            sources.insert(0, json.loads(gen_file.read_text()))
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"model: generation_config.json is not valid JSON: {e}") from None
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for t in eos if isinstance(eos, list) else [eos]:
+            if isinstance(t, int) and t not in ids:
+                ids.append(t)
+    return tuple(ids)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 2 * GiB
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], "
+                             f"got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, "
+                             f"got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        limit = self.model.max_position_embeddings
+        if self.scheduler.max_model_len == 0 or self.scheduler.max_model_len > limit:
+            if self.scheduler.max_model_len > limit:
+                raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
+                                 f"({limit}), got {self.scheduler.max_model_len}")
+            self.scheduler.max_model_len = limit
+
+    @property
+    def num_kv_blocks(self) -> int:
+        per_block = self.model.kv_bytes_per_token * self.cache.block_size
+        num_blocks = self.cache.kv_cache_memory // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory ({self.cache.kv_cache_memory} bytes) must hold at "
+                             f"least one block of {per_block} bytes")
+        return int(num_blocks)

@@ -1,0 +1,56 @@
+"""The plain data that crosses between the scheduler and the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class NewRequestData:
+    """Sent the first time a request is scheduled; the runner keeps it until the request ends."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class ScheduledRequest:
+    """Compute KV for `token_ids` at positions `num_computed_tokens ...`; when `sample` is set
+    they end the request's known tokens, so the runner samples the next one."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_request_ids: set[str] = field(default_factory=set)
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One sampled token (as a list, for future multi-token steps) per sampling request."""
+
+    request_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    # Per request: (top token ids, their logprobs, sampled token's logprob, sampled token rank)
+    logprobs: list[tuple[list[int], list[float], float, int] | None] = field(
+        default_factory=list)

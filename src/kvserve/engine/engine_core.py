@@ -1,0 +1,34 @@
+"""The step loop: schedule, execute, update. Works on token ids only."""
+
+from __future__ import annotations
+
+from kvserve.config import EngineConfig
+from kvserve.core.kv_cache.manager import KVCacheManager
+from kvserve.core.scheduler.scheduler import Scheduler
+from kvserve.request import Request
+from kvserve.worker.model_runner import ModelRunner
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> tuple[list[Request], list[tuple[list[int], list[float], float, int] | None]]:
+        """Runs one batch; returns the requests that got a token and their logprobs."""
+        sched = self.scheduler.schedule()
+        result = self.runner.execute_model(sched)
+        updated = self.scheduler.update_from_output(sched, result)
+        by_id = dict(zip(result.request_ids, result.logprobs or [None] * len(result.request_ids),
+                         strict=True))
+        if not self.scheduler.has_unfinished_requests():
+            self.kv_cache.check_integrity()
+        return updated, [by_id[r.request_id] for r in updated]

@@ -1,0 +1,90 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from kvserve.config import CacheConfig, EngineConfig, GiB, ModelConfig, SchedulerConfig
+from kvserve.engine.llm_engine import LLMEngine, PromptType, _ParentRequest
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, dtype: str = "auto", max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 128, block_size: int = 16,
+                 kv_cache_memory: int = 2 * GiB, max_model_len: int | None = None,
+                 seed: int = 0, device: str = "cpu") -> None:
+        config = EngineConfig(
+            model=ModelConfig.from_pretrained(model, dtype),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                      max_num_seqs=max_num_seqs,
+                                      max_model_len=max_model_len or 0),
+            seed=seed,
+            device=device,
+        )
+        self.engine = LLMEngine(config)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for every prompt; outputs come back in the prompts' order. Every prompt
+        is validated before any runs, so one bad prompt raises ValueError naming its index
+        and leaves the engine as it was."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for "
+                             f"{len(prompts)} prompts")
+        return self._run(self._validate(prompts, params), use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the checkpoint's chat template to one conversation or a list of them."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptType] = []
+        for i, conversation in enumerate(conversations):
+            if not conversation:
+                raise ValueError(f"messages[{i}] must not be empty")
+            ids = self.engine.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+            if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _validate(self, prompts: list[PromptType], params: list[SamplingParams]
+                  ) -> list[tuple[_ParentRequest, SamplingParams, int]]:
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            text, ids = self.engine.tokenize(prompt, f"prompts[{i}]")
+            max_tokens = self.engine.check_request(ids, p, f"prompts[{i}]")
+            checked.append((_ParentRequest(self.engine.new_request_id(), text, ids), p, max_tokens))
+        return checked
+
+    def _run(self, checked: list[tuple[_ParentRequest, SamplingParams, int]],
+             use_tqdm: bool) -> list[RequestOutput]:
+        for parent, p, max_tokens in checked:
+            self.engine.add_validated(parent, p, max_tokens)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(checked), desc="generate", unit="req",
+                  disable=not use_tqdm or len(checked) < 2) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[parent.request_id] for parent, _, _ in checked]

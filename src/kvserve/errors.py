@@ -1,0 +1,5 @@
+"""Errors raised for input the engine cannot accept; each message names the field and the limit."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded (missing, corrupt or unsupported)."""

@@ -1,0 +1,102 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): pure math over flat token batches.
+
+Inputs are all the step's tokens flattened to [N]; attention finds each token's sequence and
+cache slots through the forward context, so prefill chunks and decodes share one forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.attention.backend import AttentionBackend
+from kvserve.config import ModelConfig
+from kvserve.layers.activation import silu_and_mul
+from kvserve.layers.linear import Linear
+from kvserve.layers.norm import RMSNorm
+from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
+from kvserve.worker.forward_context import get_attention_metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias,
+                               cfg.dtype)
+        self.o_proj = Linear(q_size, [cfg.hidden_size], False, cfg.dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
+        self.scale = cfg.head_dim ** -0.5
+        self.backend = backend
+        self.kv_cache = torch.empty(0)  # bound by the model runner to this layer's pool
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.backend.forward(q, k, v, self.kv_cache, get_attention_metadata(), self.scale)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, False,
+                                   cfg.dtype)
+        self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size], False, cfg.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint tensor names that are slices of one fused layer here: name -> (layer, shard).
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, cfg.dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling, cfg.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [N, hidden] for a flat batch of tokens."""
+        x = self.embed_tokens[input_ids]
+        cos, sin = self.rotary(positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,112 @@
+"""Builds a model from a HF checkpoint folder: safetensors only, never pickle, never remote code."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvserve.attention.backend import AttentionBackend
+from kvserve.config import ModelConfig
+from kvserve.errors import CheckpointError
+from kvserve.layers.linear import Linear
+from kvserve.models.llama import LlamaForCausalLM
+
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
+               ) -> LlamaForCausalLM:
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, backend)
+    modules = dict(model.named_modules())
+    missing = {(name, kind, shard) for name, module in modules.items()
+               if isinstance(module, Linear) for kind, shard in module.checkpoint_parts()}
+    missing |= {(name, "weight", 0) for name, module in modules.items()
+                if hasattr(module, "weight") and not isinstance(module, Linear)}
+    missing.add(("embed_tokens", "weight", 0))
+    embedding: torch.Tensor | None = None
+    for hf_name, tensor in iter_checkpoint(Path(cfg.path)):
+        if _IGNORED.match(hf_name):
+            continue
+        target = _target(hf_name, model)
+        if target is None:
+            raise CheckpointError(f"model: unexpected tensor {hf_name!r} in the checkpoint")
+        name, kind, shard = target
+        tensor = tensor.to(device=device, dtype=cfg.dtype)
+        try:
+            if name == "embed_tokens":
+                _copy_exact(model.embed_tokens, tensor)
+                embedding = tensor
+            elif isinstance(modules[name], Linear):
+                modules[name].load(kind, shard, tensor)
+            else:
+                _copy_exact(getattr(modules[name], kind), tensor)
+        except ValueError as e:
+            raise CheckpointError(f"model: tensor {hf_name!r}: {e}") from None
+        missing.discard((name, kind, shard))
+    if ("lm_head", "weight", 0) in missing and cfg.tie_word_embeddings and embedding is not None:
+        model.lm_head.load("weight", 0, embedding)
+        missing.discard(("lm_head", "weight", 0))
+    if missing:
+        names = sorted(f"{n}.{k}" + (f"[shard {s}]" if s else "") for n, k, s in missing)
+        raise CheckpointError(f"model: checkpoint {cfg.path!r} lacks tensors: "
+                              f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+    return model.eval()
+
+
+def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in checkpoint_files(folder):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"model: cannot read {file.name}: {e}") from None
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"model: corrupt {index.name}: {e}") from None
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"model: shards listed in {index.name} are missing: {absent}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"model: no *.safetensors weights in {str(folder)!r} "
+                              "(pickled .bin checkpoints are not loaded)")
+    return files
+
+
+def _target(hf_name: str, model: LlamaForCausalLM) -> tuple[str, str, int] | None:
+    """Maps a HF tensor name to (our module name, 'weight'|'bias', shard)."""
+    name = hf_name.removeprefix("model.")
+    if name == "embed_tokens.weight":
+        return "embed_tokens", "weight", 0
+    module, _, kind = name.rpartition(".")
+    if kind not in ("weight", "bias"):
+        return None
+    parent, _, leaf = module.rpartition(".")
+    if leaf in model.packed_modules:
+        fused, shard = model.packed_modules[leaf]
+        return f"{parent}.{fused}", kind, shard
+    known = dict(model.named_modules())
+    if module in known and module:
+        return module, kind, 0
+    return None
+
+
+def _copy_exact(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"expected shape {list(param.shape)}, got {list(tensor.shape)}")
+    param.copy_(tensor)

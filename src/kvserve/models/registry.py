@@ -1,0 +1,49 @@
+"""The architectures kvserve can run, keyed by the `architectures` field of `config.json`.
+
+All four are the same pre-norm decoder; they differ in a few switches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    name: str
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window_when: Callable[[dict[str, Any]], bool] = lambda raw: False
+
+    def uses_sliding_window(self, raw: dict[str, Any]) -> bool:
+        return bool(raw.get("sliding_window")) and self.sliding_window_when(raw)
+
+
+def _qwen_window(raw: dict[str, Any]) -> bool:
+    if raw.get("use_sliding_window"):
+        raise CheckpointError("model: use_sliding_window=true is not supported for Qwen models")
+    return False
+
+
+ARCHITECTURES = {
+    spec.name: spec
+    for spec in (
+        ArchSpec("LlamaForCausalLM"),
+        ArchSpec("MistralForCausalLM", sliding_window_when=lambda raw: True),
+        ArchSpec("Qwen2ForCausalLM", qkv_bias=True, sliding_window_when=_qwen_window),
+        ArchSpec("Qwen3ForCausalLM", qk_norm=True, sliding_window_when=_qwen_window),
+    )
+}
+
+
+def resolve_architecture(architectures: list[str] | None) -> ArchSpec:
+    for name in architectures or []:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    raise CheckpointError(
+        f"model: architecture {architectures!r} is not supported "
+        f"(supported: {', '.join(sorted(ARCHITECTURES))})")

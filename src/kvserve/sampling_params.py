@@ -1,0 +1,69 @@
+"""Per-request generation settings, validated where they enter the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop; names and meanings follow vLLM and OpenAI."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]",
+               self.n)
+        _check(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1",
+               self.top_k)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0",
+               self.repetition_penalty)
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]",
+               self.presence_penalty)
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
+               "must be in [-2, 2]", self.frequency_penalty)
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1",
+               self.max_tokens)
+        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+               f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
+               "must be non-empty strings", self.stop)
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", "must be non-negative integers", self.stop_token_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check(ok: bool, name: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} {rule}, got {value!r}")

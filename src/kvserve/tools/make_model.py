@@ -1,0 +1,198 @@
+"""`kvserve make-model`: random-weight checkpoints in the exact Hugging Face folder format.
+
+The files (config.json, generation_config.json, safetensors, tokenizer.json,
+tokenizer_config.json) load unchanged in `transformers`, which is how kvserve is tested.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from kvserve.tools.tokenizer import tokenizer_config, train_tokenizer
+
+
+@dataclass(frozen=True)
+class Preset:
+    arch: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = True
+    head_dim: int | None = None
+    sliding_window: int | None = None
+    init_std: float = 0.02
+    dtype: str = "float32"
+
+
+PRESETS = {
+    "tiny": Preset("llama", 64, 128, 2, 4, 2, 1024, 1024, init_std=0.08),
+    "smollm2-135m": Preset("llama", 576, 1536, 30, 9, 3, 49152, 8192, rope_theta=100000.0),
+    "qwen2.5-0.5b": Preset("qwen2", 896, 4864, 24, 14, 2, 151936, 32768, rope_theta=1e6),
+    "llama3-8b": Preset("llama", 4096, 14336, 32, 32, 8, 128256, 131072, rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192},
+                        tie_word_embeddings=False, dtype="bfloat16"),
+}
+
+ARCHES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+
+def make_model(preset: str, output: str | Path, arch: str | None = None, seed: int = 0,
+               dtype: str | None = None, max_shard_bytes: int = 2 << 30,
+               sliding_window: int | None = None, progress: bool = False) -> Path:
+    """Writes a checkpoint folder for `preset` (optionally as another architecture) and
+    returns its path. The same arguments always give the same files."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    spec = PRESETS[preset]
+    if arch is not None:
+        if arch not in ARCHES:
+            raise ValueError(f"arch must be one of {sorted(ARCHES)}, got {arch!r}")
+        spec = replace(spec, arch=arch)
+    if spec.arch == "qwen3" and spec.head_dim is None:
+        spec = replace(spec, head_dim=2 * spec.hidden_size // spec.num_heads)
+    if spec.arch == "mistral":
+        spec = replace(spec, sliding_window=sliding_window or spec.max_position_embeddings // 8)
+    if dtype is not None:
+        spec = replace(spec, dtype=dtype)
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / "config.json", hf_config(spec))
+    _write_json(out / "generation_config.json", {"eos_token_id": 2, "pad_token_id": 0})
+    (out / "tokenizer.json").write_text(train_tokenizer(spec.vocab_size))
+    _write_json(out / "tokenizer_config.json", tokenizer_config(spec.max_position_embeddings))
+    _write_weights(out, spec, seed, max_shard_bytes, progress)
+    return out
+
+
+def hf_config(spec: Preset) -> dict[str, Any]:
+    architecture, model_type = ARCHES[spec.arch]
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5 if spec.arch in ("llama", "mistral") else 1e-6,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": spec.rope_scaling,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "initializer_range": spec.init_std,
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": spec.dtype,
+        "use_cache": True,
+    }
+    if spec.arch in ("llama", "qwen3"):
+        config.update(attention_bias=False, mlp_bias=False)
+    if spec.head_dim is not None:
+        config["head_dim"] = spec.head_dim
+    if spec.arch == "mistral":
+        config["sliding_window"] = spec.sliding_window
+    if spec.arch in ("qwen2", "qwen3"):
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
+    return config
+
+
+def _tensors(spec: Preset, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors in a fixed order, drawn from one seeded generator."""
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
+    h = spec.hidden_size
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * spec.init_std
+
+    yield "model.embed_tokens.weight", normal(spec.vocab_size, h)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", 1.0 + normal(h)
+        for name, rows in (("q", spec.num_heads), ("k", spec.num_kv_heads),
+                           ("v", spec.num_kv_heads)):
+            yield p + f"self_attn.{name}_proj.weight", normal(rows * head_dim, h)
+            if spec.arch == "qwen2":
+                yield p + f"self_attn.{name}_proj.bias", normal(rows * head_dim)
+        if spec.arch == "qwen3":
+            yield p + "self_attn.q_norm.weight", 1.0 + normal(head_dim)
+            yield p + "self_attn.k_norm.weight", 1.0 + normal(head_dim)
+        yield p + "self_attn.o_proj.weight", normal(h, spec.num_heads * head_dim)
+        yield p + "post_attention_layernorm.weight", 1.0 + normal(h)
+        yield p + "mlp.gate_proj.weight", normal(spec.intermediate_size, h)
+        yield p + "mlp.up_proj.weight", normal(spec.intermediate_size, h)
+        yield p + "mlp.down_proj.weight", normal(h, spec.intermediate_size)
+    yield "model.norm.weight", 1.0 + normal(h)
+    if not spec.tie_word_embeddings:
+        yield "lm_head.weight", normal(spec.vocab_size, h)
+
+
+def _write_weights(out: Path, spec: Preset, seed: int, max_shard_bytes: int,
+                   progress: bool) -> None:
+    dtype = getattr(torch, spec.dtype)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = total = 0
+    written: list[Path] = []
+    weight_map: dict[str, int] = {}
+    for name, tensor in tqdm(_tensors(spec, seed), desc="weights", unit=" tensors",
+                             disable=not progress):
+        tensor = tensor.to(dtype).contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            written.append(_save_shard(out, len(written), shards.pop()))
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        weight_map[name] = len(written)
+        size += nbytes
+        total += nbytes
+    written.append(_save_shard(out, len(written), shards.pop()))
+    for stale in out.glob("model*.safetensors*"):
+        if stale not in written:
+            stale.unlink()
+    if len(written) == 1:
+        written[0].rename(out / "model.safetensors")
+        return
+    count = len(written)
+    final = [out / f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    for src, dst in zip(written, final, strict=True):
+        src.rename(dst)
+    _write_json(out / "model.safetensors.index.json", {
+        "metadata": {"total_size": total},
+        "weight_map": {name: final[i].name for name, i in weight_map.items()},
+    })
+
+
+def _save_shard(out: Path, index: int, tensors: dict[str, torch.Tensor]) -> Path:
+    path = out / f"model.part{index}.safetensors.tmp"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,61 @@
+"""A real byte-level BPE tokenizer, trained locally on the Python standard library's sources."""
+
+from __future__ import annotations
+
+import functools
+import sysconfig
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def training_text(max_bytes: int) -> list[str]:
+    """The standard library's modules in path order, up to `max_bytes` of text."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in stdlib.rglob("*.py") if "site-packages" not in f.parts)
+    texts, total = [], 0
+    for file in files:
+        text = file.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    return texts
+
+
+@functools.lru_cache(maxsize=4)
+def train_tokenizer(vocab_size: int) -> str:
+    """Trains a byte-level BPE with exactly `vocab_size` entries (ids 0-2 are the specials);
+    returns it serialized as `tokenizer.json` text."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    # About 300 bytes of text per merge gives the trainer enough pairs to reach vocab_size.
+    tokenizer.train_from_iterator(training_text(max(200_000, vocab_size * 300)), trainer)
+    return tokenizer.to_str()
+
+
+def tokenizer_config(max_length: int) -> dict[str, object]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }

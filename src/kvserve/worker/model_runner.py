@@ -1,0 +1,62 @@
+"""Executes a SchedulerOutput: one forward over every scheduled token, then sampling.
+
+It owns the model weights, the KV block pool tensors and the per-request sampling state; it
+makes no scheduling decisions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.selector import get_attention_backend
+from kvserve.config import EngineConfig
+from kvserve.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.models.loader import load_model
+from kvserve.worker.forward_context import forward_context
+from kvserve.worker.input_batch import build_inputs
+from kvserve.worker.sampler import Sampler, SamplingState
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.device = config.device
+        self.model = load_model(mc, get_attention_backend(config.device), config.device)
+        self.block_size = config.cache.block_size
+        self.num_blocks = config.num_kv_blocks
+        # One tensor for the whole pool: [layers, K/V, kv heads, blocks, block_size, head_dim].
+        # Zero-filled so padded reads are finite (they are masked, and 0 * NaN would not be).
+        self.kv_cache = torch.zeros(mc.num_layers, 2, mc.num_kv_heads, self.num_blocks,
+                                    self.block_size, mc.head_dim, dtype=mc.dtype,
+                                    device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.kv_cache = self.kv_cache[i]
+        self.sampler = Sampler(config.seed, self.device)
+        self.states: dict[str, SamplingState] = {}
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in sched.finished_request_ids:
+            self.states.pop(request_id, None)
+        for new in sched.new_requests:
+            self.states[new.request_id] = self.sampler.new_state(
+                new.sampling_params, new.prompt_token_ids, new.eos_token_ids)
+        if sched.is_empty:
+            return ModelRunnerOutput([], [])
+        inputs = build_inputs(sched.scheduled, self.block_size, self.config.model.sliding_window,
+                              self.config.model.dtype, self.device)
+        with forward_context(inputs.attn_metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        if not inputs.sample_requests:
+            return ModelRunnerOutput([], [])
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        states = [self.states[s.request_id] for s in inputs.sample_requests]
+        sampled = self.sampler(logits, states)
+        for state, token_id in zip(states, sampled.token_ids, strict=True):
+            state.output_token_ids.append(token_id)
+        return ModelRunnerOutput(
+            request_ids=[s.request_id for s in inputs.sample_requests],
+            sampled_token_ids=[[t] for t in sampled.token_ids],
+            logprobs=sampled.logprobs,
+        )

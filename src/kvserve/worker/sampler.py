@@ -1,0 +1,138 @@
+"""Turns the logits of each sampling request into its next token.
+
+Order of operations (as in vLLM): raw logprobs are taken first; then min_tokens masking,
+repetition / presence / frequency penalties, temperature, top-k, top-p and min-p. Random
+choice is the exponential race (argmax of p / E with E ~ Exp(1)), drawn from the request's own
+generator when it has a seed, so its text does not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingState:
+    """What the sampler keeps per request between steps."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    stop_ids: list[int]  # tokens banned while fewer than min_tokens are generated
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[tuple[list[int], list[float], float, int] | None]
+
+
+class Sampler:
+    def __init__(self, seed: int, device: str) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def new_state(self, params: SamplingParams, prompt_token_ids: list[int],
+                  eos_token_ids: tuple[int, ...]) -> SamplingState:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids += list(eos_token_ids)
+        return SamplingState(params, prompt_token_ids, stop_ids, generator=generator)
+
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+        logprobs = self._raw_logprobs(logits, states)
+        logits = logits.clone() if logprobs else logits
+        for row, st in enumerate(states):
+            if len(st.output_token_ids) < st.params.min_tokens and st.stop_ids:
+                logits[row, st.stop_ids] = float("-inf")
+            _apply_penalties(logits[row], st)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [row for row, st in enumerate(states) if not st.params.is_greedy]
+        if random_rows:
+            token_ids[random_rows] = self._sample(logits[random_rows],
+                                                  [states[r] for r in random_rows])
+        sampled = token_ids.tolist()
+        return SamplerOutput(sampled, _gather_logprobs(logprobs, sampled, states))
+
+    def _raw_logprobs(self, logits: torch.Tensor, states: list[SamplingState]
+                      ) -> torch.Tensor | None:
+        if all(st.params.logprobs is None for st in states):
+            return None
+        return torch.log_softmax(logits, dim=-1)
+
+    def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        temps = torch.tensor([st.params.temperature for st in states], device=logits.device)
+        logits = logits / temps.unsqueeze(1)
+        for row, st in enumerate(states):
+            _filter(logits[row], st.params)
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [row for row, st in enumerate(states) if st.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1],
+                                          device=probs.device).exponential_(
+                                              generator=self.generator)
+        for row, st in enumerate(states):
+            if st.generator is not None:
+                noise[row].exponential_(generator=st.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _apply_penalties(logits: torch.Tensor, st: SamplingState) -> None:
+    """In place on one row of logits."""
+    p = st.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(st.prompt_token_ids) | set(st.output_token_ids)),
+                            dtype=torch.long, device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / p.repetition_penalty,
+                                   values * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and st.output_token_ids:
+        counts = torch.bincount(torch.tensor(st.output_token_ids, device=logits.device),
+                                minlength=logits.shape[0])[:logits.shape[0]].to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+
+def _filter(logits: torch.Tensor, p: SamplingParams) -> None:
+    """Top-k, top-p and min-p, in place on one row of temperature-scaled logits."""
+    if 0 < p.top_k < logits.shape[0]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits.masked_fill_(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token once the tokens ranked above it already reach top_p.
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= p.top_p
+        logits[order[drop]] = float("-inf")
+    if p.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits.masked_fill_(probs < p.min_p * probs.max(), float("-inf"))
+
+
+def _gather_logprobs(logprobs: torch.Tensor | None, sampled: list[int],
+                     states: list[SamplingState]
+                     ) -> list[tuple[list[int], list[float], float, int] | None]:
+    if logprobs is None:
+        return [None] * len(states)
+    result: list[tuple[list[int], list[float], float, int] | None] = []
+    for row, st in enumerate(states):
+        k = st.params.logprobs
+        if k is None:
+            result.append(None)
+            continue
+        row_lp = logprobs[row]
+        chosen = row_lp[sampled[row]]
+        rank = int((row_lp > chosen).sum()) + 1
+        top = torch.topk(row_lp, k) if k else None
+        result.append((top.indices.tolist() if top is not None else [],
+                       top.values.tolist() if top is not None else [],
+                       float(chosen), rank))
+    return result
