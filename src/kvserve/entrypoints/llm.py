@@ -60,9 +60,8 @@ class LLM:
             if not conversation:
                 raise ValueError(f"messages[{i}] must not be empty")
             ids = self.engine.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
-            if isinstance(ids, dict):  # newer transformers return a BatchEncoding
-                ids = ids["input_ids"]
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=False)
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

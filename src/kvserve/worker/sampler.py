@@ -49,7 +49,6 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         logprobs = self._raw_logprobs(logits, states)
-        logits = logits.clone() if logprobs else logits
         for row, st in enumerate(states):
             if len(st.output_token_ids) < st.params.min_tokens and st.stop_ids:
                 logits[row, st.stop_ids] = float("-inf")

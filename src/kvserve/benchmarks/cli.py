@@ -1,0 +1,14 @@
+"""`kvserve bench ...`: every benchmark prints a same-run baseline beside its numbers."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from kvserve.benchmarks import latency, throughput
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    throughput.add_parser(bench_sub)
+    latency.add_parser(bench_sub)

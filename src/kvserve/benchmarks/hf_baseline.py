@@ -1,0 +1,35 @@
+"""The baseline: Hugging Face `generate` on the same checkpoint, padded static batches."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvserve.benchmarks.workloads import Workload
+
+
+def load_hf(model: str, dtype: torch.dtype):  # noqa: ANN201 (transformers model)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int) -> None:  # noqa: ANN001
+    """Left-pads the batch and decodes exactly max_new_tokens for every row (EOS ignored)."""
+    width = max(len(p) for p in prompts)
+    pad = hf.config.pad_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+
+
+def hf_run(hf, work: Workload, batch_size: int) -> float:  # noqa: ANN001
+    """Seconds to run the workload in arrival order, `batch_size` prompts per generate."""
+    start = time.perf_counter()
+    for i in range(0, len(work.prompts), batch_size):
+        hf_generate_batch(hf, work.prompts[i:i + batch_size],
+                          max(work.output_lens[i:i + batch_size]))
+    return time.perf_counter() - start

@@ -1,0 +1,107 @@
+"""`kvserve bench latency`: batch-1 TTFT and time per output token against the bandwidth floor.
+
+The floor is the time to stream every matmul weight once (what one decode step must read)
+at the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvserve.benchmarks.hf_baseline import load_hf
+from kvserve.benchmarks.report import print_table, save_json
+from kvserve.benchmarks.workloads import fixed
+from kvserve.entrypoints.cli import engine_kwargs
+from kvserve.layers.linear import Linear
+from kvserve.sampling_params import SamplingParams
+
+
+def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Best read+write bytes/s of a large tensor copy."""
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(m.weight_t.numel() * m.weight_t.element_size()
+               for m in model.modules() if isinstance(m, Linear))
+
+
+def _timed(fn) -> float:  # noqa: ANN001
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> None:
+    from kvserve import LLM
+
+    llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
+    cfg = llm.engine.config.model
+    prompt = fixed(1, args.prompt_len, args.output_len, cfg.vocab_size).prompts[0]
+
+    def ours(n: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        return _timed(lambda: llm.generate([{"prompt_token_ids": prompt}], params,
+                                           use_tqdm=False))
+
+    ours(4)
+    ttft = [ours(1) for _ in range(args.runs)]
+    full = [ours(args.output_len) for _ in range(args.runs)]
+    tpot = (statistics.median(full) - statistics.median(ttft)) / (args.output_len - 1)
+    bandwidth = copy_bandwidth()
+    nbytes = weight_bytes(llm.engine.core.runner.model)
+    floor = nbytes / bandwidth
+    rows: list[dict[str, object]] = [{
+        "engine": "kvserve",
+        "TTFT ms": round(statistics.median(ttft) * 1e3, 1),
+        "TPOT ms": round(tpot * 1e3, 2),
+        "decode tok/s": round(1 / tpot, 1),
+        "TPOT / floor": round(tpot / floor, 2),
+    }]
+    if not args.no_hf:
+        hf = load_hf(args.model, cfg.dtype)
+        ids = torch.tensor([prompt])
+
+        def theirs(n: int) -> float:
+            with torch.inference_mode():
+                return _timed(lambda: hf.generate(ids, max_new_tokens=n, min_new_tokens=n,
+                                                  do_sample=False))
+        theirs(4)
+        hf_ttft = statistics.median(theirs(1) for _ in range(args.runs))
+        hf_full = statistics.median(theirs(args.output_len) for _ in range(args.runs))
+        hf_tpot = (hf_full - hf_ttft) / (args.output_len - 1)
+        rows.append({"engine": "transformers", "TTFT ms": round(hf_ttft * 1e3, 1),
+                     "TPOT ms": round(hf_tpot * 1e3, 2), "decode tok/s": round(1 / hf_tpot, 1),
+                     "TPOT / floor": round(hf_tpot / floor, 2)})
+    rows.append({"engine": "bandwidth floor", "TPOT ms": round(floor * 1e3, 2),
+                 "decode tok/s": round(1 / floor, 1), "TPOT / floor": 1.0})
+    print_table(rows, title=(
+        f"latency, batch 1, {args.prompt_len}-token prompt, {args.output_len} new tokens, "
+        f"{args.model}, {cfg.dtype}; floor = {nbytes / 1e6:.0f} MB of weights at "
+        f"{bandwidth / 1e9:.1f} GB/s copy bandwidth"))
+    save_json(args.json, {"benchmark": "latency", "model": args.model, "rows": rows,
+                          "weight_bytes": nbytes, "copy_bandwidth": bandwidth})
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from kvserve.entrypoints.cli import add_engine_args
+
+    p = sub.add_parser("latency", help="batch-1 TTFT and TPOT against the bandwidth floor")
+    add_engine_args(p)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=run)

@@ -1,0 +1,84 @@
+"""`kvserve bench throughput`: offline output tokens/s, kvserve against HF generate."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvserve.benchmarks.hf_baseline import hf_generate_batch, hf_run, load_hf
+from kvserve.benchmarks.report import print_table, save_json
+from kvserve.benchmarks.workloads import Workload, fixed, variable
+from kvserve.entrypoints.cli import engine_kwargs
+from kvserve.sampling_params import SamplingParams
+
+
+def kvserve_run(llm, work: Workload) -> float:  # noqa: ANN001
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in work.output_lens]
+    prompts = [{"prompt_token_ids": p} for p in work.prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    got = [len(o.outputs[0].token_ids) for o in outputs]
+    assert got == work.output_lens, "kvserve produced a different number of tokens"
+    return elapsed
+
+
+def run(args: argparse.Namespace) -> None:
+    from kvserve import LLM
+
+    llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
+    cfg = llm.engine.config.model
+    vocab = cfg.vocab_size
+    workloads = {
+        "a": fixed(args.num_prompts, 128, 128, vocab, args.workload_seed),
+        "b": variable(args.num_prompts, (32, 512), (16, 256), vocab, args.workload_seed),
+    }
+    selected = [workloads[w] for w in args.workloads]
+    hf = None if args.no_hf else load_hf(args.model, cfg.dtype)
+    kvserve_run(llm, fixed(2, 16, 4, vocab))  # warm-up
+    if hf is not None:
+        hf_generate_batch(hf, [[5] * 16, [6] * 16], 4)
+    rows = []
+    for work in selected:
+        times = [kvserve_run(llm, work) for _ in range(args.runs)]
+        ours = work.num_output_tokens / statistics.median(times)
+        row: dict[str, object] = {
+            "workload": work.name,
+            "kvserve s (median)": round(statistics.median(times), 2),
+            "kvserve out tok/s": round(ours, 1),
+            "kvserve total tok/s": round((work.num_output_tokens + work.num_prompt_tokens)
+                                         / statistics.median(times), 1),
+        }
+        if hf is not None:
+            hf_rates = {}
+            for batch in args.hf_batch_sizes:
+                hf_rates[batch] = work.num_output_tokens / hf_run(hf, work, batch)
+                print(f"  hf batch {batch}: {hf_rates[batch]:.1f} useful out tok/s", flush=True)
+            best = max(hf_rates, key=hf_rates.__getitem__)
+            row.update({"hf best batch": best, "hf out tok/s": round(hf_rates[best], 1),
+                        "ratio": round(ours / hf_rates[best], 2)})
+        rows.append(row)
+        print_table(rows[-1:])
+    print_table(rows, title=f"throughput, {args.model}, {cfg.dtype}, "
+                            f"{torch.get_num_threads()} threads")
+    save_json(args.json, {"benchmark": "throughput", "model": args.model, "rows": rows})
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from kvserve.entrypoints.cli import add_engine_args
+
+    p = sub.add_parser("throughput", help="offline throughput against HF generate")
+    add_engine_args(p)
+    p.add_argument("--workloads", nargs="+", choices=["a", "b"], default=["a", "b"],
+                   help="a: N x 128 -> 128 tokens; b: N x [32,512] -> [16,256] tokens")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--runs", type=int, default=3, help="kvserve runs; the median is reported")
+    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 32, 64])
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--json", default=None, help="write the results to this file")
+    p.set_defaults(func=run)

@@ -1,0 +1,43 @@
+"""Synthetic workloads: random token prompts with fixed or uniformly drawn lengths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def fixed(num_prompts: int, prompt_len: int, output_len: int, vocab_size: int,
+          seed: int = 0) -> Workload:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab_size, (prompt_len,), generator=gen).tolist()
+               for _ in range(num_prompts)]
+    return Workload(f"fixed {num_prompts}x{prompt_len}->{output_len}", prompts,
+                    [output_len] * num_prompts)
+
+
+def variable(num_prompts: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+             vocab_size: int, seed: int = 0) -> Workload:
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(prompt_range[0], prompt_range[1] + 1, (num_prompts,),
+                                generator=gen).tolist()
+    output_lens = torch.randint(output_range[0], output_range[1] + 1, (num_prompts,),
+                                generator=gen).tolist()
+    prompts = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in prompt_lens]
+    return Workload(f"variable {num_prompts}x[{prompt_range[0]},{prompt_range[1]}]"
+                    f"->[{output_range[0]},{output_range[1]}]", prompts, output_lens)

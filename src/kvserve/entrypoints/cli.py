@@ -1,0 +1,107 @@
+"""`kvserve ...`: the command line. Thin: parses flags, builds configs, calls the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvserve.config import GiB
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine options shared by every command that loads a model."""
+    parser.add_argument("--model", required=True, help="HF checkpoint folder")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and compute dtype (float32 is fastest on CPUs "
+                             "without AVX512-BF16/AMX)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", type=float, default=2.0,
+                        help="KV cache size in GiB (default 2)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return dict(model=args.model, dtype=args.dtype,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                kv_cache_memory=int(args.kv_cache_memory * GiB),
+                max_model_len=args.max_model_len, seed=args.seed, device=args.device)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed,
+                            stop=args.stop or [], ignore_eos=args.ignore_eos)
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        completion = out.outputs[0]
+        print(f"--- prompt: {prompt!r}")
+        print(f"{completion.text!r}  [{len(completion.token_ids)} tokens, "
+              f"finish_reason={completion.finish_reason}]")
+
+
+def _make_model(args: argparse.Namespace) -> None:
+    from kvserve.tools.make_model import make_model
+
+    path = make_model(args.preset, args.output, arch=args.arch, seed=args.seed,
+                      dtype=args.dtype, max_shard_bytes=int(args.max_shard_size * GiB),
+                      progress=True)
+    print(f"wrote {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvserve.benchmarks.cli import add_bench_parser
+    from kvserve.tools.make_model import ARCHES, PRESETS
+
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts (arguments or stdin)")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="repeat for several prompts")
+    gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=_generate)
+
+    mk = sub.add_parser("make-model", help="write a random-weight HF checkpoint")
+    mk.add_argument("preset", choices=sorted(PRESETS))
+    mk.add_argument("--output", required=True)
+    mk.add_argument("--arch", choices=sorted(ARCHES), default=None)
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    mk.add_argument("--max-shard-size", type=float, default=2.0, help="GiB per safetensors file")
+    mk.set_defaults(func=_make_model)
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Tiny random checkpoints shared by the whole test session, built by `make-model`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.tools.make_model import make_model
+
+ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
+# The tiny Mistral's window is 64 tokens, so prompts of a few hundred tokens cross it.
+SLIDING_WINDOW = 64
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    for arch in ARCHES:
+        # Qwen2 is written in several shards to exercise the sharded index.
+        dirs[arch] = make_model("tiny", root / arch, arch=arch, sliding_window=SLIDING_WINDOW,
+                                max_shard_bytes=200_000 if arch == "qwen2" else 2 << 30)
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["llama"]
+
+
+def random_prompts(lengths: list[int], vocab_size: int = 1024, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]

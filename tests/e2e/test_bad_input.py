@@ -1,0 +1,184 @@
+"""Bad input gets a ValueError naming the field and the limit; the engine keeps working."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvserve import LLM, SamplingParams
+from kvserve.errors import CheckpointError
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), max_model_len=256)
+
+
+def assert_engine_intact(llm):
+    kv = llm.engine.core.kv_cache
+    kv.check_integrity()
+    assert kv.num_used_blocks == 0
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", -0.5, "temperature must be >= 0, got -0.5"),
+    ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0.0"),
+    ("top_p", 1.5, r"top_p must be in \(0, 1\], got 1.5"),
+    ("top_k", -2, r"top_k must be -1 \(off\) or >= 1, got -2"),
+    ("top_k", 0, r"top_k must be -1 \(off\) or >= 1, got 0"),
+    ("n", 0, r"n must be in \[1, 128\], got 0"),
+    ("max_tokens", 0, "max_tokens must be >= 1, got 0"),
+    ("logprobs", 21, r"logprobs must be in \[0, 20\], got 21"),
+    ("min_p", 1.5, r"min_p must be in \[0, 1\], got 1.5"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be > 0, got 0.0"),
+    ("presence_penalty", 3.0, r"presence_penalty must be in \[-2, 2\], got 3.0"),
+    ("frequency_penalty", -3.0, r"frequency_penalty must be in \[-2, 2\], got -3.0"),
+    ("min_tokens", -1, "min_tokens must be >= 0, got -1"),
+    ("stop", [""], "stop must be non-empty strings"),
+    ("stop_token_ids", [-1], "stop_token_ids must be non-negative integers"),
+])
+def test_invalid_sampling_params(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens():
+    with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(4\), got 5"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("", r"prompts\[0\] must not be empty"),
+    ({"prompt_token_ids": []}, r"prompts\[0\].prompt_token_ids must be a non-empty list"),
+    ({"prompt_token_ids": [1, 1024]},
+     r"token id 1024 is out of the vocabulary \[0, 1024\)"),
+    ({"prompt_token_ids": [-1]}, r"token id -1 is out of the vocabulary"),
+    ({"prompt_token_ids": ["a"]}, r"token id 'a' is out of the vocabulary"),
+    ({"prompt_token_ids": [1] * 256}, r"prompts\[0\] has 256 tokens; the context limit "
+                                      r"\(max_model_len\) is 256"),
+    (3, r"prompts\[0\] must be a string or a dict with 'prompt_token_ids', got int"),
+])
+def test_invalid_prompts(llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert_engine_intact(llm)
+
+
+def test_max_tokens_beyond_context(llm):
+    with pytest.raises(ValueError, match=r"max_tokens \(250\) plus the prompt \(10 tokens\) "
+                                         r"exceeds the context limit \(max_model_len\) of 256"):
+        llm.generate({"prompt_token_ids": [3] * 10}, SamplingParams(max_tokens=250),
+                     use_tqdm=False)
+    assert_engine_intact(llm)
+
+
+def test_one_bad_prompt_in_a_batch_names_its_index_and_runs_nothing(llm):
+    good = {"prompt_token_ids": [4, 5, 6]}
+    with pytest.raises(ValueError, match=r"prompts\[2\]"):
+        llm.generate([good, good, {"prompt_token_ids": [99999]}, good],
+                     SamplingParams(max_tokens=4), use_tqdm=False)
+    assert_engine_intact(llm)
+
+
+def test_request_larger_than_the_kv_pool(llama_dir):
+    from kvserve.config import ModelConfig
+
+    block_bytes = ModelConfig.from_pretrained(llama_dir).kv_bytes_per_token * 16
+    small = LLM(str(llama_dir), kv_cache_memory=4 * block_bytes)
+    with pytest.raises(ValueError, match=r"needs 5 KV blocks but the pool \(kv_cache_memory\) "
+                                         r"holds 4"):
+        small.generate({"prompt_token_ids": [3] * 70}, SamplingParams(max_tokens=4),
+                       use_tqdm=False)
+    assert_engine_intact(small)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"dtype": "int8"}, "dtype must be auto, float32, bfloat16 or float16, got 'int8'"),
+    ({"block_size": 3}, "block_size must be a power of two in"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0"),
+    ({"max_model_len": 5000}, r"max_model_len must be <= the model's max_position_embeddings "
+                              r"\(1024\), got 5000"),
+    ({"kv_cache_memory": 100}, r"kv_cache_memory \(100 bytes\) must hold at least one block"),
+])
+def test_invalid_engine_options(llama_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(llama_dir), **kwargs)
+
+
+@pytest.fixture
+def broken_dir(llama_dir, tmp_path):
+    target = tmp_path / "broken"
+    shutil.copytree(llama_dir, target)
+    return target
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_unknown_architecture(broken_dir):
+    edit_config(broken_dir, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(CheckpointError, match=r"architecture \['GPT2LMHeadModel'\] is not "
+                                              r"supported \(supported: LlamaForCausalLM"):
+        LLM(str(broken_dir))
+
+
+def test_missing_folder_and_missing_weights(broken_dir, tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json in"):
+        LLM(str(tmp_path / "nowhere"))
+    (broken_dir / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no \*.safetensors weights"):
+        LLM(str(broken_dir))
+
+
+def test_corrupt_weights(broken_dir):
+    (broken_dir / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(CheckpointError, match="cannot read model.safetensors"):
+        LLM(str(broken_dir))
+
+
+def test_corrupt_config(broken_dir):
+    (broken_dir / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json .* is not valid JSON"):
+        LLM(str(broken_dir))
+    edit_config_text = json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64})
+    (broken_dir / "config.json").write_text(edit_config_text)
+    with pytest.raises(CheckpointError, match="field 'vocab_size' must be a positive integer"):
+        LLM(str(broken_dir))
+
+
+def test_shape_mismatch(broken_dir):
+    edit_config(broken_dir, intermediate_size=96)
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.0.mlp.down_proj.weight': "
+                                              r"expected shape \[64, 96\], got \[64, 128\]"):
+        LLM(str(broken_dir))
+
+
+def test_missing_and_unexpected_tensors(broken_dir):
+    weights = load_file(broken_dir / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, broken_dir / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"lacks tensors: layers.1.mlp.down_proj.weight"):
+        LLM(str(broken_dir))
+    weights["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 128)
+    weights["model.layers.1.mlp.extra.weight"] = torch.zeros(64)
+    save_file(weights, broken_dir / "model.safetensors")
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.1.mlp.extra"):
+        LLM(str(broken_dir))
+
+
+def test_pickle_checkpoints_are_never_loaded(broken_dir):
+    (broken_dir / "model.safetensors").rename(broken_dir / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="pickled .bin checkpoints are not loaded"):
+        LLM(str(broken_dir))

@@ -1,0 +1,31 @@
+"""The command line, run as a user would."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def kvserve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_make_model_then_generate(tmp_path):
+    folder = tmp_path / "tiny-qwen3"
+    made = kvserve("make-model", "tiny", "--arch", "qwen3", "--output", str(folder))
+    assert made.returncode == 0, made.stderr
+    assert {p.name for p in folder.iterdir()} >= {"config.json", "model.safetensors",
+                                                  "tokenizer.json", "tokenizer_config.json"}
+    run = kvserve("generate", "--model", str(folder), "--prompt", "def f(x):",
+                  "--prompt", "import os", "--max-tokens", "5", "--ignore-eos")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("--- prompt:") == 2
+    assert run.stdout.count("[5 tokens, finish_reason=length]") == 2
+
+
+def test_bad_arguments_give_a_clear_error(tmp_path):
+    run = kvserve("generate", "--model", str(tmp_path), "--prompt", "x")
+    assert run.returncode == 2
+    assert "error: model: no config.json in" in run.stderr
+    assert "Traceback" not in run.stderr

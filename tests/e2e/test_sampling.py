@@ -1,0 +1,119 @@
+"""Sampling behaviour through the offline API on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.conftest import random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), max_num_batched_tokens=64)
+
+
+def ids(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
+    target = random_prompts([20], seed=11)[0]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24,
+                            ignore_eos=True)
+    alone = tokens(llm.generate(ids([target]), params, use_tqdm=False))[0]
+    others = random_prompts([5, 90, 300, 41], seed=12)
+    mixed_params = [SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True)] * 4
+    batch = llm.generate(ids(others[:2] + [target] + others[2:]),
+                         mixed_params[:2] + [params] + mixed_params[2:], use_tqdm=False)
+    assert tokens(batch)[2] == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=24,
+                                ignore_eos=True)
+    assert tokens(llm.generate(ids([target]), other_seed, use_tqdm=False))[0] != alone
+
+
+def test_top_k_one_is_greedy(llm):
+    prompt = random_prompts([15], seed=2)
+    greedy = tokens(llm.generate(ids(prompt), SamplingParams(temperature=0, max_tokens=12,
+                                                             ignore_eos=True), use_tqdm=False))
+    top1 = tokens(llm.generate(ids(prompt), SamplingParams(temperature=1.5, top_k=1,
+                                                           max_tokens=12, ignore_eos=True),
+                               use_tqdm=False))
+    assert greedy == top1
+
+
+def test_max_tokens_and_n(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=7, ignore_eos=True)
+    out = llm.generate(ids(random_prompts([10], seed=3)), params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 7 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    prompt = ids(random_prompts([12], seed=4))
+    free = tokens(llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16,
+                                                      ignore_eos=True), use_tqdm=False))[0]
+    stop_at = free[3]
+    first = free.index(stop_at)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                              stop_token_ids=[stop_at]), use_tqdm=False)
+    completion = out[0].outputs[0]
+    assert completion.token_ids == free[:first + 1]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop_at
+    delayed = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                  stop_token_ids=[stop_at],
+                                                  min_tokens=first + 2), use_tqdm=False)
+    delayed_ids = delayed[0].outputs[0].token_ids
+    assert len(delayed_ids) >= first + 2
+    assert stop_at not in delayed_ids[:first + 2]  # banned until min_tokens are out
+
+
+def test_stop_string_is_cut_from_the_text(llm):
+    prompt = ids(random_prompts([12], seed=6))
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = free.text[len(free.text) // 2:len(free.text) // 2 + 2]
+    assert stop
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                              stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == free.text[:free.text.index(stop)]
+    assert stop not in cut.text
+
+
+def test_penalties_change_greedy_output_and_discourage_repeats(llm):
+    prompt = ids(random_prompts([8], seed=8))
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = tokens(llm.generate(prompt, base, use_tqdm=False))[0]
+    penalized = tokens(llm.generate(prompt, SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=2.0,
+        presence_penalty=2.0, repetition_penalty=2.0), use_tqdm=False))[0]
+    assert len(set(penalized)) > len(set(plain))
+
+
+def test_text_and_chat_prompts(llm):
+    out = llm.generate(["def main():", "import os"], SamplingParams(temperature=0,
+                                                                    max_tokens=5),
+                       use_tqdm=False)
+    tok = llm.get_tokenizer()
+    assert out[0].prompt == "def main():"
+    assert out[0].prompt_token_ids == tok.encode("def main():")
+    chat = llm.chat([{"role": "user", "content": "hi"}],
+                    SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert chat[0].prompt_token_ids == tok.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_detokenized_text_equals_full_decode(llm):
+    out = llm.generate(ids(random_prompts([30, 3], seed=9)),
+                       SamplingParams(temperature=1.0, seed=0, max_tokens=40, ignore_eos=True),
+                       use_tqdm=False)
+    tok = llm.get_tokenizer()
+    for o in out:
+        c = o.outputs[0]
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)

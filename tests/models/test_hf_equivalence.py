@@ -1,0 +1,103 @@
+"""Greedy tokens and logprobs equal to transformers on the same checkpoint, in float32."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import ModelConfig
+from tests.conftest import ARCHES, SLIDING_WINDOW, random_prompts
+
+PROMPT_LENS = [1, 7, 33, 120, 250]
+MAX_TOKENS = 20
+
+
+@functools.cache
+def hf_model(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@functools.cache
+def hf_greedy(path: Path, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                                      min_new_tokens=max_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def kv_bytes_for_blocks(path: Path, num_blocks: int, block_size: int = 16) -> int:
+    return ModelConfig.from_pretrained(path).kv_bytes_per_token * block_size * num_blocks
+
+
+def run_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.engine.core.kv_cache.check_integrity()
+    assert llm.engine.core.kv_cache.num_used_blocks == 0
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+SETTINGS = {
+    "default": {},
+    "small-chunks": {"max_num_batched_tokens": 16},
+    "single-token-budget": {"max_num_batched_tokens": 1},
+    "preemption": {"max_num_batched_tokens": 64, "kv_blocks": 24},
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("arch", ARCHES)
+def test_greedy_matches_transformers(model_dirs, arch, setting):
+    path = model_dirs[arch]
+    if setting == "single-token-budget" and arch != "llama":
+        pytest.skip("one architecture is enough for the slowest schedule")
+    kwargs = dict(SETTINGS[setting])
+    if "kv_blocks" in kwargs:
+        kwargs["kv_cache_memory"] = kv_bytes_for_blocks(path, kwargs.pop("kv_blocks"))
+    llm = LLM(str(path), **kwargs)
+    prompts = random_prompts(PROMPT_LENS, seed=len(setting))
+    got = run_greedy(llm, prompts)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS), f"prompt of {len(prompt)}"
+    if setting == "preemption":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def test_mistral_prompt_longer_than_sliding_window(model_dirs):
+    path = model_dirs["mistral"]
+    assert ModelConfig.from_pretrained(path).sliding_window == SLIDING_WINDOW
+    prompts = random_prompts([5 * SLIDING_WINDOW, 2 * SLIDING_WINDOW + 3], seed=7)
+    for budget in (2048, 48):
+        llm = LLM(str(path), max_num_batched_tokens=budget)
+        for prompt, tokens in zip(prompts, run_greedy(llm, prompts), strict=True):
+            assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS)
+
+
+def test_prompt_logprobs_match_transformers_log_softmax(model_dirs):
+    path = model_dirs["qwen2"]
+    llm = LLM(str(path))
+    prompts = random_prompts([9, 60], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        completion = out.outputs[0]
+        full = torch.tensor([prompt + completion.token_ids])
+        with torch.inference_mode():
+            logits = hf_model(path)(full).logits[0].float()
+        ref = torch.log_softmax(logits, dim=-1)
+        assert len(completion.logprobs) == 6
+        for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs,
+                                               strict=True)):
+            row = ref[len(prompt) - 1 + i]
+            top = torch.topk(row, 5)
+            assert list(entry)[:5] == top.indices.tolist()
+            for rank, (tid, value) in enumerate(zip(top.indices.tolist(), top.values.tolist(),
+                                                    strict=True), start=1):
+                assert entry[tid].rank == rank
+                assert abs(entry[tid].logprob - value) < 1e-4
+            assert entry[token].rank == 1  # greedy picks the top token

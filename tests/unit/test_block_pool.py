@@ -1,0 +1,73 @@
+import pytest
+
+from kvserve.core.kv_cache.block_pool import BlockPool
+from kvserve.core.kv_cache.manager import KVCacheManager
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+
+
+def make_request(request_id: str, num_prompt: int) -> Request:
+    return Request(request_id, list(range(num_prompt)), SamplingParams(), max_tokens=8)
+
+
+def test_allocate_takes_lowest_free_ids_and_free_returns_them_to_the_back():
+    pool = BlockPool(4)
+    assert pool.allocate(2) == [0, 1]
+    pool.free([1, 0])
+    assert pool.free_block_ids() == [2, 3, 1, 0]
+    assert pool.allocate(3) == [2, 3, 1]
+    assert pool.ref_counts == [0, 1, 1, 1]
+
+
+def test_allocate_more_than_free_raises():
+    pool = BlockPool(2)
+    with pytest.raises(RuntimeError, match="asked for 3 blocks with 2 free"):
+        pool.allocate(3)
+
+
+def test_double_free_is_caught():
+    pool = BlockPool(2)
+    ids = pool.allocate(1)
+    pool.free(ids)
+    with pytest.raises(AssertionError, match="freed twice"):
+        pool.free(ids)
+
+
+def test_manager_grows_tables_block_by_block():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = make_request("a", 5)
+    assert kv.allocate_slots(a, 5)
+    assert kv.get_block_ids("a") == [0, 1]
+    a.num_computed_tokens = 5
+    assert kv.allocate_slots(a, 3)  # 8 tokens still fit in two blocks
+    assert kv.get_block_ids("a") == [0, 1]
+    a.num_computed_tokens = 8
+    assert kv.allocate_slots(a, 1)
+    assert kv.get_block_ids("a") == [0, 1, 2]
+    kv.check_integrity()
+
+
+def test_manager_refuses_without_side_effects_when_full():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a, b = make_request("a", 8), make_request("b", 8)
+    assert kv.allocate_slots(a, 8)
+    assert not kv.allocate_slots(b, 8)
+    assert kv.get_block_ids("b") == []
+    assert kv.num_free_blocks == 1
+    kv.check_integrity()
+
+
+def test_free_releases_tail_first():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = make_request("a", 6)
+    kv.allocate_slots(a, 6)
+    kv.free(a)
+    assert kv.pool.free_block_ids() == [3, 2, 1, 0]
+    kv.check_integrity()
+
+
+def test_integrity_check_detects_a_leak():
+    kv = KVCacheManager(num_blocks=2, block_size=2)
+    kv.pool.allocate(1)  # referenced, but no table holds it
+    with pytest.raises(AssertionError, match="block 0: 1 references"):
+        kv.check_integrity()

@@ -1,0 +1,155 @@
+"""The scheduler on plain Python objects: exact chunks, block ids and preemption order."""
+
+from kvserve.config import SchedulerConfig
+from kvserve.core.kv_cache.manager import KVCacheManager
+from kvserve.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.scheduler.scheduler import Scheduler
+from kvserve.request import Request, RequestStatus
+from kvserve.sampling_params import SamplingParams
+
+
+def make_scheduler(num_blocks=16, block_size=4, budget=16, max_seqs=8, max_len=1024):
+    kv = KVCacheManager(num_blocks, block_size)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                             max_model_len=max_len)
+    return Scheduler(config, kv)
+
+
+def add(sched, request_id, num_prompt, max_tokens=4, **params):
+    request = Request(request_id, list(range(10, 10 + num_prompt)),
+                      SamplingParams(**params), eos_token_ids=(2,), max_tokens=max_tokens)
+    sched.add_request(request)
+    return request
+
+
+def step(sched, token=7) -> SchedulerOutput:
+    """Schedules, then pretends the model sampled `token` for every request that samples."""
+    out = sched.schedule()
+    sampled = [s.request_id for s in out.scheduled if s.sample]
+    sched.update_from_output(out, ModelRunnerOutput(sampled, [[token]] * len(sampled)))
+    return out
+
+
+def chunks(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(s.request_id, len(s.token_ids)) for s in out.scheduled]
+
+
+def test_long_prompt_is_chunked_under_the_token_budget():
+    sched = make_scheduler(budget=8)
+    add(sched, "a", 20)
+    assert chunks(step(sched)) == [("a", 8)]
+    out = step(sched)
+    assert chunks(out) == [("a", 8)]
+    assert out.scheduled[0].num_computed_tokens == 8
+    last = step(sched)
+    assert chunks(last) == [("a", 4)] and last.scheduled[0].sample
+    assert sched.requests["a"].output_token_ids == [7]
+    sched.kv_cache.check_integrity()
+
+
+def test_decodes_go_first_and_prefill_chunks_fill_the_rest():
+    sched = make_scheduler(budget=10)
+    add(sched, "a", 3)
+    step(sched)  # a: whole prompt
+    add(sched, "b", 30)
+    out = step(sched)
+    assert chunks(out) == [("a", 1), ("b", 9)]
+    out = step(sched)
+    assert chunks(out) == [("a", 1), ("b", 9)]  # the running prefill never stalls a's decode
+    assert [s.sample for s in out.scheduled] == [True, False]
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    sched = make_scheduler(max_seqs=2)
+    for name in "abc":
+        add(sched, name, 2)
+    out = step(sched)
+    assert chunks(out) == [("a", 2), ("b", 2)]
+    assert [r.request_id for r in sched.waiting] == ["c"]
+
+
+def test_block_tables_have_exact_ids():
+    sched = make_scheduler(block_size=4)
+    add(sched, "a", 6)
+    add(sched, "b", 3)
+    out = step(sched)
+    assert [s.block_ids for s in out.scheduled] == [[0, 1], [2]]
+    out = step(sched)  # b's 4th token fills its block; a's 7th needs no new block
+    assert [s.block_ids for s in out.scheduled] == [[0, 1], [2]]
+    out = step(sched)
+    assert [s.block_ids for s in out.scheduled] == [[0, 1], [2, 3]]
+
+
+def test_newest_request_is_preempted_and_resumed_first():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_seqs=4)
+    a = add(sched, "a", 7, max_tokens=6)
+    b = add(sched, "b", 7, max_tokens=6)
+    step(sched)  # a: blocks 0,1; b: blocks 2,3; each samples its 8th token
+    step(sched)  # the 8th tokens fill the blocks; each samples its 9th
+    out = step(sched)  # the 9th tokens need a third block each: only one can run
+    assert out.preempted_request_ids == ["b"]
+    assert chunks(out) == [("a", 1)]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    assert sched.kv_cache.get_block_ids("a") == [0, 1, 3]  # b freed tail first: 3, then 2
+    sched.kv_cache.check_integrity()
+    while a.status == RequestStatus.RUNNING:
+        step(sched)
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.num_output_tokens == 6
+    out = step(sched)  # b comes back and recomputes its prompt and its two sampled tokens
+    assert chunks(out) == [("b", 9)]
+    assert out.new_requests == []  # the runner kept its state across the preemption
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert b.output_token_ids == [7] * 6
+    assert sched.kv_cache.num_used_blocks == 0
+    sched.kv_cache.check_integrity()
+
+
+def test_running_request_preempts_itself_when_it_is_the_newest():
+    sched = make_scheduler(num_blocks=2, block_size=4, budget=16)
+    a = add(sched, "a", 8, max_tokens=4)
+    step(sched)
+    out = step(sched)  # a needs a third block; nobody else to evict
+    assert out.preempted_request_ids == ["a"]
+    assert a.status == RequestStatus.PREEMPTED
+    sched.kv_cache.check_integrity()
+
+
+def test_stop_conditions():
+    sched = make_scheduler()
+    eos = add(sched, "eos", 2, max_tokens=5)
+    step(sched, token=2)
+    assert eos.status == RequestStatus.FINISHED_STOPPED
+    ign = add(sched, "ign", 2, max_tokens=2, ignore_eos=True)
+    step(sched, token=2)
+    step(sched, token=2)
+    assert ign.status == RequestStatus.FINISHED_LENGTH and ign.output_token_ids == [2, 2]
+    stop_id = add(sched, "stop-id", 2, max_tokens=5, stop_token_ids=[9], min_tokens=2)
+    step(sched, token=9)  # below min_tokens: no stop
+    assert stop_id.status == RequestStatus.RUNNING
+    step(sched, token=9)
+    assert stop_id.status == RequestStatus.FINISHED_STOPPED and stop_id.stop_reason == 9
+    assert sched.kv_cache.num_used_blocks == 0
+    sched.kv_cache.check_integrity()
+
+
+def test_finished_ids_reach_the_runner_and_abort_frees_blocks():
+    sched = make_scheduler()
+    add(sched, "a", 4, max_tokens=1)
+    add(sched, "b", 4, max_tokens=10)
+    step(sched)
+    sched.finish_requests(["b", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert sched.kv_cache.num_used_blocks == 0
+    out = sched.schedule()
+    assert out.finished_request_ids == {"a", "b"}
+    assert not sched.has_unfinished_requests()
+    sched.kv_cache.check_integrity()
+
+
+def test_request_reaching_max_model_len_stops_with_length():
+    sched = make_scheduler(max_len=5)
+    r = add(sched, "a", 3, max_tokens=100)
+    step(sched)
+    step(sched)
+    assert r.status == RequestStatus.FINISHED_LENGTH and r.num_tokens == 5
