@@ -30,6 +30,6 @@ def llama_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["llama"]
 
 
-def random_prompts(lengths: list[int], vocab_size: int = 1024, seed: int = 0) -> list[list[int]]:
+def random_prompts(lengths: list[int], vocab_size: int = 3000, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]

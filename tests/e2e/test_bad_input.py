@@ -58,8 +58,8 @@ def test_min_tokens_above_max_tokens():
 @pytest.mark.parametrize("prompt, message", [
     ("", r"prompts\[0\] must not be empty"),
     ({"prompt_token_ids": []}, r"prompts\[0\].prompt_token_ids must be a non-empty list"),
-    ({"prompt_token_ids": [1, 1024]},
-     r"token id 1024 is out of the vocabulary \[0, 1024\)"),
+    ({"prompt_token_ids": [1, 3000]},
+     r"token id 3000 is out of the vocabulary \[0, 3000\)"),
     ({"prompt_token_ids": [-1]}, r"token id -1 is out of the vocabulary"),
     ({"prompt_token_ids": ["a"]}, r"token id 'a' is out of the vocabulary"),
     ({"prompt_token_ids": [1] * 256}, r"prompts\[0\] has 256 tokens; the context limit "

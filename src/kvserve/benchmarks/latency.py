@@ -33,8 +33,7 @@ def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(m.weight_t.numel() * m.weight_t.element_size()
-               for m in model.modules() if isinstance(m, Linear))
+    return sum(m.weight_bytes for m in model.modules() if isinstance(m, Linear))
 
 
 def _timed(fn) -> float:  # noqa: ANN001

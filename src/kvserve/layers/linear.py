@@ -1,14 +1,23 @@
-"""Linear layers that keep their weight transposed (`[in, out]`, contiguous).
+"""Linear layers, loaded shard by shard and then prepared for the device's fastest GEMM.
 
-On CPU, `x @ W_t` on a pre-transposed weight is up to 2x faster than `F.linear(x, W)` for
-decode-shaped inputs (8-32 rows) and equal elsewhere. Fused projections (QKV, gate+up) are one
-matrix whose column ranges are loaded from separate checkpoint tensors (`shard`s).
+While loading, the weight is kept transposed (`[in, out]`): fused projections (QKV, gate+up)
+are one matrix whose column ranges come from separate checkpoint tensors (`shard`s). After
+loading, `prepare()` picks the execution form:
+- on CPU with oneDNN, a prepacked oneDNN weight: 1.3-2.2x faster than `x @ W_t` for 1-64
+  rows on an AVX-512 machine, and never slower for prefill-sized inputs;
+- elsewhere the contiguous transposed weight itself (`x @ W_t`), which on CPU is also up to 2x
+  faster than `F.linear(x, W)` for 8-32 rows.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_reorder_linear_weight")
 
 
 class Linear(nn.Module):
@@ -18,15 +27,21 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.output_sizes = list(output_sizes)
         out = sum(output_sizes)
-        self.weight_t = nn.Parameter(torch.empty(in_features, out, dtype=dtype),
-                                     requires_grad=False)
-        self.bias = (nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False)
-                     if bias else None)
+        self.weight = torch.empty(in_features, out, dtype=dtype)
+        self.bias = torch.zeros(out, dtype=dtype) if bias else None
+        self.is_packed = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_packed:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias,
+                                                      "none", [], "")
         if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
+            return x @ self.weight
+        return torch.addmm(self.bias, x, self.weight)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
 
     def checkpoint_parts(self) -> list[tuple[str, int]]:
         """The (kind, shard) pieces a checkpoint must provide for this layer."""
@@ -34,16 +49,23 @@ class Linear(nn.Module):
         return [(kind, shard) for kind in kinds for shard in range(len(self.output_sizes))]
 
     def load(self, kind: str, shard: int, tensor: torch.Tensor) -> None:
+        """Copies a checkpoint tensor (`[out, in]` weight or `[out]` bias) into its shard."""
+        assert not self.is_packed, "load() after prepare()"
         start = sum(self.output_sizes[:shard])
         size = self.output_sizes[shard]
-        if kind == "weight":
-            expected: tuple[int, ...] = (size, self.in_features)
-            target = self.weight_t[:, start:start + size]
-            tensor_t = tensor.t() if tuple(tensor.shape) == expected else None
-        else:
-            expected = (size,)
-            target = self.bias[start:start + size] if self.bias is not None else None
-            tensor_t = tensor if tuple(tensor.shape) == expected else None
-        if target is None or tensor_t is None:
+        expected = (size, self.in_features) if kind == "weight" else (size,)
+        bias = self.bias
+        if tuple(tensor.shape) != expected or (kind == "bias" and bias is None):
             raise ValueError(f"expected shape {list(expected)}, got {list(tensor.shape)}")
-        target.copy_(tensor_t)
+        if kind == "weight":
+            self.weight[:, start:start + size].copy_(tensor.t())
+        elif bias is not None:
+            bias[start:start + size].copy_(tensor)
+
+    def prepare(self) -> None:
+        """Switches to the fastest execution form for the weight's device (see module doc)."""
+        if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 and \
+                _onednn_available():
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(
+                self.weight.t().contiguous(), None)
+            self.is_packed = True

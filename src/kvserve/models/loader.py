@@ -56,6 +56,9 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
         names = sorted(f"{n}.{k}" + (f"[shard {s}]" if s else "") for n, k, s in missing)
         raise CheckpointError(f"model: checkpoint {cfg.path!r} lacks tensors: "
                               f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
+    for module in modules.values():
+        if isinstance(module, Linear):
+            module.prepare()
     return model.eval()
 
 
