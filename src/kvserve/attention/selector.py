@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.cpu_paged import CpuPagedAttention, load_kernel
 from kvserve.attention.torch_ref import TorchPagedAttention
 
 
 def get_attention_backend(device: str) -> AttentionBackend:
-    return TorchPagedAttention()
+    kernel = load_kernel() if device == "cpu" else None
+    return CpuPagedAttention(kernel) if kernel is not None else TorchPagedAttention()

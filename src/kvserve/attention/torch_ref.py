@@ -21,12 +21,17 @@ class TorchPagedAttention(AttentionBackend):
         flat[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty(q.shape[0], q.shape[1] * head_dim, dtype=q.dtype, device=q.device)
         if meta.num_decodes:
-            out[:meta.num_decodes] = _decode(q[:meta.num_decodes], kv_cache, meta, scale)
+            out[:meta.num_decodes] = self.decode(q[:meta.num_decodes], kv_cache, meta, scale)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
             out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, block_size,
                                  meta.sliding_window, scale)
         return out
+
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """Attention of one query token per sequence over its paged context."""
+        return _decode(q, kv_cache, meta, scale)
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -17,6 +17,7 @@ from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
 from kvserve.worker.forward_context import get_attention_metadata
 
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()

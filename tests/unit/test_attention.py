@@ -1,0 +1,71 @@
+"""Attention backends against a dense reference on random paged data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.attention.backend import AttentionMetadata
+from kvserve.attention.cpu_paged import CpuPagedAttention, load_kernel
+from kvserve.attention.torch_ref import TorchPagedAttention
+
+BLOCK = 4
+
+
+def paged_case(seq_lens, num_heads=6, num_kv_heads=2, head_dim=32, window=None, seed=0):
+    """Random contexts scattered over a shuffled block pool, and dense copies of them."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // BLOCK) for n in seq_lens) + 3
+    cache = torch.randn(2, num_kv_heads, num_blocks, BLOCK, head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, dense = [], []
+    for n in seq_lens:
+        ids = [order.pop() for _ in range(-(-n // BLOCK))]
+        tables.append(ids)
+        dense.append(cache[:, :, ids].reshape(2, num_kv_heads, -1, head_dim)[:, :, :n])
+    width = max(len(t) for t in tables)
+    lens = torch.tensor(seq_lens)
+    key_pos = torch.arange(width * BLOCK)
+    visible = key_pos < lens.unsqueeze(1)
+    if window is not None:
+        visible &= key_pos >= lens.unsqueeze(1) - window
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=len(seq_lens),
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        decode_seq_lens=lens,
+        decode_bias=torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")),
+        prefills=[], sliding_window=window)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    return q, cache, meta, dense
+
+
+def dense_reference(q, dense, window, scale):
+    outs = []
+    for i, kv in enumerate(dense):
+        k, v = kv[0], kv[1]
+        if window is not None:
+            k, v = k[:, -window:], v[:, -window:]
+        group = q.shape[1] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        probs = torch.softmax((q[i].unsqueeze(1) @ k.transpose(1, 2)) * scale, dim=-1)
+        outs.append((probs @ v).reshape(-1))
+    return torch.stack(outs)
+
+
+BACKENDS = {"torch": TorchPagedAttention}
+if load_kernel() is not None:
+    BACKENDS["cpu-kernel"] = lambda: CpuPagedAttention(load_kernel())
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_matches_dense_attention(backend, window):
+    q, cache, meta, dense = paged_case([1, 3, 4, 9, 17], window=window)
+    out = BACKENDS[backend]().decode(q, cache, meta, 0.25)
+    torch.testing.assert_close(out, dense_reference(q, dense, window, 0.25), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_kernel_builds_on_this_machine():
+    """CI machines have a compiler; a silent fallback to the slow path would hide a break."""
+    assert load_kernel() is not None
