@@ -101,3 +101,46 @@ def test_prompt_logprobs_match_transformers_log_softmax(model_dirs):
                 assert entry[tid].rank == rank
                 assert abs(entry[tid].logprob - value) < 1e-4
             assert entry[token].rank == 1  # greedy picks the top token
+
+
+def test_llama3_rope_scaling_matches_transformers(model_dirs, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "llama3-rope"
+    shutil.copytree(model_dirs["llama"], path)
+    config = json.loads((path / "config.json").read_text())
+    # A short original context so the scaling changes the frequencies of a 16-dim head.
+    config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    (path / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_pretrained(path).rope_scaling["rope_type"] == "llama3"
+    prompts = random_prompts([3, 150], seed=5)
+    for prompt, tokens in zip(prompts, run_greedy(LLM(str(path)), prompts), strict=True):
+        assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_and_tracks_float32(model_dirs, dtype):
+    path = model_dirs["qwen3"]
+    llm = LLM(str(path), dtype=dtype)
+    assert llm.engine.core.runner.kv_cache.dtype == getattr(torch, dtype)
+    prompts = random_prompts([4, 40], seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=1)
+    half = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    full = LLM(str(path)).generate([{"prompt_token_ids": p} for p in prompts], params,
+                                   use_tqdm=False)
+    for h, f in zip(half, full, strict=True):
+        h_lp = h.outputs[0].logprobs[0][h.outputs[0].token_ids[0]].logprob
+        f_lp = f.outputs[0].logprobs[0][f.outputs[0].token_ids[0]].logprob
+        assert abs(h_lp - f_lp) < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_greedy_matches_transformers_on_cuda(model_dirs):
+    path = model_dirs["llama"]
+    llm = LLM(str(path), device="cuda", max_num_batched_tokens=64)
+    prompts = random_prompts(PROMPT_LENS, seed=1)
+    for prompt, tokens in zip(prompts, run_greedy(llm, prompts), strict=True):
+        assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS)

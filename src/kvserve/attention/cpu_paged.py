@@ -30,6 +30,7 @@ def load_kernel() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         source = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+        logger.info("loading the CPU attention kernel (compiled on first use, about a minute)")
         return load(name="kvserve_paged_decode", sources=[str(source)],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)

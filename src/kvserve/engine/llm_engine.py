@@ -21,7 +21,7 @@ PromptType = str | dict[str, Any]
 
 
 @dataclass
-class _Sequence:
+class CompletionState:
     """One of a request's n completions."""
 
     request: Request
@@ -30,11 +30,13 @@ class _Sequence:
 
 
 @dataclass
-class _ParentRequest:
+class ParentRequest:
+    """A caller's request: one prompt, `n` completions, each its own engine Request."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    sequences: list[_Sequence] = field(default_factory=list)
+    sequences: list[CompletionState] = field(default_factory=list)
 
     def to_output(self) -> RequestOutput:
         outputs = [s.output for s in self.sequences]
@@ -54,8 +56,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model.path)
         self.core = EngineCore(config)
-        self._parents: dict[str, _ParentRequest] = {}
-        self._child_to_parent: dict[str, tuple[_ParentRequest, _Sequence]] = {}
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_to_parent: dict[str, tuple[ParentRequest, CompletionState]] = {}
         self._ids = itertools.count()
 
     @property
@@ -111,11 +113,11 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         text, ids = self.tokenize(prompt)
         max_tokens = self.check_request(ids, params)
-        parent = _ParentRequest(request_id or self.new_request_id(), text, ids)
+        parent = ParentRequest(request_id or self.new_request_id(), text, ids)
         self.add_validated(parent, params, max_tokens)
         return parent.request_id
 
-    def add_validated(self, parent: _ParentRequest, params: SamplingParams,
+    def add_validated(self, parent: ParentRequest, params: SamplingParams,
                       max_tokens: int) -> None:
         if parent.request_id in self._parents:
             raise ValueError(f"request_id {parent.request_id!r} is already in use")
@@ -131,7 +133,7 @@ class LLMEngine:
                 eos_token_ids=self.config.model.eos_token_ids,
                 max_tokens=max_tokens,
             )
-            seq = _Sequence(request, IncrementalDetokenizer(
+            seq = CompletionState(request, IncrementalDetokenizer(
                 self.tokenizer, params.skip_special_tokens, params.stop, params.min_tokens),
                 CompletionOutput(index, "", [], logprobs=[] if params.logprobs is not None
                                  else None))
@@ -154,7 +156,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the updated state of every request that changed."""
         updated, logprobs = self.core.step()
-        touched: dict[str, _ParentRequest] = {}
+        touched: dict[str, ParentRequest] = {}
         stopped: list[str] = []
         for request, lp in zip(updated, logprobs, strict=True):
             parent, seq = self._child_to_parent[request.request_id]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from kvserve.config import GiB
@@ -96,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("kvserve").setLevel(logging.INFO)
     try:
         args.func(args)
     except ValueError as e:

@@ -8,7 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvserve.config import CacheConfig, EngineConfig, GiB, ModelConfig, SchedulerConfig
-from kvserve.engine.llm_engine import LLMEngine, PromptType, _ParentRequest
+from kvserve.engine.llm_engine import LLMEngine, ParentRequest, PromptType
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -66,15 +66,15 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _validate(self, prompts: list[PromptType], params: list[SamplingParams]
-                  ) -> list[tuple[_ParentRequest, SamplingParams, int]]:
+                  ) -> list[tuple[ParentRequest, SamplingParams, int]]:
         checked = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             text, ids = self.engine.tokenize(prompt, f"prompts[{i}]")
             max_tokens = self.engine.check_request(ids, p, f"prompts[{i}]")
-            checked.append((_ParentRequest(self.engine.new_request_id(), text, ids), p, max_tokens))
+            checked.append((ParentRequest(self.engine.new_request_id(), text, ids), p, max_tokens))
         return checked
 
-    def _run(self, checked: list[tuple[_ParentRequest, SamplingParams, int]],
+    def _run(self, checked: list[tuple[ParentRequest, SamplingParams, int]],
              use_tqdm: bool) -> list[RequestOutput]:
         for parent, p, max_tokens in checked:
             self.engine.add_validated(parent, p, max_tokens)

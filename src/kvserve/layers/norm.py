@@ -1,4 +1,8 @@
-"""RMSNorm, computed in float32 like the reference implementations."""
+"""RMSNorm, computed in float32 with the reference implementations' order of operations.
+
+Written out as four ops rather than `torch.rms_norm`, whose CPU path costs about 45 us per
+call on small rows (x10 the plain ops), which adds up to ~3 ms per batch-1 decode step.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        normed = torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)

@@ -1,4 +1,11 @@
-"""Rotary position embeddings (the rotate-half form), with linear and llama3 frequency scaling."""
+"""Rotary position embeddings as complex multiplication over interleaved pairs.
+
+Checkpoints in the HF layout rotate each head's dimension i together with i + head_dim/2
+("rotate half"). The loader reorders q/k rows per head so those partners sit side by side
+(`to_interleaved`); q.k is unchanged by applying one permutation to both, and the rotation
+becomes a single complex multiply, a quarter of the ops of rotate-half.
+Linear and llama3 frequency scaling are supported.
+"""
 
 from __future__ import annotations
 
@@ -31,25 +38,31 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return inv_freq
 
 
+def to_interleaved(tensor: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Reorders dim 0 of a per-head q/k tensor ([heads * head_dim, ...]) from rotate-half
+    order (i, i + head_dim/2) to adjacent pairs (2i, 2i + 1)."""
+    rest = tensor.shape[1:]
+    halves = tensor.reshape(-1, 2, head_dim // 2, *rest)
+    return halves.transpose(1, 2).reshape(tensor.shape)
+
+
 class RotaryEmbedding(nn.Module):
-    """Caches cos/sin for every position once; `forward` gathers them for a step's positions."""
+    """Caches e^(i * position * freq) for every position; `forward` gathers a step's."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict[str, Any] | None, dtype: torch.dtype) -> None:
+                 scaling: dict[str, Any] | None) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles),
+                             persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each position, shaped [N, 1, head_dim] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """[N, 1, head_dim / 2] complex, broadcasting over heads."""
+        return self.freqs_cis[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, head_dim] in interleaved order; computed in float32."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs_cis).flatten(-2).to(x.dtype)

@@ -6,6 +6,8 @@ cache slots through the forward context, so prefill chunks and decodes share one
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -14,8 +16,10 @@ from kvserve.config import ModelConfig
 from kvserve.layers.activation import silu_and_mul
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
-from kvserve.layers.rotary import RotaryEmbedding, apply_rotary
+from kvserve.layers.rotary import RotaryEmbedding, apply_rotary, to_interleaved
 from kvserve.worker.forward_context import get_attention_metadata
+
+_ROTATED = re.compile(r"\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
 
 
 class Attention(nn.Module):
@@ -33,17 +37,15 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_cache = torch.empty(0)  # bound by the model runner to this layer's pool
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        heads = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+        num_qk = self.num_heads + self.num_kv_heads
+        qk, v = heads[:, :num_qk], heads[:, num_qk:]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]),
+                            self.k_norm(qk[:, self.num_heads:])], dim=1)
+        qk = apply_rotary(qk, freqs_cis)  # q and k heads rotated in one op
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = self.backend.forward(q, k, v, self.kv_cache, get_attention_metadata(), self.scale)
         return self.o_proj(out)
 
@@ -67,8 +69,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), freqs_cis)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -88,15 +90,22 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, cfg.dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling, cfg.dtype)
+                                      cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [N, hidden] for a flat batch of tokens."""
         x = self.embed_tokens[input_ids]
-        cos, sin = self.rotary(positions)
+        freqs_cis = self.rotary(positions)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, freqs_cis)
         return self.norm(x)
+
+    def adapt_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Puts q/k rows in the interleaved order the rotary embedding expects (a tensor of the
+        wrong shape passes unchanged, for the loader to report)."""
+        if _ROTATED.search(name) and tensor.shape[0] % self.cfg.head_dim == 0:
+            return to_interleaved(tensor, self.cfg.head_dim)
+        return tensor
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -38,6 +38,7 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
             raise CheckpointError(f"model: unexpected tensor {hf_name!r} in the checkpoint")
         name, kind, shard = target
         tensor = tensor.to(device=device, dtype=cfg.dtype)
+        tensor = model.adapt_checkpoint_tensor(hf_name, tensor)
         try:
             if name == "embed_tokens":
                 _copy_exact(model.embed_tokens, tensor)

@@ -1,0 +1,26 @@
+import hashlib
+import json
+
+from kvserve.tools.make_model import make_model
+
+
+def digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_same_seed_same_files_other_seed_other_weights(tmp_path):
+    a = digest(make_model("tiny", tmp_path / "a", seed=3))
+    b = digest(make_model("tiny", tmp_path / "b", seed=3))
+    c = digest(make_model("tiny", tmp_path / "c", seed=4))
+    assert a == b
+    assert a["model.safetensors"] != c["model.safetensors"]
+    assert a["tokenizer.json"] == c["tokenizer.json"]
+
+
+def test_sharded_checkpoint_has_a_complete_index(tmp_path):
+    folder = make_model("tiny", tmp_path / "s", arch="qwen2", max_shard_bytes=100_000)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
+    assert "model.layers.1.self_attn.q_proj.bias" in index["weight_map"]
+    assert not (folder / "model.safetensors").exists()
