@@ -27,8 +27,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         result = self.runner.execute_model(sched)
         updated = self.scheduler.update_from_output(sched, result)
-        by_id = dict(zip(result.request_ids, result.logprobs or [None] * len(result.request_ids),
-                         strict=True))
+        by_id = dict(zip(result.request_ids, result.logprobs, strict=True))
         if not self.scheduler.has_unfinished_requests():
             self.kv_cache.check_integrity()
         return updated, [by_id[r.request_id] for r in updated]
