@@ -24,16 +24,10 @@ def paged_case(seq_lens, num_heads=6, num_kv_heads=2, head_dim=32, window=None, 
         tables.append(ids)
         dense.append(cache[:, :, ids].reshape(2, num_kv_heads, -1, head_dim)[:, :, :n])
     width = max(len(t) for t in tables)
-    lens = torch.tensor(seq_lens)
-    key_pos = torch.arange(width * BLOCK)
-    visible = key_pos < lens.unsqueeze(1)
-    if window is not None:
-        visible &= key_pos >= lens.unsqueeze(1) - window
     meta = AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=len(seq_lens),
         decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        decode_seq_lens=lens,
-        decode_bias=torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")),
+        decode_seq_lens=torch.tensor(seq_lens),
         prefills=[], sliding_window=window)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
     return q, cache, meta, dense

@@ -32,7 +32,6 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
     decode_seq_lens: torch.Tensor  # [num_decodes] context length including the new token
-    decode_bias: torch.Tensor  # [num_decodes, max_blocks * block_size], 0 or -inf
     prefills: list[PrefillChunk]
     sliding_window: int | None
 

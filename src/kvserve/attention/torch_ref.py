@@ -44,11 +44,23 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
     values = kv_cache[1][:, meta.decode_block_tables].view(num_kv_heads * batch, -1, head_dim)
     queries = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
     queries = queries.reshape(num_kv_heads * batch, group, head_dim)
-    bias = meta.decode_bias.unsqueeze(1).repeat(num_kv_heads, 1, 1)
+    bias = _decode_bias(meta, keys.shape[1], q.dtype).unsqueeze(1).repeat(num_kv_heads, 1, 1)
     scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale)
     probs = torch.softmax(scores, dim=-1)
     out = torch.bmm(probs, values).view(num_kv_heads, batch, group, head_dim)
     return out.transpose(0, 1).reshape(batch, num_heads * head_dim)
+
+
+def _decode_bias(meta: AttentionMetadata, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """[num_decodes, width] additive mask: 0 for each sequence's visible keys, -inf for the
+    block-table padding and for keys outside the sliding window."""
+    lens = meta.decode_seq_lens.unsqueeze(1)
+    key_pos = torch.arange(width, device=lens.device)
+    visible = key_pos < lens
+    if meta.sliding_window is not None:
+        visible &= key_pos >= lens - meta.sliding_window
+    bias = torch.zeros(visible.shape, dtype=dtype, device=lens.device)
+    return bias.masked_fill_(~visible, float("-inf"))
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -60,14 +60,14 @@ def run(args: argparse.Namespace) -> None:
     nbytes = weight_bytes(llm.engine.core.runner.model)
     floor = nbytes / bandwidth
     read_floor = nbytes / read_bandwidth
-    rows: list[dict[str, object]] = [{
-        "engine": "kvserve",
-        "TTFT ms": round(statistics.median(ttft) * 1e3, 1),
-        "TPOT ms": round(tpot * 1e3, 2),
-        "decode tok/s": round(1 / tpot, 1),
-        "TPOT / floor": round(tpot / floor, 2),
-        "TPOT / read floor": round(tpot / read_floor, 2),
-    }]
+
+    def row(engine: str, ttft_s: float, tpot_s: float) -> dict[str, object]:
+        return {"engine": engine, "TTFT ms": round(ttft_s * 1e3, 1),
+                "TPOT ms": round(tpot_s * 1e3, 2), "decode tok/s": round(1 / tpot_s, 1),
+                "TPOT / floor": round(tpot_s / floor, 2),
+                "TPOT / read floor": round(tpot_s / read_floor, 2)}
+
+    rows = [row("kvserve", statistics.median(ttft), tpot)]
     if not args.no_hf:
         hf = load_hf(args.model, cfg.dtype)
         ids = torch.tensor([prompt])
@@ -80,10 +80,7 @@ def run(args: argparse.Namespace) -> None:
         hf_ttft = statistics.median(theirs(1) for _ in range(args.runs))
         hf_full = statistics.median(theirs(args.output_len) for _ in range(args.runs))
         hf_tpot = (hf_full - hf_ttft) / (args.output_len - 1)
-        rows.append({"engine": "transformers", "TTFT ms": round(hf_ttft * 1e3, 1),
-                     "TPOT ms": round(hf_tpot * 1e3, 2), "decode tok/s": round(1 / hf_tpot, 1),
-                     "TPOT / floor": round(hf_tpot / floor, 2),
-                     "TPOT / read floor": round(hf_tpot / read_floor, 2)})
+        rows.append(row("transformers", hf_ttft, hf_tpot))
     rows.append({"engine": "copy-bandwidth floor", "TPOT ms": round(floor * 1e3, 2),
                  "decode tok/s": round(1 / floor, 1), "TPOT / floor": 1.0})
     rows.append({"engine": "read-bandwidth floor", "TPOT ms": round(read_floor * 1e3, 2),

@@ -24,7 +24,7 @@ class ModelInputs:
 
 
 def build_inputs(scheduled: list[ScheduledRequest], block_size: int,
-                 sliding_window: int | None, dtype: torch.dtype, device: str) -> ModelInputs:
+                 sliding_window: int | None, device: str) -> ModelInputs:
     decodes = [s for s in scheduled if len(s.token_ids) == 1]
     chunks = [s for s in scheduled if len(s.token_ids) > 1]
     input_ids: list[int] = []
@@ -48,14 +48,12 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int,
         if s.sample:
             sample_rows.append(row + num - 1)
             sample_requests.append(s)
-    block_tables, seq_lens, bias = _decode_tables(decodes, block_size, sliding_window, dtype,
-                                                  device)
+    block_tables, seq_lens = _decode_tables(decodes, block_size, device)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         num_decodes=len(decodes),
         decode_block_tables=block_tables,
         decode_seq_lens=seq_lens,
-        decode_bias=bias,
         prefills=prefills,
         sliding_window=sliding_window,
     )
@@ -68,23 +66,11 @@ def build_inputs(scheduled: list[ScheduledRequest], block_size: int,
     )
 
 
-def _decode_tables(decodes: list[ScheduledRequest], block_size: int,
-                   sliding_window: int | None, dtype: torch.dtype, device: str
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block tables padded with block 0, context lengths, and an additive mask hiding the
-    padding (and keys outside the sliding window)."""
-    if not decodes:
-        return (torch.empty(0, 0, dtype=torch.long, device=device),
-                torch.empty(0, dtype=torch.long, device=device),
-                torch.empty(0, 0, dtype=dtype, device=device))
+def _decode_tables(decodes: list[ScheduledRequest], block_size: int, device: str
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables padded with block 0, and each sequence's context length."""
     seq_lens = [s.num_computed_tokens + 1 for s in decodes]
-    width = -(-max(seq_lens) // block_size)
+    width = -(-max(seq_lens, default=0) // block_size)
     tables = [s.block_ids[:width] + [0] * (width - len(s.block_ids[:width])) for s in decodes]
-    key_pos = torch.arange(width * block_size, device=device)
-    lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
-    visible = key_pos < lens.unsqueeze(1)
-    if sliding_window is not None:
-        visible &= key_pos >= lens.unsqueeze(1) - sliding_window
-    bias = torch.zeros(visible.shape, dtype=dtype, device=device)
-    bias.masked_fill_(~visible, float("-inf"))
-    return torch.tensor(tables, dtype=torch.long, device=device), lens, bias
+    return (torch.tensor(tables, dtype=torch.long, device=device).view(len(decodes), width),
+            torch.tensor(seq_lens, dtype=torch.long, device=device))

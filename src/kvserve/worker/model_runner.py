@@ -45,7 +45,7 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput([], [])
         inputs = build_inputs(sched.scheduled, self.block_size, self.config.model.sliding_window,
-                              self.config.model.dtype, self.device)
+                              self.device)
         with forward_context(inputs.attn_metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
         if not inputs.sample_requests:
