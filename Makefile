@@ -1,9 +1,12 @@
-# Two entry points: `make run` (install, build a demo checkpoint, generate) and `make test`.
+# Two entry points: `make run` (install, build a demo checkpoint, serve it over HTTP) and
+# `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL ?= checkpoints/smollm2-135m
 PRESET ?= smollm2-135m
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
 .PHONY: install install-test run test lint bench clean
 
@@ -23,11 +26,7 @@ $(MODEL)/config.json: | install
 	$(BIN)/kvserve make-model $(PRESET) --output $(MODEL)
 
 run: install $(MODEL)/config.json
-	$(BIN)/kvserve generate --model $(MODEL) --max-tokens 32 \
-		--prompt "def fibonacci(n):" \
-		--prompt "import os" \
-		--prompt "class Request:" \
-		--prompt "The quick brown fox"
+	$(BIN)/kvserve serve $(MODEL) --served-model-name $(PRESET) --host $(HOST) --port $(PORT)
 
 test: install-test
 	$(BIN)/ruff check src tests

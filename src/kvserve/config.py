@@ -22,6 +22,8 @@ _DTYPES = {
 }
 
 GiB = 1 << 30
+DEFAULT_MAX_WAITING_REQUESTS = 1024  # server: queued requests beyond this get 503
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # server: larger request bodies get 413
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
 
@@ -190,6 +192,22 @@ class EngineConfig:
                 raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
                                  f"({limit}), got {self.scheduler.max_model_len}")
             self.scheduler.max_model_len = limit
+
+    @classmethod
+    def create(cls, model: str, dtype: str = "auto", max_num_batched_tokens: int = 2048,
+               max_num_seqs: int = 128, block_size: int = 16,
+               kv_cache_memory: int = 2 * GiB, max_model_len: int | None = None,
+               seed: int = 0, device: str = "cpu") -> EngineConfig:
+        """The engine options of the offline and server APIs, with their defaults."""
+        return cls(
+            model=ModelConfig.from_pretrained(model, dtype),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                      max_num_seqs=max_num_seqs,
+                                      max_model_len=max_model_len or 0),
+            seed=seed,
+            device=device,
+        )
 
     @property
     def num_kv_blocks(self) -> int:

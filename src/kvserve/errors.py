@@ -3,3 +3,7 @@
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded (missing, corrupt or unsupported)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is at its bound (`max_waiting_requests`); retry later."""

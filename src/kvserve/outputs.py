@@ -37,3 +37,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    first_scheduled_time: float | None = None  # time.monotonic() of first admission

@@ -52,6 +52,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_tokens: int = 16
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # when first admitted to the running batch
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

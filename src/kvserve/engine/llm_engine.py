@@ -40,8 +40,11 @@ class ParentRequest:
 
     def to_output(self) -> RequestOutput:
         outputs = [s.output for s in self.sequences]
+        scheduled = [s.request.scheduled_time for s in self.sequences]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             finished=all(o.finished for o in outputs))
+                             finished=all(o.finished for o in outputs),
+                             first_scheduled_time=min((t for t in scheduled if t is not None),
+                                                      default=None))
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -87,6 +90,22 @@ class LLMEngine:
         raise ValueError(f"{field_name} must be a string or a dict with 'prompt_token_ids', "
                          f"got {type(prompt).__name__}")
 
+    def apply_chat_template(self, conversation: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            field_name: str = "messages") -> list[int]:
+        """The token ids of a conversation rendered by the checkpoint's chat template."""
+        if not conversation:
+            raise ValueError(f"{field_name} must not be empty")
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"{field_name}: the model has no chat template")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                return_dict=False)
+        except Exception as e:  # noqa: BLE001 (template errors surface as the caller's error)
+            raise ValueError(f"{field_name}: the chat template rejected it: {e}") from None
+        return list(ids)
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       field_name: str = "prompt") -> int:
         """Validates the request against the context and the KV pool; returns max_tokens."""
@@ -109,11 +128,18 @@ class LLMEngine:
                              f"(kv_cache_memory) holds {kv.pool.num_blocks}")
         return max_tokens
 
+    def prepare_request(self, prompt: PromptType, params: SamplingParams,
+                        request_id: str | None = None, field_name: str = "prompt"
+                        ) -> tuple[ParentRequest, int]:
+        """Tokenizes and validates a prompt; returns it with its max_tokens, ready for
+        `add_validated`. Raises ValueError naming `field_name` and the broken limit."""
+        text, ids = self.tokenize(prompt, field_name)
+        max_tokens = self.check_request(ids, params, field_name)
+        return ParentRequest(request_id or self.new_request_id(), text, ids), max_tokens
+
     def add_request(self, prompt: PromptType, params: SamplingParams,
                     request_id: str | None = None) -> str:
-        text, ids = self.tokenize(prompt)
-        max_tokens = self.check_request(ids, params)
-        parent = ParentRequest(request_id or self.new_request_id(), text, ids)
+        parent, max_tokens = self.prepare_request(prompt, params, request_id)
         self.add_validated(parent, params, max_tokens)
         return parent.request_id
 

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from kvserve.config import GiB
+from kvserve.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS, GiB
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
     """The engine options shared by every command that loads a model."""
-    parser.add_argument("--model", required=True, help="HF checkpoint folder")
+    if model_positional:
+        parser.add_argument("model", help="HF checkpoint folder")
+    else:
+        parser.add_argument("--model", required=True, help="HF checkpoint folder")
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and compute dtype (float32 is fastest on CPUs "
@@ -53,6 +57,18 @@ def _generate(args: argparse.Namespace) -> None:
               f"finish_reason={completion.finish_reason}]")
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from kvserve.entrypoints.async_llm import AsyncLLM
+    from kvserve.entrypoints.openai.server import ServerConfig, serve
+
+    name = args.served_model_name or args.model
+    llm = AsyncLLM(**engine_kwargs(args), model_name=name,  # type: ignore[arg-type]
+                   max_waiting_requests=args.max_waiting_requests)
+    config = ServerConfig(model_name=name, api_key=args.api_key or None,
+                          max_request_bytes=args.max_request_bytes)
+    serve(llm, config, args.host, args.port)
+
+
 def _make_model(args: argparse.Namespace) -> None:
     from kvserve.tools.make_model import make_model
 
@@ -81,6 +97,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_args(srv, model_positional=True)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on /v1 routes "
+                          "(default: $KVSERVE_API_KEY)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients use (default: the model path)")
+    srv.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                     help="beyond this many queued requests, answer 503 with Retry-After")
+    srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                     help="larger request bodies get 413")
+    srv.set_defaults(func=_serve)
 
     mk = sub.add_parser("make-model", help="write a random-weight HF checkpoint")
     mk.add_argument("preset", choices=sorted(PRESETS))

@@ -7,27 +7,18 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvserve.config import CacheConfig, EngineConfig, GiB, ModelConfig, SchedulerConfig
+from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine, ParentRequest, PromptType
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, dtype: str = "auto", max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 128, block_size: int = 16,
-                 kv_cache_memory: int = 2 * GiB, max_model_len: int | None = None,
-                 seed: int = 0, device: str = "cpu") -> None:
-        config = EngineConfig(
-            model=ModelConfig.from_pretrained(model, dtype),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
-            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                      max_num_seqs=max_num_seqs,
-                                      max_model_len=max_model_len or 0),
-            seed=seed,
-            device=device,
-        )
-        self.engine = LLMEngine(config)
+    """Takes the engine options of `EngineConfig.create` (model, dtype, max_num_batched_tokens,
+    max_num_seqs, block_size, kv_cache_memory, max_model_len, seed, device)."""
+
+    def __init__(self, model: str, **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -57,21 +48,17 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts: list[PromptType] = []
         for i, conversation in enumerate(conversations):
-            if not conversation:
-                raise ValueError(f"messages[{i}] must not be empty")
-            ids = self.engine.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
-                return_dict=False)
-            prompts.append({"prompt_token_ids": list(ids)})
+            ids = self.engine.apply_chat_template(conversation, add_generation_prompt,
+                                                  f"messages[{i}]")
+            prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _validate(self, prompts: list[PromptType], params: list[SamplingParams]
                   ) -> list[tuple[ParentRequest, SamplingParams, int]]:
         checked = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            text, ids = self.engine.tokenize(prompt, f"prompts[{i}]")
-            max_tokens = self.engine.check_request(ids, p, f"prompts[{i}]")
-            checked.append((ParentRequest(self.engine.new_request_id(), text, ids), p, max_tokens))
+            parent, max_tokens = self.engine.prepare_request(prompt, p, field_name=f"prompts[{i}]")
+            checked.append((parent, p, max_tokens))
         return checked
 
     def _run(self, checked: list[tuple[ParentRequest, SamplingParams, int]],

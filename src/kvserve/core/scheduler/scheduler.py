@@ -8,6 +8,7 @@ blocks are freed and it waits at the front of the queue to be prefilled again.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -77,6 +78,8 @@ class Scheduler:
             self.running.append(request)
             if request.request_id not in self._started_ids:
                 self._started_ids.add(request.request_id)
+                if request.scheduled_time is None:
+                    request.scheduled_time = time.monotonic()
                 out.new_requests.append(NewRequestData(
                     request.request_id, request.prompt_token_ids, request.sampling_params,
                     request.eos_token_ids))

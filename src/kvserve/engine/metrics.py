@@ -1,0 +1,111 @@
+"""Engine metrics in Prometheus form: request latencies, token counts, queue and KV usage.
+
+Fed by the serving loop after every step, from the engine's own thread; `prometheus_client`
+metrics are thread-safe, so `/metrics` reads them from the HTTP thread at any time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                    80.0, 160.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """Monotonic timestamps of one caller request, for its latency histograms."""
+
+    arrival: float
+    num_completions: int
+    first_token: float | None = None
+    num_output_tokens: int = 0
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"labelnames": ["model_name"], "registry": self.registry}
+        self._model = model_name
+        self.finished = Counter("kvserve_requests_finished",
+                                "Finished sequences (one per completion) by reason",
+                                labelnames=["model_name", "finish_reason"],
+                                registry=self.registry)
+        self.ttft = Histogram("kvserve_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, **labels)
+        self.tpot = Histogram("kvserve_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request",
+                              buckets=_TPOT_BUCKETS, **labels)
+        self.e2e = Histogram("kvserve_e2e_request_latency_seconds", "Arrival to last token",
+                             buckets=_LATENCY_BUCKETS, **labels)
+        self.queue_time = Histogram("kvserve_request_queue_time_seconds",
+                                    "Arrival to first scheduled step",
+                                    buckets=_LATENCY_BUCKETS, **labels)
+        self.running = Gauge("kvserve_num_requests_running", "Sequences in the running batch",
+                             **labels)
+        self.waiting = Gauge("kvserve_num_requests_waiting", "Sequences waiting to be scheduled",
+                             **labels)
+        self.kv_used = Gauge("kvserve_kv_blocks_used", "KV cache blocks in use", **labels)
+        self.kv_total = Gauge("kvserve_kv_blocks_total", "KV cache blocks in the pool", **labels)
+        self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prefilled prompt tokens",
+                                     **labels)
+        self.generation_tokens = Counter("kvserve_generation_tokens", "Generated tokens",
+                                         **labels)
+        self.preemptions = Counter("kvserve_preemptions", "Sequences preempted", **labels)
+        self._times: dict[str, RequestTimes] = {}
+        self._num_preemptions = 0
+
+    def on_arrival(self, request_id: str, arrival: float, num_completions: int) -> None:
+        self._times[request_id] = RequestTimes(arrival, num_completions)
+
+    def on_abort(self, request_id: str) -> None:
+        times = self._times.pop(request_id, None)
+        if times is not None:
+            self.finished.labels(self._model, "abort").inc(times.num_completions)
+
+    def on_step(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            times = self._times.get(out.request_id)
+            if times is None:
+                continue
+            num_tokens = sum(len(o.token_ids) for o in out.outputs)
+            self.generation_tokens.labels(self._model).inc(num_tokens - times.num_output_tokens)
+            times.num_output_tokens = num_tokens
+            if times.first_token is None and num_tokens:
+                times.first_token = now
+                self.ttft.labels(self._model).observe(now - times.arrival)
+                self.prompt_tokens.labels(self._model).inc(len(out.prompt_token_ids))
+                if out.first_scheduled_time is not None:
+                    self.queue_time.labels(self._model).observe(
+                        out.first_scheduled_time - times.arrival)
+            if out.finished:
+                del self._times[out.request_id]
+                self._observe_finished(out, times, now)
+        preemptions = engine.core.scheduler.num_preemptions
+        self.preemptions.labels(self._model).inc(preemptions - self._num_preemptions)
+        self._num_preemptions = preemptions
+        self.observe_state(engine)
+
+    def _observe_finished(self, out: RequestOutput, times: RequestTimes, now: float) -> None:
+        self.e2e.labels(self._model).observe(now - times.arrival)
+        longest = max(len(o.token_ids) for o in out.outputs)
+        if times.first_token is not None and longest > 1:
+            self.tpot.labels(self._model).observe((now - times.first_token) / (longest - 1))
+        for completion in out.outputs:
+            self.finished.labels(self._model, completion.finish_reason or "abort").inc()
+
+    def observe_state(self, engine: LLMEngine) -> None:
+        """Sets the queue and KV gauges; called after each step and at each scrape."""
+        scheduler, kv = engine.core.scheduler, engine.core.kv_cache
+        self.running.labels(self._model).set(len(scheduler.running))
+        self.waiting.labels(self._model).set(len(scheduler.waiting))
+        self.kv_used.labels(self._model).set(kv.num_used_blocks)
+        self.kv_total.labels(self._model).set(kv.pool.num_blocks)

@@ -1,0 +1,196 @@
+"""`AsyncLLM`: the engine stepping in a background thread, results fanned out to asyncio streams.
+
+The event loop only validates requests and forwards commands; every model step runs on the
+engine thread (torch releases the GIL inside its kernels), so a saturated engine does not
+stall the HTTP server. Commands (add, abort) cross over through a queue and are applied
+between steps, so an abort takes effect before the next step and frees its KV blocks there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import Any
+
+from kvserve.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
+from kvserve.engine.llm_engine import LLMEngine, ParentRequest, PromptType
+from kvserve.engine.metrics import EngineMetrics
+from kvserve.errors import EngineOverloadedError
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of its cumulative state after every
+    step it advances in; the last has `finished=True`. `close()` before the end aborts it."""
+
+    def __init__(self, request_id: str, llm: AsyncLLM) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._llm = llm
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Thread-safe: hands an item over to the stream's event loop."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self.finished = item.finished
+        if self.finished:
+            self._llm.forget(self.request_id)
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._llm.forget(self.request_id)
+            self._llm.abort(self.request_id)
+
+
+class AsyncLLM:
+    """Takes `EngineConfig.create`'s options plus `max_waiting_requests` and `model_name`."""
+
+    def __init__(self, model: str, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+                 model_name: str | None = None, **engine_options: Any) -> None:
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = EngineMetrics(model_name or model)
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        # Requests handed to the engine thread, and those it has added: each counter is
+        # written by one thread only, so their difference needs no lock.
+        self._num_submitted = 0
+        self._num_added = 0
+        self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        return (len(self.engine.core.scheduler.waiting)
+                + self._num_submitted - self._num_added)
+
+    def add_requests(self, prompts: list[PromptType], params: SamplingParams
+                     ) -> list[RequestStream]:
+        """Validates every prompt, then queues them all; one stream per prompt. Raises
+        ValueError naming the field (`prompt[i]` for lists) or EngineOverloadedError when the
+        waiting queue is full, before anything is queued."""
+        many = len(prompts) > 1
+        prepared = [self.engine.prepare_request(p, params, field_name=f"prompt[{i}]" if many
+                                                else "prompt")
+                    for i, p in enumerate(prompts)]
+        if self.num_waiting + len(prepared) > self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the waiting queue is full (max_waiting_requests={self.max_waiting_requests});"
+                " retry later")
+        streams = []
+        for parent, max_tokens in prepared:
+            stream = RequestStream(parent.request_id, self)
+            self._streams[parent.request_id] = stream
+            self._submit(stream, parent, params, max_tokens)
+            streams.append(stream)
+        return streams
+
+    async def generate(self, prompt: PromptType, params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        stream = self.add_requests([prompt], params)[0]
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def _submit(self, stream: RequestStream, parent: ParentRequest, params: SamplingParams,
+                max_tokens: int) -> None:
+        self._num_submitted += 1
+        arrival = time.monotonic()
+
+        def add() -> None:
+            self._num_added += 1
+            try:
+                self.engine.add_validated(parent, params, max_tokens)
+            except ValueError as e:
+                stream.put(e)
+                return
+            self.metrics.on_arrival(parent.request_id, arrival, params.n)
+
+        self._commands.put(add)
+
+    def forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request before the next step and returns its KV blocks to the pool."""
+        def abort() -> None:
+            self.engine.abort_request(request_id)
+            self.metrics.on_abort(request_id)
+
+        self._commands.put(abort)
+
+    def shutdown(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            if not self._apply_commands(block=not self.engine.has_unfinished_requests()):
+                return
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # noqa: BLE001 (fail the batch, keep serving new requests)
+                logger.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(e)
+                continue
+            self.metrics.on_step(self.engine, outputs)
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(_snapshot(out))
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Runs queued commands (waiting for one if `block`); False once shut down."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while command is not None:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            self.metrics.on_abort(request_id)
+            stream.put(RuntimeError(f"the engine failed while running this request: {error}"))
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the engine thread will not mutate further."""
+    return replace(out, outputs=[
+        replace(o, token_ids=list(o.token_ids),
+                logprobs=None if o.logprobs is None else list(o.logprobs))
+        for o in out.outputs])

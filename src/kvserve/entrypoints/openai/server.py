@@ -1,0 +1,244 @@
+"""`kvserve serve`: an OpenAI-compatible HTTP server over `AsyncLLM` (FastAPI + uvicorn).
+
+Every error a client can cause is answered in OpenAI's error JSON with a 4xx/503 status;
+a client that disconnects has its request aborted before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import kvserve
+from kvserve.config import DEFAULT_MAX_REQUEST_BYTES
+from kvserve.entrypoints.async_llm import AsyncLLM
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+)
+from kvserve.entrypoints.openai.serving import now
+from kvserve.entrypoints.openai.serving_chat import ChatServer
+from kvserve.entrypoints.openai.serving_completions import CompletionServer
+from kvserve.errors import EngineOverloadedError
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorInfo(message=str(self), type=self.kind,
+                                             param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param)
+
+
+class BodySizeLimit:
+    """Answers 413 to request bodies over the limit, declared or streamed in chunks."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        if declared is not None:
+            await self.app(scope, receive, send)
+            return
+        buffered: list[Message] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                await self._reject(scope, receive, send)
+                return
+
+        async def replay() -> Message:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(413, f"the request body exceeds the limit of {self.max_bytes} bytes",
+                         "invalid_request_error", code="request_too_large")
+        await error.response()(scope, receive, send)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Runs `work`, cancelling it (which aborts its engine requests) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return None if task.cancelled() else task.result()
+
+
+async def _until_disconnected(request: Request, events: AsyncIterator[str]
+                              ) -> AsyncIterator[str]:
+    """Relays server-sent events, stopping (and aborting) at the first step after the client
+    has gone."""
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        async for event in events:
+            if watcher.done():
+                break
+            yield event
+    finally:
+        watcher.cancel()
+        await events.aclose()  # type: ignore[attr-defined]
+
+
+def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="kvserve", version=kvserve.__version__)
+    completions = CompletionServer(llm, config.model_name)
+    chat = ChatServer(llm, config.model_name)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        if first.get("type") == "json_invalid":
+            return invalid(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+                           ).response()
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        return invalid(f"{param or 'body'}: {first.get('msg')}", param).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+        message = str(e.detail)
+        if e.status_code == 400:  # raised by FastAPI for bodies it cannot decode
+            message = f"the body is not valid JSON in UTF-8: {message}"
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return APIError(e.status_code, message, kind, headers=e.headers).response()
+
+    @app.exception_handler(ValueError)
+    async def value_error(_: Request, e: ValueError) -> JSONResponse:
+        message = str(e)
+        return invalid(message, message.split(" ", 1)[0].rstrip(":") or None).response()
+
+    @app.exception_handler(EngineOverloadedError)
+    async def overloaded(_: Request, e: EngineOverloadedError) -> JSONResponse:
+        return APIError(503, str(e), "server_overloaded", code="overloaded",
+                        headers={"Retry-After": str(RETRY_AFTER_SECONDS)}).response()
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next: Any) -> Response:
+        if config.api_key and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            if not secrets.compare_digest(header.encode(), f"Bearer {config.api_key}".encode()):
+                return APIError(401, "a valid API key is required (Authorization: Bearer ...)",
+                                "authentication_error", code="invalid_api_key").response()
+        return await call_next(request)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != config.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves "
+                                f"{config.model_name!r}", "invalid_request_error", "model",
+                           "model_not_found")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": kvserve.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        llm.metrics.observe_state(llm.engine)
+        return Response(generate_latest(llm.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": config.model_name, "object": "model", "created": now(), "owned_by": "kvserve",
+            "max_model_len": llm.engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        if body.stream:
+            return StreamingResponse(_until_disconnected(request, completions.stream(body)),
+                                     media_type="text/event-stream")
+        return await _unless_disconnected(request, completions.full(body))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        if body.stream:
+            return StreamingResponse(_until_disconnected(request, chat.stream(body)),
+                                     media_type="text/event-stream")
+        return await _unless_disconnected(request, chat.full(body))
+
+    return app
+
+
+def serve(llm: AsyncLLM, config: ServerConfig, host: str, port: int) -> None:
+    import uvicorn
+
+    url = f"http://{host}:{port}"
+    auth = ' -H "Authorization: Bearer $KVSERVE_API_KEY"' if config.api_key else ""
+    print(f"kvserve: serving {config.model_name!r} at {url}/v1\n"
+          f"try:  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+          f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": \"def fibonacci(n):\", "
+          f"\"max_tokens\": 32}}'", flush=True)
+    try:
+        uvicorn.run(build_app(llm, config), host=host, port=port, log_level="info")
+    finally:
+        llm.shutdown()

@@ -1,0 +1,125 @@
+"""What /v1/completions and /v1/chat/completions share: running several request streams as
+one, the text each streamed chunk may carry, usage, and server-sent-event framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.entrypoints.async_llm import RequestStream
+from kvserve.outputs import CompletionOutput, RequestOutput
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def finish_reason(completion: CompletionOutput) -> str | None:
+    return completion.finish_reason if completion.finish_reason != "abort" else None
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves several request streams as (prompt index, output) pairs, in arrival order.
+
+    Closing the iterator (client gone) closes every stream, which aborts what is unfinished.
+    """
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except Exception as e:  # noqa: BLE001 (handed to the consumer below)
+            queue.put_nowait((index, e))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final output of every stream, in the streams' order."""
+    final: dict[int, RequestOutput] = {}
+    async with aclosing(merge(streams)) as outputs:
+        async for index, out in outputs:
+            final[index] = out
+    return [final[i] for i in range(len(streams))]
+
+
+@dataclass
+class DeltaTracker:
+    """How much of each completion's text and tokens a stream has sent already.
+
+    While a completion runs, text that could still turn out to begin a stop string is held
+    back (`hold` characters), because the engine cuts a matched stop string from the text.
+    """
+
+    hold: int
+    text_sent: dict[tuple[int, int], int] = field(default_factory=dict)
+    tokens_sent: dict[tuple[int, int], int] = field(default_factory=dict)
+    finished: set[tuple[int, int]] = field(default_factory=set)
+
+    def delta(self, prompt_index: int, completion: CompletionOutput
+              ) -> tuple[str, int, int] | None:
+        """(new text, first new token index, end token index), or None if nothing to send."""
+        key = (prompt_index, completion.index)
+        if key in self.finished:
+            return None
+        done = completion.finish_reason is not None
+        end = len(completion.text) if done else max(0, len(completion.text) - self.hold)
+        start = self.text_sent.get(key, 0)
+        first_token = self.tokens_sent.get(key, 0)
+        if done:
+            self.finished.add(key)
+        elif end <= start:
+            return None
+        self.text_sent[key] = max(start, end)
+        self.tokens_sent[key] = len(completion.token_ids)
+        return completion.text[start:end], first_token, len(completion.token_ids)
+
+
+def stop_hold(stop: list[str]) -> int:
+    return max((len(s) for s in stop), default=1) - 1

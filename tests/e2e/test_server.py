@@ -1,0 +1,250 @@
+"""The OpenAI-compatible server, run as a real subprocess and driven by the `openai` package
+(sync and async, streaming and not) and by raw HTTP for the error cases."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvserve import LLM, SamplingParams
+
+API_KEY = "test-key"
+MODEL = "tiny"
+MAX_WAITING = 80
+MAX_BODY = 200_000
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path) -> Iterator[str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", str(llama_dir),
+         "--port", str(port), "--served-model-name", MODEL, "--max-waiting-requests",
+         str(MAX_WAITING), "--max-request-bytes", str(MAX_BODY)],
+        env={**os.environ, "KVSERVE_API_KEY": API_KEY},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start:\n{proc.stdout.read() if proc.stdout else ''}")
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> LLM:
+    return LLM(str(llama_dir))
+
+
+def metric(server: str, name: str) -> float:
+    text = httpx.get(f"{server}/metrics").text
+    match = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+def wait_idle(server: str) -> None:
+    """Polls /metrics until the engine has no running or waiting sequence (aborts are applied
+    by the engine thread, after the HTTP response has ended)."""
+    deadline = time.monotonic() + 60
+    while (metric(server, "kvserve_num_requests_running")
+           or metric(server, "kvserve_num_requests_waiting")):
+        assert time.monotonic() < deadline, "engine never went idle"
+        time.sleep(0.05)
+
+
+def test_models_health_version(server: str, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert httpx.get(f"{server}/version").json()["version"]
+
+
+def test_greedy_completion_equals_offline(client: openai.OpenAI, llm: LLM) -> None:
+    prompt = "def fibonacci(n):"
+    expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == expected.outputs[0].text
+    assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert got.usage.completion_tokens == 12
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                         temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == expected.outputs[0].text
+
+
+def test_token_prompts_echo_and_logprobs(client: openai.OpenAI, llm: LLM) -> None:
+    ids = [[5, 6, 7, 8], [9, 10]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0,
+                                    logprobs=3, extra_body={"ignore_eos": True})
+    assert [c.text for c in got.choices] == [e.outputs[0].text for e in expected]
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(len(top) >= 3 for top in lp.top_logprobs)
+    echoed = client.completions.create(model=MODEL, prompt="import os", max_tokens=3,
+                                       temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("import os")
+
+
+def test_chat_sync_and_stream(client: openai.OpenAI, llm: LLM) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=10,
+                                                 ignore_eos=True), use_tqdm=False)[0]
+    got = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                         max_completion_tokens=10, logprobs=True,
+                                         top_logprobs=2, extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == expected.outputs[0].text
+    assert got.choices[0].message.role == "assistant"
+    assert all(len(t.top_logprobs) == 2 for t in got.choices[0].logprobs.content)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=10, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_stop_strings_and_n_stream_like_full(client: openai.OpenAI) -> None:
+    args = dict(model=MODEL, prompt="class Request:", max_tokens=24, temperature=0.8,
+                seed=3, n=2, stop=["e", "ar"])
+    full = client.completions.create(**args)
+    streamed = ["", ""]
+    for chunk in client.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in sorted(full.choices, key=lambda c: c.index)]
+    assert all("e" not in text and "ar" not in text for text in streamed)
+
+
+def test_concurrent_streams_and_disconnects_free_all_blocks(server: str) -> None:
+    async def one(i: int, client: openai.AsyncOpenAI) -> int | None:
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"def f{i}(x):", max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage, received = None, 0
+        async for chunk in stream:
+            received += 1
+            if i % 2 and received == 2:
+                await stream.close()  # disconnect mid-stream
+                return None
+            usage = chunk.usage or usage
+        assert usage is not None
+        return usage.completion_tokens
+
+    async def run() -> list[int | None]:
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY,
+                                      max_retries=0) as client:
+            return await asyncio.gather(*(one(i, client) for i in range(64)))
+
+    results = asyncio.run(run())
+    assert results[0::2] == [16] * 32
+    wait_idle(server)
+    assert metric(server, "kvserve_kv_blocks_used") == 0
+    assert metric(server, "kvserve_kv_blocks_total") > 0
+    assert metric(server, "kvserve_requests_finished_total") >= 32
+
+
+def test_metrics_exposition(server: str, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    text = httpx.get(f"{server}/metrics").text
+    for name in ["kvserve_time_to_first_token_seconds_bucket",
+                 "kvserve_time_per_output_token_seconds_bucket",
+                 "kvserve_e2e_request_latency_seconds_bucket",
+                 "kvserve_request_queue_time_seconds_bucket", "kvserve_prompt_tokens_total",
+                 "kvserve_generation_tokens_total", "kvserve_preemptions_total",
+                 'finish_reason="length"']:
+        assert name in text
+
+
+def _post(server: str, path: str, body: bytes | dict, headers: dict | None = None
+          ) -> httpx.Response:
+    headers = {**AUTH, **(headers or {})}
+    if isinstance(body, dict):
+        return httpx.post(f"{server}{path}", json=body, headers=headers, timeout=30)
+    return httpx.post(f"{server}{path}", content=body, timeout=30,
+                      headers={"Content-Type": "application/json", **headers})
+
+
+def _check_error(response: httpx.Response, status: int, param: str | None = None,
+                 words: str = "") -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param
+    assert words in error["message"]
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "words"), [
+    (COMPLETIONS, b'{"prompt": "x", ', 400, None, "not valid JSON"),
+    (COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, None, "not valid JSON"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "integer"),
+    (COMPLETIONS, {"prompt": 5}, 400, None, "prompt"),
+    (COMPLETIONS, {"prompt": "x", "n": 100000}, 400, "n", "[1, 128]"),
+    (COMPLETIONS, {"prompt": "x", "temperature": -1}, 400, "temperature", ">= 0"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens", "max_model_len"),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt", "empty"),
+    (COMPLETIONS, {"prompt": [[1, 2], [10**7]]}, 400, None, "vocabulary"),
+    (COMPLETIONS, {"prompt": "x", "model": "gpt-5"}, 404, "model", "does not exist"),
+    (CHAT, {"messages": []}, 400, "messages", "at least 1"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", ""),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs", "logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+            "top_logprobs": 50}, 400, "logprobs", "[0, 20]"),
+])
+def test_bad_requests(server: str, path: str, body: bytes | dict, status: int,
+                      param: str | None, words: str) -> None:
+    _check_error(_post(server, path, body), status, param, words)
+
+
+def test_auth_size_and_overload(server: str) -> None:
+    body = {"prompt": "x", "max_tokens": 2}
+    _check_error(httpx.post(f"{server}{COMPLETIONS}", json=body), 401)
+    _check_error(_post(server, COMPLETIONS, body, {"Authorization": "Bearer wrong"}), 401)
+    _check_error(_post(server, COMPLETIONS, {"prompt": "x" * MAX_BODY}), 413)
+    overload = _post(server, COMPLETIONS, {"prompt": ["x"] * (MAX_WAITING + 1),
+                                           "max_tokens": 2})
+    _check_error(overload, 503, words="max_waiting_requests")
+    assert overload.headers["Retry-After"] == "1"
+    assert _post(server, COMPLETIONS, body).status_code == 200
