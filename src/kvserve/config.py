@@ -22,6 +22,7 @@ _DTYPES = {
 }
 
 GiB = 1 << 30
+SCHEDULER_POLICIES = ("chunked", "prefill_first")
 DEFAULT_MAX_WAITING_REQUESTS = 1024  # server: queued requests beyond this get 503
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # server: larger request bodies get 413
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -166,8 +167,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
+    policy: str = "chunked"  # or "prefill_first" (see core/scheduler/scheduler.py)
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULER_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SCHEDULER_POLICIES)}, "
+                             f"got {self.policy!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, "
                              f"got {self.max_num_batched_tokens}")
@@ -197,14 +202,16 @@ class EngineConfig:
     def create(cls, model: str, dtype: str = "auto", max_num_batched_tokens: int = 2048,
                max_num_seqs: int = 128, block_size: int = 16,
                kv_cache_memory: int = 2 * GiB, max_model_len: int | None = None,
-               seed: int = 0, device: str = "cpu") -> EngineConfig:
+               seed: int = 0, device: str = "cpu", scheduler_policy: str = "chunked"
+               ) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
             model=ModelConfig.from_pretrained(model, dtype),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs,
-                                      max_model_len=max_model_len or 0),
+                                      max_model_len=max_model_len or 0,
+                                      policy=scheduler_policy),
             seed=seed,
             device=device,
         )

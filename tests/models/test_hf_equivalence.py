@@ -47,6 +47,7 @@ SETTINGS = {
     "small-chunks": {"max_num_batched_tokens": 16},
     "single-token-budget": {"max_num_batched_tokens": 1},
     "preemption": {"max_num_batched_tokens": 64, "kv_blocks": 24},
+    "prefill-first": {"max_num_batched_tokens": 96, "scheduler_policy": "prefill_first"},
 }
 
 
@@ -54,8 +55,8 @@ SETTINGS = {
 @pytest.mark.parametrize("arch", ARCHES)
 def test_greedy_matches_transformers(model_dirs, arch, setting):
     path = model_dirs[arch]
-    if setting == "single-token-budget" and arch != "llama":
-        pytest.skip("one architecture is enough for the slowest schedule")
+    if setting in ("single-token-budget", "prefill-first") and arch != "llama":
+        pytest.skip("one architecture is enough for this schedule")
     kwargs = dict(SETTINGS[setting])
     if "kv_blocks" in kwargs:
         kwargs["kv_cache_memory"] = kv_bytes_for_blocks(path, kwargs.pop("kv_blocks"))

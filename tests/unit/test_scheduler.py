@@ -8,10 +8,11 @@ from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
 
-def make_scheduler(num_blocks=16, block_size=4, budget=16, max_seqs=8, max_len=1024):
+def make_scheduler(num_blocks=16, block_size=4, budget=16, max_seqs=8, max_len=1024,
+                   policy="chunked"):
     kv = KVCacheManager(num_blocks, block_size)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                             max_model_len=max_len)
+                             max_model_len=max_len, policy=policy)
     return Scheduler(config, kv)
 
 
@@ -57,6 +58,23 @@ def test_decodes_go_first_and_prefill_chunks_fill_the_rest():
     out = step(sched)
     assert chunks(out) == [("a", 1), ("b", 9)]  # the running prefill never stalls a's decode
     assert [s.sample for s in out.scheduled] == [True, False]
+
+
+def test_prefill_first_runs_whole_prompts_in_steps_of_their_own():
+    sched = make_scheduler(num_blocks=32, budget=10, policy="prefill_first")
+    add(sched, "a", 3)
+    step(sched)
+    add(sched, "b", 6)
+    add(sched, "c", 6)
+    assert chunks(step(sched)) == [("b", 6)]  # c does not fit whole beside b; a's decode waits
+    assert chunks(step(sched)) == [("c", 6)]
+    assert chunks(step(sched)) == [("a", 1), ("b", 1), ("c", 1)]
+    add(sched, "d", 25)  # longer than the budget: chunked, decodes still wait
+    assert chunks(step(sched)) == [("d", 10)]
+    assert chunks(step(sched)) == [("d", 10)]
+    assert chunks(step(sched)) == [("d", 5)]
+    assert chunks(step(sched)) == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
+    sched.kv_cache.check_integrity()
 
 
 def test_max_num_seqs_bounds_the_running_set():

@@ -7,7 +7,12 @@ import logging
 import os
 import sys
 
-from kvserve.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS, GiB
+from kvserve.config import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_WAITING_REQUESTS,
+    SCHEDULER_POLICIES,
+    GiB,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -28,6 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--scheduler-policy", default="chunked", choices=SCHEDULER_POLICIES,
+                        help="chunked: stall-free chunked prefill beside decodes (default); "
+                             "prefill_first: whole prompts before decodes (a baseline)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -35,7 +43,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                 kv_cache_memory=int(args.kv_cache_memory * GiB),
-                max_model_len=args.max_model_len, seed=args.seed, device=args.device)
+                max_model_len=args.max_model_len, seed=args.seed, device=args.device,
+                scheduler_policy=args.scheduler_policy)
 
 
 def _generate(args: argparse.Namespace) -> None:

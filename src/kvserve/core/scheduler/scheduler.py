@@ -2,6 +2,8 @@
 
 Every step: running decodes first, then running partial prefills, then new prompts from the
 waiting queue (FCFS), each as large a chunk as the remaining `max_num_batched_tokens` allows.
+The `prefill_first` policy instead runs whole waiting prompts in steps of their own before any
+decode, as the first continuous-batching schedulers did; it exists as a baseline to measure.
 When the pool runs out of blocks, the newest running request is preempted by recompute: its
 blocks are freed and it waits at the front of the queue to be prefilled again.
 """
@@ -52,8 +54,29 @@ class Scheduler:
         self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
         chunks: dict[str, int] = {}
-        decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
-        for request in decodes_first:
+        decodes_first = sorted(self.running, key=_has_prompt_left)
+        if self.config.policy == "prefill_first":
+            # Whole prompts in a step of their own whenever any can run; decodes wait.
+            budget = self._schedule_running([r for r in decodes_first if _has_prompt_left(r)],
+                                            out, chunks, budget)
+            self._admit_waiting(out, chunks, budget, whole_prompts=True)
+            if not chunks:
+                self._schedule_running(decodes_first, out, chunks, budget)
+        else:
+            budget = self._schedule_running(decodes_first, out, chunks, budget)
+            self._admit_waiting(out, chunks, budget, whole_prompts=False)
+        for request in self.running:
+            if request.request_id in chunks:
+                out.scheduled.append(self._schedule_chunk(request, chunks[request.request_id]))
+        order = {r.request_id: i for i, r in enumerate(decodes_first)}
+        out.scheduled.sort(key=lambda s: order.get(s.request_id, len(order)))
+        return out
+
+    def _schedule_running(self, candidates: list[Request], out: SchedulerOutput,
+                          chunks: dict[str, int], budget: int) -> int:
+        """Gives each running candidate its next chunk, preempting the newest running
+        requests while blocks run short; returns the budget left."""
+        for request in candidates:
             if request.status != RequestStatus.RUNNING or budget == 0:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -67,10 +90,19 @@ class Scheduler:
             else:
                 chunks[request.request_id] = num_new
                 budget -= num_new
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, chunks: dict[str, int], budget: int,
+                       whole_prompts: bool) -> None:
+        """Admits waiting requests FCFS into the remaining budget. With `whole_prompts`, a
+        prompt is split only when it is the step's first (it could never fit otherwise)."""
         while (not out.preempted_request_ids and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            if whole_prompts and chunks and remaining > budget:
+                break
+            num_new = min(remaining, budget)
             if not self.kv_cache.allocate_slots(request, num_new):
                 break
             self.waiting.popleft()
@@ -85,12 +117,6 @@ class Scheduler:
                     request.eos_token_ids))
             chunks[request.request_id] = num_new
             budget -= num_new
-        for request in self.running:
-            if request.request_id in chunks:
-                out.scheduled.append(self._schedule_chunk(request, chunks[request.request_id]))
-        order = {r.request_id: i for i, r in enumerate(decodes_first)}
-        out.scheduled.sort(key=lambda s: order.get(s.request_id, len(order)))
-        return out
 
     def _schedule_chunk(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -148,3 +174,8 @@ class Scheduler:
         if request.request_id in self._started_ids:
             self._started_ids.discard(request.request_id)
             self._finished_ids.add(request.request_id)
+
+
+def _has_prompt_left(request: Request) -> bool:
+    """More than one token to compute: the request is (re)filling its prompt, not decoding."""
+    return request.num_tokens - request.num_computed_tokens > 1
