@@ -6,9 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +15,7 @@ import openai
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.entrypoints.openai.launch import server_process
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -26,36 +24,13 @@ MAX_BODY = 200_000
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(llama_dir: Path) -> Iterator[str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", str(llama_dir),
-         "--port", str(port), "--served-model-name", MODEL, "--max-waiting-requests",
-         str(MAX_WAITING), "--max-request-bytes", str(MAX_BODY)],
-        env={**os.environ, "KVSERVE_API_KEY": API_KEY},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start:\n{proc.stdout.read() if proc.stdout else ''}")
-        time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    flags = ["--served-model-name", MODEL, "--max-waiting-requests", str(MAX_WAITING),
+             "--max-request-bytes", str(MAX_BODY)]
+    with server_process(str(llama_dir), flags, {**os.environ, "KVSERVE_API_KEY": API_KEY},
+                        timeout=300) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -210,21 +210,22 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             "id": config.model_name, "object": "model", "created": now(), "owned_by": "kvserve",
             "max_model_len": llm.engine.max_model_len}]}
 
-    @app.post("/v1/completions")
-    async def create_completion(body: CompletionRequest, request: Request) -> Any:
+    async def respond(server: CompletionServer | ChatServer,
+                      body: CompletionRequest | ChatCompletionRequest, request: Request) -> Any:
         check_model(body.model)
         if body.stream:
-            return StreamingResponse(_until_disconnected(request, completions.stream(body)),
+            events = server.stream(body)  # type: ignore[arg-type]
+            return StreamingResponse(_until_disconnected(request, events),
                                      media_type="text/event-stream")
-        return await _unless_disconnected(request, completions.full(body))
+        return await _unless_disconnected(request, server.full(body))  # type: ignore[arg-type]
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Any:
+        return await respond(completions, body, request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
-        check_model(body.model)
-        if body.stream:
-            return StreamingResponse(_until_disconnected(request, chat.stream(body)),
-                                     media_type="text/event-stream")
-        return await _unless_disconnected(request, chat.full(body))
+        return await respond(chat, body, request)
 
     return app
 

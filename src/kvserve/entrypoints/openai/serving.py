@@ -12,8 +12,16 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.entrypoints.async_llm import RequestStream
+from kvserve.entrypoints.async_llm import AsyncLLM, RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
+
+
+class Serving:
+    """A route's handler: the engine and the model name its responses carry."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
 
 
 def new_id(prefix: str) -> str:

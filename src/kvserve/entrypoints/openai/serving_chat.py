@@ -6,10 +6,11 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from kvserve.entrypoints.async_llm import AsyncLLM, RequestStream
+from kvserve.entrypoints.async_llm import RequestStream
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest
 from kvserve.entrypoints.openai.serving import (
     DeltaTracker,
+    Serving,
     collect,
     finish_reason,
     merge,
@@ -22,11 +23,7 @@ from kvserve.entrypoints.openai.serving import (
 from kvserve.outputs import CompletionOutput, Logprob
 
 
-class ChatServer:
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
-        self.llm = llm
-        self.model_name = model_name
-
+class ChatServer(Serving):
     def start(self, request: ChatCompletionRequest) -> tuple[int, RequestStream]:
         """Validates and queues the request; returns its `n` and its stream."""
         if request.top_logprobs is not None and not request.logprobs:

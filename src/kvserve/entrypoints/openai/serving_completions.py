@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from kvserve.entrypoints.async_llm import AsyncLLM
 from kvserve.entrypoints.openai.protocol import CompletionRequest
 from kvserve.entrypoints.openai.serving import (
     DeltaTracker,
+    Serving,
     collect,
     finish_reason,
     merge,
@@ -34,11 +34,7 @@ def prompts_of(request: CompletionRequest) -> list[str | dict[str, Any]]:
     return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
 
-class CompletionServer:
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
-        self.llm = llm
-        self.model_name = model_name
-
+class CompletionServer(Serving):
     def start(self, request: CompletionRequest) -> tuple[SamplingParams, list]:
         """Validates and queues the request (raising before anything runs)."""
         if request.echo and request.logprobs is not None:

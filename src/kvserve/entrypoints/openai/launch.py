@@ -1,0 +1,51 @@
+"""Starting `kvserve serve` as a subprocess and waiting until it answers (benchmarks, tests)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server_process(model: str, flags: list[str], env: dict[str, str] | None = None,
+                   timeout: float = 600) -> Iterator[str]:
+    """Runs `kvserve serve MODEL FLAGS` on a free loopback port; yields its base URL once
+    `/health` answers and stops it afterwards. Its output goes to a file, not a pipe, which
+    would block the server once full."""
+    port = free_port()
+    command = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", model,
+               "--port", str(port), *flags]
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                text=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    log.seek(0)
+                    raise RuntimeError(f"{' '.join(command)} did not start:\n{log.read()}")
+                time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
