@@ -109,5 +109,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention);
+  // No Python objects are touched: let other threads (the HTTP server) run meanwhile.
+  m.def("paged_decode_attention", &paged_decode_attention,
+        py::call_guard<py::gil_scoped_release>());
 }
