@@ -139,11 +139,12 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Stops a request before the next step and returns its KV blocks to the pool."""
-        def abort() -> None:
-            self.engine.abort_request(request_id)
-            self.metrics.on_abort(request_id)
+        self._commands.put(lambda: self._abort_now(request_id))
 
-        self._commands.put(abort)
+    def _abort_now(self, request_id: str) -> None:
+        """On the engine thread: ends the request and counts it as aborted."""
+        self.engine.abort_request(request_id)
+        self.metrics.on_abort(request_id)
 
     def shutdown(self) -> None:
         self._commands.put(None)
@@ -183,8 +184,7 @@ class AsyncLLM:
 
     def _fail_all(self, error: Exception) -> None:
         for request_id, stream in list(self._streams.items()):
-            self.engine.abort_request(request_id)
-            self.metrics.on_abort(request_id)
+            self._abort_now(request_id)
             stream.put(RuntimeError(f"the engine failed while running this request: {error}"))
 
 

@@ -15,7 +15,7 @@ from kvserve.sampling_params import SamplingParams
 
 class LLM:
     """Takes the engine options of `EngineConfig.create` (model, dtype, max_num_batched_tokens,
-    max_num_seqs, block_size, kv_cache_memory, max_model_len, seed, device)."""
+    max_num_seqs, block_size, kv_cache_memory, max_model_len, seed, device, scheduler_policy)."""
 
     def __init__(self, model: str, **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig.create(model, **engine_options))

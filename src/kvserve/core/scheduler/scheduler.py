@@ -110,8 +110,7 @@ class Scheduler:
             self.running.append(request)
             if request.request_id not in self._started_ids:
                 self._started_ids.add(request.request_id)
-                if request.scheduled_time is None:
-                    request.scheduled_time = time.monotonic()
+                request.scheduled_time = time.monotonic()
                 out.new_requests.append(NewRequestData(
                     request.request_id, request.prompt_token_ids, request.sampling_params,
                     request.eos_token_ids))

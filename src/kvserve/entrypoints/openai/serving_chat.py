@@ -21,11 +21,12 @@ from kvserve.entrypoints.openai.serving import (
     usage,
 )
 from kvserve.outputs import CompletionOutput, Logprob
+from kvserve.sampling_params import SamplingParams
 
 
 class ChatServer(Serving):
-    def start(self, request: ChatCompletionRequest) -> tuple[int, RequestStream]:
-        """Validates and queues the request; returns its `n` and its stream."""
+    def start(self, request: ChatCompletionRequest) -> tuple[SamplingParams, RequestStream]:
+        """Validates and queues the request; returns its sampling params and its stream."""
         if request.top_logprobs is not None and not request.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
@@ -35,7 +36,7 @@ class ChatServer(Serving):
         ids = self.llm.engine.apply_chat_template(
             [m.template_dict() for m in request.messages], request.add_generation_prompt)
         stream = self.llm.add_requests([{"prompt_token_ids": ids}], params)[0]
-        return params.n, stream
+        return params, stream
 
     async def full(self, request: ChatCompletionRequest) -> dict[str, Any]:
         _, stream = self.start(request)
@@ -49,20 +50,18 @@ class ChatServer(Serving):
 
     def stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
         """Validates and queues now; the events follow as the engine steps."""
-        n, stream = self.start(request)
-        return self._events(request, n, stream)
+        params, stream = self.start(request)
+        return self._events(request, params, stream)
 
-    async def _events(self, request: ChatCompletionRequest, n: int,
+    async def _events(self, request: ChatCompletionRequest, params: SamplingParams,
                       stream: RequestStream) -> AsyncIterator[str]:
         head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": now(),
                 "model": self.model_name}
-        for index in range(n):
+        for index in range(params.n):
             yield sse({**head, "choices": [{"index": index,
                                             "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
-        hold = stop_hold([request.stop] if isinstance(request.stop, str)
-                         else list(request.stop or []))
-        tracker = DeltaTracker(hold)
+        tracker = DeltaTracker(stop_hold(params.stop))
         last = None
         async with aclosing(merge([stream])) as outputs:
             async for _, out in outputs:
