@@ -153,6 +153,7 @@ def _eos_ids(raw: dict[str, Any], folder: Path) -> tuple[int, ...]:
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = 2 * GiB
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -202,12 +203,13 @@ class EngineConfig:
     def create(cls, model: str, dtype: str = "auto", max_num_batched_tokens: int = 2048,
                max_num_seqs: int = 128, block_size: int = 16,
                kv_cache_memory: int = 2 * GiB, max_model_len: int | None = None,
-               seed: int = 0, device: str = "cpu", scheduler_policy: str = "chunked"
-               ) -> EngineConfig:
+               seed: int = 0, device: str = "cpu", scheduler_policy: str = "chunked",
+               enable_prefix_caching: bool = True) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
             model=ModelConfig.from_pretrained(model, dtype),
-            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory),
+            cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len or 0,

@@ -38,3 +38,23 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     first_scheduled_time: float | None = None  # time.monotonic() of first admission
+    first_token_time: float | None = None  # time.monotonic() when its first token came
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's queues, KV pool and prefix cache (counters since start)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_blocks_peak: int
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the cache at admission
+    prefix_cache_hits: int  # of those, tokens whose KV was found and reused
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queries = self.prefix_cache_queries
+        return self.prefix_cache_hits / queries if queries else 0.0

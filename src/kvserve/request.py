@@ -58,6 +58,8 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: str | int | None = None
+    cache_salt: str | None = None  # requests with different salts never share KV blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, chained
 
     @property
     def num_prompt_tokens(self) -> int:

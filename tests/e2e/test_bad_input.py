@@ -64,7 +64,9 @@ def test_min_tokens_above_max_tokens():
     ({"prompt_token_ids": ["a"]}, r"token id 'a' is out of the vocabulary"),
     ({"prompt_token_ids": [1] * 256}, r"prompts\[0\] has 256 tokens; the context limit "
                                       r"\(max_model_len\) is 256"),
-    (3, r"prompts\[0\] must be a string or a dict with 'prompt_token_ids', got int"),
+    (3, r"prompts\[0\] must be a string or a dict with 'prompt' or 'prompt_token_ids', got int"),
+    ({"prompt": 5}, r"prompts\[0\].prompt must be a string"),
+    ({"prompt": "x", "cache_salt": ""}, r"prompts\[0\].cache_salt must be a non-empty string"),
 ])
 def test_invalid_prompts(llm, prompt, message):
     with pytest.raises(ValueError, match=message):

@@ -167,6 +167,23 @@ def test_metrics_exposition(server: str, client: openai.OpenAI) -> None:
         assert name in text
 
 
+def test_prefix_cache_hits_reach_metrics_and_cache_salts_isolate(
+        server: str, client: openai.OpenAI) -> None:
+    prompt = "the same long system prompt, " * 12
+
+    def complete(salt: str) -> None:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                  extra_body={"cache_salt": salt})
+
+    complete("tenant-a")
+    hits = metric(server, "kvserve_prefix_cache_hits_total")
+    complete("tenant-b")
+    assert metric(server, "kvserve_prefix_cache_hits_total") == hits
+    complete("tenant-a")
+    assert metric(server, "kvserve_prefix_cache_hits_total") > hits
+    assert metric(server, "kvserve_prefix_cache_queries_total") > 0
+
+
 def _post(server: str, path: str, body: bytes | dict, headers: dict | None = None
           ) -> httpx.Response:
     headers = {**AUTH, **(headers or {})}
@@ -201,6 +218,7 @@ COMPLETIONS = "/v1/completions"
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", "empty"),
     (COMPLETIONS, {"prompt": [[1, 2], [10**7]]}, 400, None, "vocabulary"),
     (COMPLETIONS, {"prompt": "x", "model": "gpt-5"}, 404, "model", "does not exist"),
+    (COMPLETIONS, {"prompt": "x", "cache_salt": ""}, 400, "cache_salt", "at least 1"),
     (CHAT, {"messages": []}, 400, "messages", "at least 1"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", ""),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,

@@ -69,6 +69,36 @@ def test_greedy_matches_transformers(model_dirs, arch, setting):
         assert llm.engine.core.scheduler.num_preemptions > 0
 
 
+def shared_head_prompts() -> list[list[int]]:
+    """Prompts that share heads of whole blocks, one block and a half, and all their tokens,
+    with the short and the long sharer first in turn."""
+    head, other, *tails = random_prompts([64, 24, 1, 9, 40, 17, 3], seed=11)
+    return [head + tails[0], head + tails[1], head[:40] + tails[2], head, head + tails[1],
+            other + tails[3], head + tails[4]]
+
+
+@pytest.mark.parametrize("setting", ["default", "small-chunks", "preemption"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prefix_cache_hits_keep_greedy_outputs(model_dirs, arch, setting):
+    """Twice over the same batch, so the second run is served from the cache, beside a
+    run with caching off."""
+    path = model_dirs[arch]
+    kwargs = dict(SETTINGS[setting])
+    if "kv_blocks" in kwargs:  # ten: the longest request alone needs eight
+        kwargs["kv_cache_memory"] = kv_bytes_for_blocks(path, 10)
+        del kwargs["kv_blocks"]
+    prompts = shared_head_prompts()
+    expected = [hf_greedy(path, tuple(p), MAX_TOKENS) for p in prompts]
+    assert run_greedy(LLM(str(path), enable_prefix_caching=False, **kwargs), prompts) == expected
+    llm = LLM(str(path), **kwargs)
+    for _ in range(2):
+        assert run_greedy(llm, prompts) == expected
+    kv = llm.engine.core.kv_cache
+    assert kv.prefix_cache_hits >= 64 * len(prompts) // 2
+    if setting == "preemption":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+
+
 def test_mistral_prompt_longer_than_sliding_window(model_dirs):
     path = model_dirs["mistral"]
     assert ModelConfig.from_pretrained(path).sliding_window == SLIDING_WINDOW

@@ -10,13 +10,16 @@ def make_request(request_id: str, num_prompt: int) -> Request:
     return Request(request_id, list(range(num_prompt)), SamplingParams(), max_tokens=8)
 
 
-def test_allocate_takes_lowest_free_ids_and_free_returns_them_to_the_back():
-    pool = BlockPool(4)
-    assert pool.allocate(2) == [0, 1]
-    pool.free([1, 0])
-    assert pool.free_block_ids() == [2, 3, 1, 0]
-    assert pool.allocate(3) == [2, 3, 1]
-    assert pool.ref_counts == [0, 1, 1, 1]
+def test_uncached_blocks_are_reused_first_and_cached_ones_in_release_order():
+    pool = BlockPool(5)
+    assert pool.allocate(4) == [0, 1, 2, 3]
+    pool.cache(0, b"h0")
+    pool.cache(1, b"h1")
+    pool.free([1, 3, 0, 2])  # uncached 3 and 2 go to the front, cached 1 and 0 to the back
+    assert pool.free_block_ids() == [2, 3, 4, 1, 0]
+    assert pool.allocate(4) == [2, 3, 4, 1]  # the least recently released cached block goes
+    assert pool.lookup(b"h1") is None and pool.lookup(b"h0") == 0
+    assert pool.ref_counts == [0, 1, 1, 1, 1]
 
 
 def test_allocate_more_than_free_raises():
@@ -61,8 +64,10 @@ def test_free_releases_tail_first():
     kv = KVCacheManager(num_blocks=4, block_size=2)
     a = make_request("a", 6)
     kv.allocate_slots(a, 6)
+    a.num_computed_tokens = 6
+    kv.cache_computed_blocks(a)
     kv.free(a)
-    assert kv.pool.free_block_ids() == [3, 2, 1, 0]
+    assert kv.pool.free_block_ids() == [3, 2, 1, 0]  # the shared head is evicted last
     kv.check_integrity()
 
 

@@ -1,38 +1,9 @@
 """The scheduler on plain Python objects: exact chunks, block ids and preemption order."""
 
-from kvserve.config import SchedulerConfig
-from kvserve.core.kv_cache.manager import KVCacheManager
-from kvserve.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from kvserve.core.scheduler.scheduler import Scheduler
-from kvserve.request import Request, RequestStatus
-from kvserve.sampling_params import SamplingParams
+import pytest
 
-
-def make_scheduler(num_blocks=16, block_size=4, budget=16, max_seqs=8, max_len=1024,
-                   policy="chunked"):
-    kv = KVCacheManager(num_blocks, block_size)
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                             max_model_len=max_len, policy=policy)
-    return Scheduler(config, kv)
-
-
-def add(sched, request_id, num_prompt, max_tokens=4, **params):
-    request = Request(request_id, list(range(10, 10 + num_prompt)),
-                      SamplingParams(**params), eos_token_ids=(2,), max_tokens=max_tokens)
-    sched.add_request(request)
-    return request
-
-
-def step(sched, token=7) -> SchedulerOutput:
-    """Schedules, then pretends the model sampled `token` for every request that samples."""
-    out = sched.schedule()
-    sampled = [s.request_id for s in out.scheduled if s.sample]
-    sched.update_from_output(out, ModelRunnerOutput(sampled, [[token]] * len(sampled)))
-    return out
-
-
-def chunks(out: SchedulerOutput) -> list[tuple[str, int]]:
-    return [(s.request_id, len(s.token_ids)) for s in out.scheduled]
+from kvserve.request import RequestStatus
+from tests.unit.scheduling import add, chunks, make_scheduler, step
 
 
 def test_long_prompt_is_chunked_under_the_token_budget():
@@ -69,11 +40,11 @@ def test_prefill_first_runs_whole_prompts_in_steps_of_their_own():
     assert chunks(step(sched)) == [("b", 6)]  # c does not fit whole beside b; a's decode waits
     assert chunks(step(sched)) == [("c", 6)]
     assert chunks(step(sched)) == [("a", 1), ("b", 1), ("c", 1)]
-    add(sched, "d", 25)  # longer than the budget: chunked, decodes still wait
-    assert chunks(step(sched)) == [("d", 10)]
-    assert chunks(step(sched)) == [("d", 10)]
-    assert chunks(step(sched)) == [("d", 5)]
-    assert chunks(step(sched)) == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
+    add(sched, "d", 25)  # longer than the budget: still whole, alone
+    add(sched, "e", 2)
+    assert chunks(step(sched)) == [("d", 25)]
+    assert chunks(step(sched)) == [("e", 2)]
+    assert chunks(step(sched)) == [("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 1)]
     sched.kv_cache.check_integrity()
 
 
@@ -98,8 +69,9 @@ def test_block_tables_have_exact_ids():
     assert [s.block_ids for s in out.scheduled] == [[0, 1], [2, 3]]
 
 
-def test_newest_request_is_preempted_and_resumed_first():
-    sched = make_scheduler(num_blocks=4, block_size=4, max_seqs=4)
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_newest_request_is_preempted_and_resumed_first(prefix_caching):
+    sched = make_scheduler(num_blocks=4, block_size=4, max_seqs=4, prefix_caching=prefix_caching)
     a = add(sched, "a", 7, max_tokens=6)
     b = add(sched, "b", 7, max_tokens=6)
     step(sched)  # a: blocks 0,1; b: blocks 2,3; each samples its 8th token
@@ -109,13 +81,15 @@ def test_newest_request_is_preempted_and_resumed_first():
     assert chunks(out) == [("a", 1)]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert [r.request_id for r in sched.waiting] == ["b"]
-    assert sched.kv_cache.get_block_ids("a") == [0, 1, 3]  # b freed tail first: 3, then 2
+    # b freed tail first; a cached head (2) outlives the tail (3) in the eviction order
+    assert sched.kv_cache.get_block_ids("a") == [0, 1, 3 if prefix_caching else 2]
     sched.kv_cache.check_integrity()
     while a.status == RequestStatus.RUNNING:
         step(sched)
     assert a.status == RequestStatus.FINISHED_LENGTH and a.num_output_tokens == 6
-    out = step(sched)  # b comes back and recomputes its prompt and its two sampled tokens
-    assert chunks(out) == [("b", 9)]
+    out = step(sched)  # b comes back and recomputes its prompt and its two sampled tokens,
+    # less its first block when that is still cached (it was released after its second)
+    assert chunks(out) == [("b", 5 if prefix_caching else 9)]
     assert out.new_requests == []  # the runner kept its state across the preemption
     while sched.has_unfinished_requests():
         step(sched)

@@ -155,12 +155,14 @@ def local_server(args: argparse.Namespace, policy: str) -> Iterator[str]:
 def sweep(url: str, args: argparse.Namespace, label: str) -> list[dict[str, object]]:
     vocab = (ModelConfig.from_pretrained(args.model).vocab_size if args.model
              else args.vocab_size)
-    workload = variable(args.num_prompts, (args.prompt_min, args.prompt_max),
-                        (args.output_min, args.output_max), vocab, seed=args.seed)
-    warmup = variable(2, (16, 16), (4, 4), vocab, seed=args.seed + 1)
+    warmup = variable(2, (16, 16), (4, 4), vocab, seed=args.seed)
     asyncio.run(run_load(url, args.served_model_name, warmup, None, 2, args.seed))
     rows = []
-    for rate in args.rates or [None]:
+    for index, rate in enumerate(args.rates or [None]):
+        # Fresh prompts at each rate, the same for every schedule: a prefix cache must not
+        # serve one rate's prompts from the last's.
+        workload = variable(args.num_prompts, (args.prompt_min, args.prompt_max),
+                            (args.output_min, args.output_max), vocab, seed=args.seed + 1 + index)
         results, wall, health = asyncio.run(run_load(
             url, args.served_model_name, workload, rate, args.concurrency, args.seed))
         row: dict[str, object] = {"schedule": label, "rate": rate or f"c={args.concurrency}"}

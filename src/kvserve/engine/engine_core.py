@@ -13,7 +13,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
-        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                       config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
 
     def add_request(self, request: Request) -> None:

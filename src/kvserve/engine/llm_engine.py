@@ -4,6 +4,7 @@ stop strings around an EngineCore."""
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -13,7 +14,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_core import EngineCore
 from kvserve.errors import CheckpointError
-from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
@@ -36,7 +37,9 @@ class ParentRequest:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    cache_salt: str | None = None
     sequences: list[CompletionState] = field(default_factory=list)
+    first_token_time: float | None = None
 
     def to_output(self) -> RequestOutput:
         outputs = [s.output for s in self.sequences]
@@ -44,7 +47,8 @@ class ParentRequest:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              finished=all(o.finished for o in outputs),
                              first_scheduled_time=min((t for t in scheduled if t is not None),
-                                                      default=None))
+                                                      default=None),
+                             first_token_time=self.first_token_time)
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -73,6 +77,10 @@ class LLMEngine:
     def tokenize(self, prompt: PromptType, field_name: str = "prompt"
                  ) -> tuple[str | None, list[int]]:
         """The prompt's text (if given as text) and its validated token ids."""
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and "prompt" in prompt:
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise ValueError(f"{field_name}.prompt must be a string")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"{field_name} must not be empty")
@@ -87,8 +95,8 @@ class LLMEngine:
                     raise ValueError(f"{field_name}.prompt_token_ids: token id {t!r} is out of "
                                      f"the vocabulary [0, {vocab})")
             return prompt.get("prompt"), list(ids)
-        raise ValueError(f"{field_name} must be a string or a dict with 'prompt_token_ids', "
-                         f"got {type(prompt).__name__}")
+        raise ValueError(f"{field_name} must be a string or a dict with 'prompt' or "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
 
     def apply_chat_template(self, conversation: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
@@ -135,7 +143,10 @@ class LLMEngine:
         `add_validated`. Raises ValueError naming `field_name` and the broken limit."""
         text, ids = self.tokenize(prompt, field_name)
         max_tokens = self.check_request(ids, params, field_name)
-        return ParentRequest(request_id or self.new_request_id(), text, ids), max_tokens
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"{field_name}.cache_salt must be a non-empty string")
+        return ParentRequest(request_id or self.new_request_id(), text, ids, salt), max_tokens
 
     def add_request(self, prompt: PromptType, params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -158,6 +169,7 @@ class LLMEngine:
                 sampling_params=child_params,
                 eos_token_ids=self.config.model.eos_token_ids,
                 max_tokens=max_tokens,
+                cache_salt=parent.cache_salt,
             )
             seq = CompletionState(request, IncrementalDetokenizer(
                 self.tokenizer, params.skip_special_tokens, params.stop, params.min_tokens),
@@ -179,6 +191,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def stats(self) -> EngineStats:
+        scheduler, kv = self.core.scheduler, self.core.kv_cache
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.pool.num_blocks,
+            kv_blocks_peak=kv.peak_used_blocks, num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits)
+
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the updated state of every request that changed."""
         updated, logprobs = self.core.step()
@@ -196,6 +217,8 @@ class LLMEngine:
                 request.stop_reason = stop
                 stopped.append(request.request_id)
             touched[parent.request_id] = parent
+            if parent.first_token_time is None:
+                parent.first_token_time = time.monotonic()
         self.core.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         outputs = []
         for parent in touched.values():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import EngineStats, RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
                     80.0, 160.0)
@@ -58,9 +58,18 @@ class EngineMetrics:
                                      **labels)
         self.generation_tokens = Counter("kvserve_generation_tokens", "Generated tokens",
                                          **labels)
-        self.preemptions = Counter("kvserve_preemptions", "Sequences preempted", **labels)
+        # Counters that mirror the engine's own running totals, keyed by EngineStats field.
+        self._totals = {
+            "num_preemptions": Counter("kvserve_preemptions", "Sequences preempted", **labels),
+            "prefix_cache_queries": Counter(
+                "kvserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                **labels),
+            "prefix_cache_hits": Counter(
+                "kvserve_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held",
+                **labels),
+        }
+        self._last_totals = dict.fromkeys(self._totals, 0)
         self._times: dict[str, RequestTimes] = {}
-        self._num_preemptions = 0
 
     def on_arrival(self, request_id: str, arrival: float, num_completions: int) -> None:
         self._times[request_id] = RequestTimes(arrival, num_completions)
@@ -89,10 +98,11 @@ class EngineMetrics:
             if out.finished:
                 del self._times[out.request_id]
                 self._observe_finished(out, times, now)
-        preemptions = engine.core.scheduler.num_preemptions
-        self.preemptions.labels(self._model).inc(preemptions - self._num_preemptions)
-        self._num_preemptions = preemptions
-        self.observe_state(engine)
+        stats = self.observe_state(engine)
+        for name, counter in self._totals.items():  # only here: one thread increments
+            total = getattr(stats, name)
+            counter.labels(self._model).inc(total - self._last_totals[name])
+            self._last_totals[name] = total
 
     def _observe_finished(self, out: RequestOutput, times: RequestTimes, now: float) -> None:
         self.e2e.labels(self._model).observe(now - times.arrival)
@@ -102,10 +112,11 @@ class EngineMetrics:
         for completion in out.outputs:
             self.finished.labels(self._model, completion.finish_reason or "abort").inc()
 
-    def observe_state(self, engine: LLMEngine) -> None:
+    def observe_state(self, engine: LLMEngine) -> EngineStats:
         """Sets the queue and KV gauges; called after each step and at each scrape."""
-        scheduler, kv = engine.core.scheduler, engine.core.kv_cache
-        self.running.labels(self._model).set(len(scheduler.running))
-        self.waiting.labels(self._model).set(len(scheduler.waiting))
-        self.kv_used.labels(self._model).set(kv.num_used_blocks)
-        self.kv_total.labels(self._model).set(kv.pool.num_blocks)
+        stats = engine.stats()
+        self.running.labels(self._model).set(stats.num_running)
+        self.waiting.labels(self._model).set(stats.num_waiting)
+        self.kv_used.labels(self._model).set(stats.kv_blocks_used)
+        self.kv_total.labels(self._model).set(stats.kv_blocks_total)
+        return stats

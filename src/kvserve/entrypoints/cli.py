@@ -36,6 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--scheduler-policy", default="chunked", choices=SCHEDULER_POLICIES,
                         help="chunked: stall-free chunked prefill beside decodes (default); "
                              "prefill_first: whole prompts before decodes (a baseline)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="reuse the KV of prompt heads already computed "
+                                           "(default on)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -44,7 +47,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
                 max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                 kv_cache_memory=int(args.kv_cache_memory * GiB),
                 max_model_len=args.max_model_len, seed=args.seed, device=args.device,
-                scheduler_policy=args.scheduler_policy)
+                scheduler_policy=args.scheduler_policy,
+                enable_prefix_caching=args.enable_prefix_caching)
 
 
 def _generate(args: argparse.Namespace) -> None:

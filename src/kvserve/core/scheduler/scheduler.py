@@ -2,8 +2,9 @@
 
 Every step: running decodes first, then running partial prefills, then new prompts from the
 waiting queue (FCFS), each as large a chunk as the remaining `max_num_batched_tokens` allows.
-The `prefill_first` policy instead runs whole waiting prompts in steps of their own before any
-decode, as the first continuous-batching schedulers did; it exists as a baseline to measure.
+The `prefill_first` policy instead runs waiting prompts whole (never split; the budget only
+limits how many share a step) in steps of their own before any decode, as the first
+continuous-batching schedulers did; it exists as a baseline to measure.
 When the pool runs out of blocks, the newest running request is preempted by recompute: its
 blocks are freed and it waits at the front of the queue to be prefilled again.
 """
@@ -57,8 +58,6 @@ class Scheduler:
         decodes_first = sorted(self.running, key=_has_prompt_left)
         if self.config.policy == "prefill_first":
             # Whole prompts in a step of their own whenever any can run; decodes wait.
-            budget = self._schedule_running([r for r in decodes_first if _has_prompt_left(r)],
-                                            out, chunks, budget)
             self._admit_waiting(out, chunks, budget, whole_prompts=True)
             if not chunks:
                 self._schedule_running(decodes_first, out, chunks, budget)
@@ -94,18 +93,27 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, chunks: dict[str, int], budget: int,
                        whole_prompts: bool) -> None:
-        """Admits waiting requests FCFS into the remaining budget. With `whole_prompts`, a
-        prompt is split only when it is the step's first (it could never fit otherwise)."""
+        """Admits waiting requests FCFS into the remaining budget, each starting after its
+        cached prefix. With `whole_prompts`, prompts are never split: the step's first may
+        exceed the budget, later ones must fit in it. A request whose next block another
+        request computes in this very step waits for the next step to hit it instead."""
+        pending = self._blocks_completed_by(chunks)
         while (not out.preempted_request_ids and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            remaining = request.num_tokens - request.num_computed_tokens
+            cached = self.kv_cache.find_cached_prefix(request)
+            hashes = request.block_hashes
+            if len(cached) < len(hashes) and hashes[len(cached)] in pending:
+                break
+            remaining = request.num_tokens - len(cached) * self.kv_cache.block_size
             if whole_prompts and chunks and remaining > budget:
                 break
-            num_new = min(remaining, budget)
-            if not self.kv_cache.allocate_slots(request, num_new):
+            num_new = remaining if whole_prompts else min(remaining, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, cached):
                 break
             self.waiting.popleft()
+            self.kv_cache.record_lookup(request, len(cached) * self.kv_cache.block_size)
+            request.num_computed_tokens = len(cached) * self.kv_cache.block_size
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if request.request_id not in self._started_ids:
@@ -115,7 +123,21 @@ class Scheduler:
                     request.request_id, request.prompt_token_ids, request.sampling_params,
                     request.eos_token_ids))
             chunks[request.request_id] = num_new
-            budget -= num_new
+            pending.update(self._blocks_completed_by({request.request_id: num_new}))
+            budget = max(budget - num_new, 0)
+
+    def _blocks_completed_by(self, chunks: dict[str, int]) -> set[bytes]:
+        """The hashes of the full blocks that the given chunks finish computing."""
+        if not self.kv_cache.enable_prefix_caching:
+            return set()
+        size = self.kv_cache.block_size
+        completed = set()
+        for request_id, num_new in chunks.items():
+            request = self.requests[request_id]
+            hashes = self.kv_cache.block_hashes(request)
+            start = request.num_computed_tokens // size
+            completed.update(hashes[start:(request.num_computed_tokens + num_new) // size])
+        return completed
 
     def _schedule_chunk(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -141,6 +163,10 @@ class Scheduler:
                            result: ModelRunnerOutput) -> list[Request]:
         """Appends each sampled token to its request and finishes those that hit a token-level
         stop; returns the requests that got a token."""
+        for scheduled_request in scheduled.scheduled:
+            request = self.requests.get(scheduled_request.request_id)
+            if request is not None:
+                self.kv_cache.cache_computed_blocks(request)
         updated = []
         for request_id, token_ids in zip(result.request_ids, result.sampled_token_ids,
                                           strict=True):

@@ -6,7 +6,7 @@ Unknown fields are ignored, as OpenAI clients send some this server has no use f
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,10 +39,15 @@ class SamplingRequest(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def engine_prompt(self, prompt: dict[str, Any]) -> dict[str, Any]:
+        """A prompt for the engine, with this request's `cache_salt` when it has one."""
+        return prompt if self.cache_salt is None else {**prompt, "cache_salt": self.cache_salt}
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(

@@ -35,7 +35,8 @@ class ChatServer(Serving):
             max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
         ids = self.llm.engine.apply_chat_template(
             [m.template_dict() for m in request.messages], request.add_generation_prompt)
-        stream = self.llm.add_requests([{"prompt_token_ids": ids}], params)[0]
+        stream = self.llm.add_requests([request.engine_prompt({"prompt_token_ids": ids})],
+                                       params)[0]
         return params, stream
 
     async def full(self, request: ChatCompletionRequest) -> dict[str, Any]:

@@ -23,15 +23,14 @@ from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 
-def prompts_of(request: CompletionRequest) -> list[str | dict[str, Any]]:
+def prompts_of(request: CompletionRequest) -> list[dict[str, Any]]:
     prompt = request.prompt
-    if isinstance(prompt, str):
-        return [prompt]
     if not prompt:
         raise ValueError("prompt must not be empty")
-    if isinstance(prompt[0], int):
-        return [{"prompt_token_ids": prompt}]
-    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        prompt = [prompt]  # type: ignore[assignment]
+    return [request.engine_prompt({"prompt": p} if isinstance(p, str)
+                                  else {"prompt_token_ids": p}) for p in prompt]
 
 
 class CompletionServer(Serving):

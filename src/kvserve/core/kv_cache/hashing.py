@@ -1,0 +1,41 @@
+"""Content hashes of full KV blocks, chained so that one hash names a block's whole prefix.
+
+Two blocks share a hash only when every token up to and including theirs is the same and so
+are the request's extra keys (its `cache_salt`, later a LoRA id): those go into the first
+block's hash, and the chain carries them to every later one. SHA-256 keeps collisions out of
+reach, which matters once different tenants' salts are all that keeps their KV apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+from kvserve.request import Request
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int],
+               extra_keys: tuple[str, ...] = ()) -> BlockHash:
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", token_ids).tobytes())
+    for key in extra_keys:
+        digest.update(b"\0" + key.encode())
+    return digest.digest()
+
+
+def request_extra_keys(request: Request) -> tuple[str, ...]:
+    """What besides the tokens changes this request's KV, or whom it may be shared with."""
+    return () if request.cache_salt is None else ("salt:" + request.cache_salt,)
+
+
+def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
+    """Extends `request.block_hashes` to cover every full block of its tokens so far."""
+    hashes = request.block_hashes
+    for index in range(len(hashes), request.num_tokens // block_size):
+        tokens = request.token_ids_slice(index * block_size, (index + 1) * block_size)
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens,
+                                 request_extra_keys(request) if index == 0 else ()))
+    return hashes

@@ -1,0 +1,41 @@
+"""Helpers that drive a Scheduler on plain Python objects, with a pretend model."""
+
+from kvserve.config import SchedulerConfig
+from kvserve.core.kv_cache.manager import KVCacheManager
+from kvserve.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.scheduler.scheduler import Scheduler
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+
+
+def make_scheduler(num_blocks=16, block_size=4, budget=16, max_seqs=8, max_len=1024,
+                   policy="chunked", prefix_caching=True):
+    kv = KVCacheManager(num_blocks, block_size, prefix_caching)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                             max_model_len=max_len, policy=policy)
+    return Scheduler(config, kv)
+
+
+def add(sched, request_id, num_prompt=0, max_tokens=4, tokens=None, cache_salt=None,
+        **params):
+    """Queues a request. Without `tokens`, its prompt of `num_prompt` tokens shares no block
+    with any other id's."""
+    if tokens is None:
+        start = 1000 * sum(map(ord, request_id))
+        tokens = list(range(start, start + num_prompt))
+    request = Request(request_id, list(tokens), SamplingParams(**params), eos_token_ids=(2,),
+                      max_tokens=max_tokens, cache_salt=cache_salt)
+    sched.add_request(request)
+    return request
+
+
+def step(sched, token=7) -> SchedulerOutput:
+    """Schedules, then pretends the model sampled `token` for every request that samples."""
+    out = sched.schedule()
+    sampled = [s.request_id for s in out.scheduled if s.sample]
+    sched.update_from_output(out, ModelRunnerOutput(sampled, [[token]] * len(sampled)))
+    return out
+
+
+def chunks(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(s.request_id, len(s.token_ids)) for s in out.scheduled]
