@@ -6,10 +6,11 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kvserve.benchmarks import latency, serve, throughput
+    from kvserve.benchmarks import latency, prefix, serve, throughput
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
     serve.add_parser(bench_sub)
+    prefix.add_parser(bench_sub)

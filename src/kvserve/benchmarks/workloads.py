@@ -41,3 +41,18 @@ def variable(num_prompts: int, prompt_range: tuple[int, int], output_range: tupl
     prompts = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in prompt_lens]
     return Workload(f"variable {num_prompts}x[{prompt_range[0]},{prompt_range[1]}]"
                     f"->[{output_range[0]},{output_range[1]}]", prompts, output_lens)
+
+
+def shared_prefix(num_groups: int, group_size: int, prefix_len: int, suffix_len: int,
+                  output_len: int, vocab_size: int, seed: int = 0) -> Workload:
+    """Groups of prompts that share a head (a system prompt, few-shot examples, a document)
+    and differ in a short tail, shuffled so that the groups interleave."""
+    gen = torch.Generator().manual_seed(seed)
+    heads = [torch.randint(3, vocab_size, (prefix_len,), generator=gen).tolist()
+             for _ in range(num_groups)]
+    prompts = [head + torch.randint(3, vocab_size, (suffix_len,), generator=gen).tolist()
+               for head in heads for _ in range(group_size)]
+    order = torch.randperm(len(prompts), generator=gen).tolist()
+    return Workload(f"{num_groups} groups x {group_size}, {prefix_len} shared + {suffix_len} "
+                    f"-> {output_len}", [prompts[i] for i in order],
+                    [output_len] * len(prompts))

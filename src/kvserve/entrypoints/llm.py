@@ -9,19 +9,40 @@ from tqdm import tqdm
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine, ParentRequest, PromptType
-from kvserve.outputs import RequestOutput
+from kvserve.engine.prefix_sharing import sharing_order
+from kvserve.outputs import EngineStats, RequestOutput
 from kvserve.sampling_params import SamplingParams
+
+PREFIX_SHARING = ("auto", "off")
 
 
 class LLM:
     """Takes the engine options of `EngineConfig.create` (model, dtype, max_num_batched_tokens,
-    max_num_seqs, block_size, kv_cache_memory, max_model_len, seed, device, scheduler_policy)."""
+    max_num_seqs, block_size, kv_cache_memory, max_model_len, seed, device, scheduler_policy,
+    enable_prefix_caching).
 
-    def __init__(self, model: str, **engine_options: Any) -> None:
+    `prefix_sharing="auto"` admits a batch's prompts grouped by shared heads (BatchLLM) when
+    prefix caching is on; "off" admits them in the caller's order. Outputs always come back
+    in the caller's order.
+    """
+
+    def __init__(self, model: str, prefix_sharing: str = "auto", **engine_options: Any) -> None:
+        if prefix_sharing not in PREFIX_SHARING:
+            raise ValueError(f"prefix_sharing must be one of {', '.join(PREFIX_SHARING)}, "
+                             f"got {prefix_sharing!r}")
+        self.prefix_sharing = prefix_sharing
         self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_stats(self) -> EngineStats:
+        """Queues, KV blocks (in use and peak) and prefix-cache counters since start."""
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached KV block, so that the next prompts are computed afresh."""
+        self.engine.core.kv_cache.reset_prefix_cache()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -61,10 +82,21 @@ class LLM:
             checked.append((parent, p, max_tokens))
         return checked
 
+    def _admission_order(self, checked: list[tuple[ParentRequest, SamplingParams, int]]
+                         ) -> list[int]:
+        config = self.engine.config
+        if (self.prefix_sharing == "off" or not config.cache.enable_prefix_caching
+                or len(checked) < 2):
+            return list(range(len(checked)))
+        return sharing_order([parent.prompt_token_ids for parent, _, _ in checked],
+                             [max_tokens for _, _, max_tokens in checked],
+                             config.cache.block_size,
+                             [parent.cache_salt for parent, _, _ in checked])
+
     def _run(self, checked: list[tuple[ParentRequest, SamplingParams, int]],
              use_tqdm: bool) -> list[RequestOutput]:
-        for parent, p, max_tokens in checked:
-            self.engine.add_validated(parent, p, max_tokens)
+        for index in self._admission_order(checked):
+            self.engine.add_validated(*checked[index])
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(checked), desc="generate", unit="req",
                   disable=not use_tqdm or len(checked) < 2) as bar:
