@@ -97,7 +97,7 @@ class Scheduler:
         cached prefix. With `whole_prompts`, prompts are never split: the step's first may
         exceed the budget, later ones must fit in it. A request whose next block another
         request computes in this very step waits for the next step to hit it instead."""
-        pending = self._blocks_completed_by(chunks)
+        pending = self._blocks_completed_by(chunks) if self.waiting else set()
         while (not out.preempted_request_ids and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]

@@ -7,6 +7,7 @@ a client that disconnects has its request aborted before the engine's next step.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable
@@ -239,6 +240,11 @@ def serve(llm: AsyncLLM, config: ServerConfig, host: str, port: int) -> None:
           f"try:  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
           f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": \"def fibonacci(n):\", "
           f"\"max_tokens\": 32}}'", flush=True)
+    # Everything loaded so far (torch, transformers, the model) lives as long as the server:
+    # keep it out of the collector, whose full passes over it would hold the GIL for
+    # 100+ ms and stall the HTTP loop.
+    gc.collect()
+    gc.freeze()
     try:
         uvicorn.run(build_app(llm, config), host=host, port=port, log_level="info")
     finally:
