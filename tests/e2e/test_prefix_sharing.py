@@ -34,3 +34,18 @@ def test_prefix_sharing_value_is_checked(llama_dir):
 
     with pytest.raises(ValueError, match="prefix_sharing must be one of auto, off"):
         LLM(str(llama_dir), prefix_sharing="always")
+
+
+def test_a_follow_up_chat_turn_reuses_the_earlier_turn(llama_dir):
+    llm = LLM(str(llama_dir))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    chat = [{"role": "system", "content": "You answer briefly. " * 8},
+            {"role": "user", "content": "What is a KV cache?"}]
+    reply = llm.chat(chat, params, use_tqdm=False)[0].outputs[0].text
+    turn1_tokens = len(llm.engine.apply_chat_template(chat))
+    before = llm.get_stats().prefix_cache_hits
+    chat += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
+    llm.chat(chat, params, use_tqdm=False)
+    hits = llm.get_stats().prefix_cache_hits - before
+    block = llm.engine.config.cache.block_size
+    assert hits >= turn1_tokens // block * block  # at least the whole first prompt's blocks

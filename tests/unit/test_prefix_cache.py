@@ -137,3 +137,18 @@ def test_caching_off_never_hits():
     assert chunks(step(sched)) == [("b", 13)]
     assert sched.kv_cache.prefix_cache_hits == 0
     run_to_end(sched)
+
+
+def test_admission_counts_hits_so_sharers_fit_where_strangers_do_not():
+    def admitted(tokens_of):
+        sched = make_scheduler(num_blocks=8, budget=64)
+        for i in range(6):
+            add(sched, f"r{i}", tokens=tokens_of(i), max_tokens=4)
+        for _ in range(2):
+            step(sched)
+        return len(sched.running)
+
+    # Each request needs four blocks: alone, two fit in eight; sharing a three-block head,
+    # five do (the first computes the head, the others join a step later).
+    assert admitted(lambda i: list(range(1000 * i, 1000 * i + 13))) == 2
+    assert admitted(lambda i: HEAD + [i]) == 5

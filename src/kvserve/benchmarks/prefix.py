@@ -86,12 +86,14 @@ def chat_run(args: argparse.Namespace, caching: bool) -> dict[str, float]:
     return summarize(timed, wall, llm)
 
 
-def median_row(label: str, runs: list[dict[str, float]]) -> dict[str, object]:
-    row: dict[str, object] = {"config": label}
-    for key in runs[0]:
-        value = statistics.median(r[key] for r in runs)
-        row[key] = round(value, 1 if key in ("req/s", "out tok/s", "hit rate %") else 3)
-    return row
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def table_row(label: str, median: dict[str, float]) -> dict[str, object]:
+    digits = {"out tok/s": 1, "hit rate %": 1, "peak KV blocks": None}
+    return {"config": label, **{key: round(value, digits.get(key, 3))
+                                for key, value in median.items()}}
 
 
 def run(args: argparse.Namespace) -> None:
@@ -109,14 +111,15 @@ def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
 
     LLM(**engine_kwargs(args)).generate("warm-up", use_tqdm=False)  # first-use costs
-    rows = []
+    results = {}
     for label, options in CONFIGS.items():
         runs = []
         for i in range(args.runs):
             runs.append(shared_run(args, options, model.vocab_size, kv_bytes))
             print(f"  {label}, run {i + 1}: {runs[-1]['wall s']:.1f} s", flush=True)
-        rows.append(median_row(label, runs))
-    off, fcfs, shared = (float(r["req/s"]) for r in rows)  # type: ignore[arg-type]
+        results[label] = medians(runs)
+    off, fcfs, shared = (r["req/s"] for r in results.values())
+    rows = [table_row(label, median) for label, median in results.items()]
     print_table(rows, title=f"shared-prefix batch, {args.model} (median of {args.runs})")
     ratios = {"caching / off": round(fcfs / off, 2),
               "global sharing / off": round(shared / off, 2),
@@ -125,13 +128,13 @@ def run(args: argparse.Namespace) -> None:
     chat_rows = []
     if args.turns:
         print(f"\nmulti-turn replay: {args.chats} chats x {args.turns} turns", flush=True)
-        for label, caching in (("caching off", False), ("caching on", True)):
-            runs = [chat_run(args, caching) for _ in range(args.runs)]
-            chat_rows.append(median_row(label, runs))
+        chat = {label: medians([chat_run(args, caching) for _ in range(args.runs)])
+                for label, caching in (("caching off", False), ("caching on", True))}
+        chat_rows = [table_row(label, median) for label, median in chat.items()]
         print_table(chat_rows, title=f"multi-turn chat, {args.chats} chats x {args.turns} "
                                      f"turns (median of {args.runs})")
-        on, off_chat = float(chat_rows[1]["req/s"]), float(chat_rows[0]["req/s"])  # type: ignore[arg-type]
-        ratios["multi-turn caching / off"] = round(on / off_chat, 2)
+        ratios["multi-turn caching / off"] = round(
+            chat["caching on"]["req/s"] / chat["caching off"]["req/s"], 2)
         print(f"multi-turn throughput ratio, caching / off: {ratios['multi-turn caching / off']}")
     save_json(args.json, {"benchmark": "prefix", "model": args.model, "pool_blocks": pool_blocks,
                           "shared": rows, "ratios": ratios, "multi_turn": chat_rows})
