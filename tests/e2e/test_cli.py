@@ -29,3 +29,20 @@ def test_bad_arguments_give_a_clear_error(tmp_path):
     assert run.returncode == 2
     assert "error: model: no config.json in" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_bench_prefix_reports_every_config_and_saves_json(llama_dir, tmp_path):
+    import json
+
+    out = tmp_path / "prefix.json"
+    run = kvserve("bench", "prefix", "--model", str(llama_dir), "--groups", "2",
+                  "--group-size", "3", "--prefix-len", "32", "--suffix-len", "4",
+                  "--output-len", "2", "--chats", "2", "--turns", "2",
+                  "--chat-system-words", "10", "--chat-user-words", "3", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    saved = json.loads(out.read_text())
+    assert [row["config"] for row in saved["shared"]] == [
+        "caching off", "caching, FCFS", "caching, global sharing"]
+    assert saved["shared"][0]["hit rate %"] == 0.0 and saved["shared"][2]["hit rate %"] > 0
+    assert set(saved["ratios"]) >= {"caching / off", "global sharing / caching FCFS",
+                                    "multi-turn caching / off"}
