@@ -97,6 +97,8 @@ def table_row(label: str, median: dict[str, float]) -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> None:
+    from kvserve import LLM
+
     model = ModelConfig.from_pretrained(args.model)
     blocks_per_request = -(-(args.prefix_len + args.suffix_len + args.output_len)
                            // args.block_size)
@@ -108,8 +110,6 @@ def run(args: argparse.Namespace) -> None:
           f"{args.prefix_len} shared + {args.suffix_len} own tokens -> {args.output_len}; "
           f"KV pool of {pool_blocks} blocks ({kv_bytes / 2**20:.0f} MiB), enough for "
           f"{args.pool_groups} groups at once", flush=True)
-    from kvserve import LLM
-
     LLM(**engine_kwargs(args)).generate("warm-up", use_tqdm=False)  # first-use costs
     results = {}
     for label, options in CONFIGS.items():

@@ -191,23 +191,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def warm_up(self) -> None:
-        """Runs a prefill at the full token budget, decodes and a sampled request, then
-        forgets their KV, so that first-use costs (kernel compilation, allocator growth) are
-        paid before the first real request."""
-        pool_tokens = self.core.kv_cache.pool.num_blocks * self.config.cache.block_size
-        length = max(1, min(self.config.scheduler.max_num_batched_tokens,
-                            self.max_model_len, pool_tokens) - 4)
-        vocab = self.config.model.vocab_size
-        self.add_request({"prompt_token_ids": [i % vocab for i in range(length)]},
-                         SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        self.add_request({"prompt_token_ids": [1, 2, 3]},
-                         SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=0,
-                                        max_tokens=4, ignore_eos=True))
-        while self.has_unfinished_requests():
-            self.step()
-        self.core.kv_cache.reset_prefix_cache()
-
     def stats(self) -> EngineStats:
         scheduler, kv = self.core.scheduler, self.core.kv_cache
         return EngineStats(

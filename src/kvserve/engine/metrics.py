@@ -30,7 +30,7 @@ class RequestTimes:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, engine: LLMEngine) -> None:
+    def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"labelnames": ["model_name"], "registry": self.registry}
         self._model = model_name
@@ -68,8 +68,7 @@ class EngineMetrics:
                 "kvserve_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held",
                 **labels),
         }
-        start = engine.stats()  # count from here, not from the engine's warm-up
-        self._last_totals = {name: getattr(start, name) for name in self._totals}
+        self._last_totals = dict.fromkeys(self._totals, 0)
         self._times: dict[str, RequestTimes] = {}
 
     def on_arrival(self, request_id: str, arrival: float, num_completions: int) -> None:

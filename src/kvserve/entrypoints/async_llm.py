@@ -72,9 +72,8 @@ class AsyncLLM:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
-        self.engine.warm_up()
         self.max_waiting_requests = max_waiting_requests
-        self.metrics = EngineMetrics(model_name or model, self.engine)
+        self.metrics = EngineMetrics(model_name or model)
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         # Requests handed to the engine thread, and those it has added: each counter is

@@ -105,15 +105,16 @@ class Scheduler:
             hashes = request.block_hashes
             if len(cached) < len(hashes) and hashes[len(cached)] in pending:
                 break
-            remaining = request.num_tokens - len(cached) * self.kv_cache.block_size
+            num_cached_tokens = len(cached) * self.kv_cache.block_size
+            remaining = request.num_tokens - num_cached_tokens
             if whole_prompts and chunks and remaining > budget:
                 break
             num_new = remaining if whole_prompts else min(remaining, budget)
             if not self.kv_cache.allocate_slots(request, num_new, cached):
                 break
             self.waiting.popleft()
-            self.kv_cache.record_lookup(request, len(cached) * self.kv_cache.block_size)
-            request.num_computed_tokens = len(cached) * self.kv_cache.block_size
+            self.kv_cache.record_lookup(request, num_cached_tokens)
+            request.num_computed_tokens = num_cached_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if request.request_id not in self._started_ids:
