@@ -16,20 +16,29 @@ def load_hf(model: str, dtype: torch.dtype):  # noqa: ANN201 (transformers model
 
 
 @torch.inference_mode()
-def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int) -> None:  # noqa: ANN001
-    """Left-pads the batch and decodes exactly max_new_tokens for every row (EOS ignored)."""
+def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int,  # noqa: ANN001
+                      temperature: float = 0.0) -> None:
+    """Left-pads the batch and decodes exactly max_new_tokens for every row (EOS ignored);
+    temperature > 0 samples from the whole distribution (no top-k/top-p), as kvserve does."""
     width = max(len(p) for p in prompts)
     pad = hf.config.pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+                min_new_tokens=max_new_tokens, pad_token_id=pad, **_sampling(temperature))
 
 
-def hf_run(hf, work: Workload, batch_size: int) -> float:  # noqa: ANN001
+def _sampling(temperature: float) -> dict[str, object]:
+    if temperature == 0.0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": None, "top_p": None}
+
+
+def hf_run(hf, work: Workload, batch_size: int, temperature: float = 0.0  # noqa: ANN001
+           ) -> float:
     """Seconds to run the workload in arrival order, `batch_size` prompts per generate."""
     start = time.perf_counter()
     for i in range(0, len(work.prompts), batch_size):
         hf_generate_batch(hf, work.prompts[i:i + batch_size],
-                          max(work.output_lens[i:i + batch_size]))
+                          max(work.output_lens[i:i + batch_size]), temperature)
     return time.perf_counter() - start

@@ -15,8 +15,8 @@ from kvserve.entrypoints.cli import engine_kwargs
 from kvserve.sampling_params import SamplingParams
 
 
-def kvserve_run(llm, work: Workload) -> float:  # noqa: ANN001
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+def kvserve_run(llm, work: Workload, temperature: float = 0.0) -> float:  # noqa: ANN001
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
               for n in work.output_lens]
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
     start = time.perf_counter()
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> None:
         hf_generate_batch(hf, [[5] * 16, [6] * 16], 4)
     rows = []
     for work in selected:
-        times = [kvserve_run(llm, work) for _ in range(args.runs)]
+        times = [kvserve_run(llm, work, args.temperature) for _ in range(args.runs)]
         ours = work.num_output_tokens / statistics.median(times)
         row: dict[str, object] = {
             "workload": work.name,
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> None:
         if hf is not None:
             hf_rates = {}
             for batch in args.hf_batch_sizes:
-                hf_rates[batch] = work.num_output_tokens / hf_run(hf, work, batch)
+                hf_rates[batch] = work.num_output_tokens / hf_run(hf, work, batch, args.temperature)
                 print(f"  hf batch {batch}: {hf_rates[batch]:.1f} useful out tok/s", flush=True)
             best = max(hf_rates, key=hf_rates.__getitem__)
             row.update({"hf best batch": best, "hf out tok/s": round(hf_rates[best], 1),
@@ -64,8 +64,9 @@ def run(args: argparse.Namespace) -> None:
         rows.append(row)
         print_table(rows[-1:])
     print_table(rows, title=f"throughput, {args.model}, {cfg.dtype}, "
-                            f"{torch.get_num_threads()} threads")
-    save_json(args.json, {"benchmark": "throughput", "model": args.model, "rows": rows})
+                            f"{torch.get_num_threads()} threads, temperature {args.temperature}")
+    save_json(args.json, {"benchmark": "throughput", "model": args.model,
+                          "temperature": args.temperature, "rows": rows})
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -78,6 +79,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--runs", type=int, default=3, help="kvserve runs; the median is reported")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 decodes greedily; above 0 both engines sample the full distribution")
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 32, 64])
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--json", default=None, help="write the results to this file")

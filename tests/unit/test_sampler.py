@@ -1,0 +1,36 @@
+import torch
+
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.sampler import Sampler
+
+LOGITS = torch.tensor([2.0, 0.5, float("-inf"), 1.0, -1.0, 3.0, 0.0, float("-inf")])
+
+
+def sample_many(params: SamplingParams, rows: int = 20000) -> torch.Tensor:
+    sampler = Sampler(seed=0, device="cpu")
+    states = [sampler.new_state(params, [1], ()) for _ in range(rows)]
+    out = sampler(LOGITS.repeat(rows, 1), states)
+    return torch.bincount(torch.tensor(out.token_ids), minlength=len(LOGITS)) / rows
+
+
+def test_random_choice_follows_the_tempered_distribution():
+    for temperature in (1.0, 0.5):
+        freq = sample_many(SamplingParams(temperature=temperature))
+        expected = torch.softmax(LOGITS / temperature, dim=-1)
+        assert torch.allclose(freq, expected, atol=0.015), (temperature, freq, expected)
+        assert freq[2] == 0 and freq[7] == 0  # impossible tokens are never drawn
+
+
+def test_filtered_tokens_are_never_drawn():
+    freq = sample_many(SamplingParams(temperature=1.0, top_k=2))
+    assert set(freq.nonzero().flatten().tolist()) == {0, 5}
+    expected = torch.softmax(torch.tensor([2.0, 3.0]), dim=-1)
+    assert torch.allclose(freq[[0, 5]], expected, atol=0.015)
+
+
+def test_a_single_possible_token_is_always_drawn():
+    logits = torch.full((64, 8), float("-inf"))
+    logits[:, 7] = 0.0  # the last entry: the search must not run past it or stop before it
+    sampler = Sampler(seed=1, device="cpu")
+    states = [sampler.new_state(SamplingParams(temperature=1.0), [1], ()) for _ in range(64)]
+    assert sampler(logits, states).token_ids == [7] * 64
