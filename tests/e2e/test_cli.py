@@ -46,3 +46,22 @@ def test_bench_prefix_reports_every_config_and_saves_json(llama_dir, tmp_path):
     assert saved["shared"][0]["hit rate %"] == 0.0 and saved["shared"][2]["hit rate %"] > 0
     assert set(saved["ratios"]) >= {"caching / off", "global sharing / caching FCFS",
                                     "multi-turn caching / off"}
+
+
+def test_bench_step_times_every_cell_and_names_a_too_small_pool(llama_dir, tmp_path):
+    import json
+
+    out = tmp_path / "step.json"
+    run = kvserve("bench", "step", "--model", str(llama_dir), "--decodes", "1", "3",
+                  "--chunks", "8", "24", "--context", "40", "--repeats", "2", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["decodes"], r["chunk"]) for r in rows] == [
+        (1, 0), (1, 8), (1, 24), (3, 0), (3, 8), (3, 24)]
+    assert all(r["chunk alone ms"] > 0 for r in rows if r["chunk"])
+    for flags, error in ((["--decodes", "64", "--kv-cache-memory", "0.001"],
+                          "--kv-cache-memory: the largest step needs"),
+                         (["--context", "1000000"], "--context: 1000000 plus the largest")):
+        bad = kvserve("bench", "step", "--model", str(llama_dir), *flags)
+        assert bad.returncode == 2 and error in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr

@@ -1,0 +1,120 @@
+"""`kvserve bench step`: what a prefill chunk costs when it rides in a decode step.
+
+Stall-free chunked prefill (Sarathi-Serve) lowers time per output token only where a decode
+step leaves the hardware idle, so prefill tokens added to it are nearly free: true of a GPU,
+whose decode steps are bound by memory bandwidth. This times the model runner on synthetic
+steps (B decodes at a given context, plus a prefill chunk of c tokens continuing a prompt of
+the same context) and reports the ride-along ratio: the time a chunk adds to a decode step
+over the time the same chunk takes in a step of its own. Near 0, chunking hides prefill work
+inside decodes; near 1, it only moves that work around, and prefill-first (whole prompts, at
+the per-token cost of the largest chunk alone) does as well on TPOT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvserve.benchmarks.report import print_table, save_json
+from kvserve.core.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
+from kvserve.entrypoints.cli import engine_kwargs
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.model_runner import ModelRunner
+
+
+class SyntheticSteps:
+    """Builds steps over a fixed set of fake requests whose blocks are handed out once."""
+
+    def __init__(self, runner: ModelRunner, max_decodes: int, max_chunk: int,
+                 context: int) -> None:
+        self.runner, self.context = runner, context
+        bs = runner.block_size
+        per_decode = -(-(context + 1) // bs)
+        needed = max_decodes * per_decode + -(-(context + max_chunk) // bs)
+        if needed > runner.num_blocks:
+            raise ValueError(f"--kv-cache-memory: the largest step needs {needed} KV blocks, "
+                             f"the pool has {runner.num_blocks}")
+        self.decode_blocks = [list(range(i * per_decode, (i + 1) * per_decode))
+                              for i in range(max_decodes)]
+        self.chunk_blocks = list(range(max_decodes * per_decode, needed))
+        params = SamplingParams(temperature=0.0)
+        self.pending = [NewRequestData(f"decode-{i}", [3] * context, params, ())
+                        for i in range(max_decodes)]
+
+    def run(self, num_decodes: int, chunk: int) -> float:
+        """Seconds for one step of `num_decodes` decodes and a `chunk`-token prefill chunk."""
+        sched = SchedulerOutput(new_requests=self.pending)
+        self.pending = []
+        sched.scheduled = [ScheduledRequest(f"decode-{i}", [4], self.context,
+                                            self.decode_blocks[i], sample=True)
+                           for i in range(num_decodes)]
+        if chunk:  # a middle chunk: it samples nothing
+            sched.scheduled.append(ScheduledRequest("prefill", [5] * chunk, self.context,
+                                                    self.chunk_blocks, sample=False))
+        start = time.perf_counter()
+        self.runner.execute_model(sched)
+        if self.runner.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> None:
+    from kvserve import LLM
+
+    if min(args.decodes) < 1 or min(args.chunks) < 1 or args.context < 1:
+        raise ValueError("--decodes, --chunks and --context must be at least 1")
+    llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
+    runner = llm.engine.core.runner
+    chunks = sorted(set(args.chunks))
+    limit = runner.config.scheduler.max_model_len
+    if args.context + chunks[-1] > limit:
+        raise ValueError(f"--context: {args.context} plus the largest chunk ({chunks[-1]}) "
+                         f"exceeds the model's max length ({limit})")
+    steps = SyntheticSteps(runner, max(args.decodes), max(chunks), args.context)
+    steps.run(max(args.decodes), max(chunks))  # first-use costs (kernel build, allocator)
+
+    def median_ms(num_decodes: int, chunk: int) -> float:
+        return statistics.median(steps.run(num_decodes, chunk)
+                                 for _ in range(args.repeats)) * 1e3
+
+    alone = {c: median_ms(0, c) for c in chunks}
+    rows: list[dict[str, object]] = []
+    for num_decodes in args.decodes:
+        base = median_ms(num_decodes, 0)
+        rows.append({"decodes": num_decodes, "chunk": 0, "step ms": round(base, 1)})
+        for c in chunks:
+            step = median_ms(num_decodes, c)
+            rows.append({"decodes": num_decodes, "chunk": c, "step ms": round(step, 1),
+                         "chunk adds ms": round(step - base, 1),
+                         "riding ms/token": round((step - base) / c, 2),
+                         "chunk alone ms": round(alone[c], 1),
+                         "ride-along ratio": round((step - base) / alone[c], 2)})
+        print_table(rows[-len(chunks) - 1:])
+    print_table(rows, title=(
+        f"step cost, {args.model}, {runner.config.model.dtype}, {runner.device}, context "
+        f"{args.context}, medians of {args.repeats}; ride-along ratio = what a chunk adds to "
+        f"a decode step / the same chunk in a step of its own; a {chunks[-1]}-token chunk "
+        f"alone costs {alone[chunks[-1]] / chunks[-1]:.2f} ms/token"))
+    save_json(args.json, {"benchmark": "step", "model": args.model, "device": runner.device,
+                          "context": args.context, "rows": rows})
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from kvserve.entrypoints.cli import add_engine_args
+
+    p = sub.add_parser("step", help="what a prefill chunk adds to a decode step, against "
+                                    "the chunk in a step of its own")
+    add_engine_args(p)
+    p.add_argument("--decodes", type=int, nargs="+", default=[1, 8, 32],
+                   help="decode batch sizes to time")
+    p.add_argument("--chunks", type=int, nargs="+", default=[16, 64, 256],
+                   help="prefill chunk sizes (tokens) to add to each decode batch")
+    p.add_argument("--context", type=int, default=256,
+                   help="tokens already in the KV cache of every decode and of the chunk")
+    p.add_argument("--repeats", type=int, default=7, help="timed steps per cell; the median "
+                                                          "is reported")
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=run)
