@@ -19,6 +19,7 @@ import time
 import torch
 
 from kvserve.benchmarks.report import print_table, save_json
+from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from kvserve.entrypoints.cli import engine_kwargs
 from kvserve.sampling_params import SamplingParams
@@ -28,15 +29,14 @@ from kvserve.worker.model_runner import ModelRunner
 class SyntheticSteps:
     """Builds steps over a fixed set of fake requests whose blocks are handed out once."""
 
-    def __init__(self, runner: ModelRunner, max_decodes: int, max_chunk: int,
-                 context: int) -> None:
+    def __init__(self, runner: ModelRunner, kv_cache: KVCacheManager, max_decodes: int,
+                 max_chunk: int, context: int) -> None:
         self.runner, self.context = runner, context
-        bs = runner.block_size
-        per_decode = -(-(context + 1) // bs)
-        needed = max_decodes * per_decode + -(-(context + max_chunk) // bs)
-        if needed > runner.num_blocks:
+        per_decode = kv_cache.num_blocks_for(context + 1)
+        needed = max_decodes * per_decode + kv_cache.num_blocks_for(context + max_chunk)
+        if needed > kv_cache.pool.num_blocks:
             raise ValueError(f"--kv-cache-memory: the largest step needs {needed} KV blocks, "
-                             f"the pool has {runner.num_blocks}")
+                             f"the pool has {kv_cache.pool.num_blocks}")
         self.decode_blocks = [list(range(i * per_decode, (i + 1) * per_decode))
                               for i in range(max_decodes)]
         self.chunk_blocks = list(range(max_decodes * per_decode, needed))
@@ -67,13 +67,13 @@ def run(args: argparse.Namespace) -> None:
     if min(args.decodes) < 1 or min(args.chunks) < 1 or args.context < 1:
         raise ValueError("--decodes, --chunks and --context must be at least 1")
     llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
-    runner = llm.engine.core.runner
+    runner, kv_cache = llm.engine.core.runner, llm.engine.core.kv_cache
     chunks = sorted(set(args.chunks))
     limit = runner.config.scheduler.max_model_len
     if args.context + chunks[-1] > limit:
         raise ValueError(f"--context: {args.context} plus the largest chunk ({chunks[-1]}) "
                          f"exceeds the model's max length ({limit})")
-    steps = SyntheticSteps(runner, max(args.decodes), max(chunks), args.context)
+    steps = SyntheticSteps(runner, kv_cache, max(args.decodes), max(chunks), args.context)
     steps.run(max(args.decodes), max(chunks))  # first-use costs (kernel build, allocator)
 
     def median_ms(num_decodes: int, chunk: int) -> float:

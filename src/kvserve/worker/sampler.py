@@ -5,7 +5,8 @@ repetition / presence / frequency penalties, temperature, top-k, top-p and min-p
 choice inverts the cumulative distribution at one uniform draw per row, taken from the
 request's own generator when it has a seed, so its text does not depend on what else is in the
 batch. One draw per row instead of one per vocabulary entry (the exponential race, or
-`torch.multinomial`) makes a 32-row step's sampling ~30x cheaper on CPU.
+`torch.multinomial`) cut the sampler's time for 32 rows at temperature 1 from 49 to 4 ms
+on a 2-core CPU.
 """
 
 from __future__ import annotations
