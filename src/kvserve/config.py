@@ -54,7 +54,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: str = "auto") -> ModelConfig:
+    def from_pretrained(cls, path: str | os.PathLike, dtype: str = "auto",
+                        device: str = "cpu") -> ModelConfig:
         folder = Path(path)
         config_file = folder / "config.json"
         if not config_file.is_file():
@@ -96,7 +97,7 @@ class ModelConfig:
             qkv_bias=arch.qkv_bias or bool(raw.get("attention_bias", False)),
             qk_norm=arch.qk_norm,
             sliding_window=int(sliding_window) if sliding_window else None,
-            dtype=resolve_dtype(dtype, raw),
+            dtype=resolve_dtype(dtype, raw, device),
             eos_token_ids=_eos_ids(raw, folder),
         )
 
@@ -106,13 +107,18 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
-def resolve_dtype(dtype: str | torch.dtype, raw: dict[str, Any]) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, raw: dict[str, Any], device: str = "cpu"
+                  ) -> torch.dtype:
+    """`auto` is the checkpoint's dtype, except that float32 checkpoints run in bfloat16 on
+    CUDA, whose tensor cores have no float32 rate worth serving at."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         return dtype
     if dtype == "auto":
         dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
+        if device.startswith("cuda") and _DTYPES.get(dtype) == torch.float32:
+            dtype = "bfloat16"
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return _DTYPES[dtype]
@@ -207,7 +213,7 @@ class EngineConfig:
                enable_prefix_caching: bool = True) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
-            model=ModelConfig.from_pretrained(model, dtype),
+            model=ModelConfig.from_pretrained(model, dtype, device),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,

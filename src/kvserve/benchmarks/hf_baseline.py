@@ -1,4 +1,6 @@
-"""The baseline: Hugging Face `generate` on the same checkpoint, padded static batches."""
+"""The baseline: Hugging Face `generate` on the same checkpoint and device, padded static
+batches. `static_cache` switches transformers to a preallocated cache, which it compiles
+with torch.compile on CUDA: its fastest single-model mode."""
 
 from __future__ import annotations
 
@@ -6,26 +8,31 @@ import time
 
 import torch
 
+from kvserve.benchmarks.device import synchronize
 from kvserve.benchmarks.workloads import Workload
 
 
-def load_hf(model: str, dtype: torch.dtype):  # noqa: ANN201 (transformers model)
+def load_hf(model: str, dtype: torch.dtype, device: str = "cpu"):  # noqa: ANN201
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
 
 
 @torch.inference_mode()
 def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int,  # noqa: ANN001
-                      temperature: float = 0.0) -> None:
+                      temperature: float = 0.0, static_cache: bool = False) -> None:
     """Left-pads the batch and decodes exactly max_new_tokens for every row (EOS ignored);
     temperature > 0 samples from the whole distribution (no top-k/top-p), as kvserve does."""
     width = max(len(p) for p in prompts)
     pad = hf.config.pad_token_id or 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                        device=hf.device)
+    cache = {"cache_implementation": "static"} if static_cache else {}
     hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens, pad_token_id=pad, **_sampling(temperature))
+                min_new_tokens=max_new_tokens, pad_token_id=pad, **_sampling(temperature),
+                **cache)
+    synchronize(hf.device)
 
 
 def _sampling(temperature: float) -> dict[str, object]:
@@ -34,11 +41,11 @@ def _sampling(temperature: float) -> dict[str, object]:
     return {"do_sample": True, "temperature": temperature, "top_k": None, "top_p": None}
 
 
-def hf_run(hf, work: Workload, batch_size: int, temperature: float = 0.0  # noqa: ANN001
-           ) -> float:
+def hf_run(hf, work: Workload, batch_size: int, temperature: float = 0.0,  # noqa: ANN001
+           static_cache: bool = False) -> float:
     """Seconds to run the workload in arrival order, `batch_size` prompts per generate."""
     start = time.perf_counter()
     for i in range(0, len(work.prompts), batch_size):
         hf_generate_batch(hf, work.prompts[i:i + batch_size],
-                          max(work.output_lens[i:i + batch_size]), temperature)
+                          max(work.output_lens[i:i + batch_size]), temperature, static_cache)
     return time.perf_counter() - start

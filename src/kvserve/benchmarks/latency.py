@@ -1,62 +1,49 @@
 """`kvserve bench latency`: batch-1 TTFT and time per output token against the bandwidth floor.
 
 The floor is the time to stream every matmul weight once (what one decode step must read)
-at the bandwidth measured in the same run: a large copy (read + write bytes counted), and
-a large read-only sum, which is what a decode step does with its weights.
+at the bandwidth of the engine's device measured in the same run: a large copy (read + write
+bytes counted), and a large read-only sum, which is what a decode step does with its weights.
+transformers runs on the same device, eagerly and, with `--hf-compile`, with a static cache
+that it compiles.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from kvserve.benchmarks.hf_baseline import load_hf
+from kvserve.benchmarks.device import memory_bandwidth, timed
+from kvserve.benchmarks.hf_baseline import hf_generate_batch, load_hf
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import fixed
-from kvserve.entrypoints.cli import engine_kwargs
+from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.layers.linear import Linear
 from kvserve.sampling_params import SamplingParams
-
-
-def memory_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> tuple[float, float]:
-    """Best bytes/s of a large tensor copy (read + write counted) and of a read-only sum."""
-    src = torch.ones(num_bytes // 4)
-    dst = torch.zeros_like(src)
-    copy = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-    read = min(_timed(src.sum) for _ in range(repeats))
-    return 2 * num_bytes / copy, num_bytes / read
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(m.weight_bytes for m in model.modules() if isinstance(m, Linear))
 
 
-def _timed(fn) -> float:  # noqa: ANN001
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
 
-    llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
-    cfg = llm.engine.config.model
+    llm = LLM(**engine_kwargs(args))
+    cfg, device = llm.engine.config.model, llm.engine.config.device
     prompt = fixed(1, args.prompt_len, args.output_len, cfg.vocab_size).prompts[0]
 
     def ours(n: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        return _timed(lambda: llm.generate([{"prompt_token_ids": prompt}], params,
-                                           use_tqdm=False))
+        return timed(lambda: llm.generate([{"prompt_token_ids": prompt}], params,
+                                          use_tqdm=False), device)
 
     ours(4)
     ttft = [ours(1) for _ in range(args.runs)]
     full = [ours(args.output_len) for _ in range(args.runs)]
     tpot = (statistics.median(full) - statistics.median(ttft)) / (args.output_len - 1)
-    bandwidth, read_bandwidth = memory_bandwidth()
+    bandwidth, read_bandwidth = memory_bandwidth(device)
     nbytes = weight_bytes(llm.engine.core.runner.model)
     floor = nbytes / bandwidth
     read_floor = nbytes / read_bandwidth
@@ -69,39 +56,39 @@ def run(args: argparse.Namespace) -> None:
 
     rows = [row("kvserve", statistics.median(ttft), tpot)]
     if not args.no_hf:
-        hf = load_hf(args.model, cfg.dtype)
-        ids = torch.tensor([prompt])
-
-        def theirs(n: int) -> float:
-            with torch.inference_mode():
-                return _timed(lambda: hf.generate(ids, max_new_tokens=n, min_new_tokens=n,
-                                                  do_sample=False))
-        theirs(4)
-        hf_ttft = statistics.median(theirs(1) for _ in range(args.runs))
-        hf_full = statistics.median(theirs(args.output_len) for _ in range(args.runs))
-        hf_tpot = (hf_full - hf_ttft) / (args.output_len - 1)
-        rows.append(row("transformers", hf_ttft, hf_tpot))
+        hf = load_hf(args.model, cfg.dtype, device)
+        for static_cache in [False, True] if args.hf_compile else [False]:
+            def theirs(n: int, static_cache: bool = static_cache) -> float:
+                return timed(lambda: hf_generate_batch(hf, [prompt], n,
+                                                       static_cache=static_cache), device)
+            theirs(4)
+            hf_ttft = statistics.median(theirs(1) for _ in range(args.runs))
+            hf_full = statistics.median(theirs(args.output_len) for _ in range(args.runs))
+            hf_tpot = (hf_full - hf_ttft) / (args.output_len - 1)
+            rows.append(row("transformers static+compile" if static_cache else "transformers",
+                            hf_ttft, hf_tpot))
     rows.append({"engine": "copy-bandwidth floor", "TPOT ms": round(floor * 1e3, 2),
                  "decode tok/s": round(1 / floor, 1), "TPOT / floor": 1.0})
     rows.append({"engine": "read-bandwidth floor", "TPOT ms": round(read_floor * 1e3, 2),
                  "decode tok/s": round(1 / read_floor, 1), "TPOT / read floor": 1.0})
     print_table(rows, title=(
         f"latency, batch 1, {args.prompt_len}-token prompt, {args.output_len} new tokens, "
-        f"{args.model}, {cfg.dtype}; floor = {nbytes / 1e6:.0f} MB of weights at "
+        f"{args.model}, {cfg.dtype}, {device}; floor = {nbytes / 1e6:.0f} MB of weights at "
         f"{bandwidth / 1e9:.1f} GB/s copy / {read_bandwidth / 1e9:.1f} GB/s read bandwidth"))
-    save_json(args.json, {"benchmark": "latency", "model": args.model, "rows": rows,
+    save_json(args.json, {"benchmark": "latency", "model": args.model, "device": device,
+                          "rows": rows,
                           "weight_bytes": nbytes, "copy_bandwidth": bandwidth,
                           "read_bandwidth": read_bandwidth})
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from kvserve.entrypoints.cli import add_engine_args
-
     p = sub.add_parser("latency", help="batch-1 TTFT and TPOT against the bandwidth floor")
     add_engine_args(p)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="also time transformers with a static cache, which it compiles on CUDA")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)

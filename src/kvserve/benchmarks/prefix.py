@@ -19,7 +19,7 @@ from typing import Any
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import shared_prefix
 from kvserve.config import ModelConfig
-from kvserve.entrypoints.cli import engine_kwargs
+from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -141,8 +141,6 @@ def run(args: argparse.Namespace) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from kvserve.entrypoints.cli import add_engine_args
-
     p = sub.add_parser("prefix", help="prefix caching and global prefix sharing on "
                                       "shared-prefix and multi-turn workloads")
     add_engine_args(p)

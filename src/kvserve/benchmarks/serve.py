@@ -24,7 +24,8 @@ import httpx
 
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import Workload, variable
-from kvserve.config import ModelConfig
+from kvserve.config import SCHEDULER_POLICIES, ModelConfig
+from kvserve.engine_args import add_engine_args, engine_flags
 from kvserve.entrypoints.openai.launch import server_process
 
 
@@ -145,10 +146,10 @@ def summarize(results: list[RequestResult], wall: float, health: list[float],
 
 @contextmanager
 def local_server(args: argparse.Namespace, policy: str) -> Iterator[str]:
-    with server_process(args.model, [
-            "--served-model-name", args.served_model_name, "--scheduler-policy", policy,
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--kv-cache-memory", str(args.kv_cache_memory)]) as url:
+    """`kvserve serve` with every engine flag this command was given, under `policy`."""
+    flags = [*engine_flags(args), "--scheduler-policy", policy,
+             "--served-model-name", args.served_model_name]
+    with server_process(args.model, flags) as url:
         yield url
 
 
@@ -247,12 +248,12 @@ def _ratio(a: object, b: object) -> float | str:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="latency, throughput and goodput of a server under load")
     p.add_argument("--url", default=None, help="a running OpenAI-compatible server")
-    p.add_argument("--model", default=None, help="checkpoint to serve locally, once per policy")
+    # --model: a checkpoint to serve locally, once per --policies entry, with these flags.
+    add_engine_args(p, model="optional")
+    p.set_defaults(max_num_batched_tokens=256)  # --seed also seeds the workload
     p.add_argument("--served-model-name", default="bench")
-    p.add_argument("--policies", nargs="+", default=["chunked", "prefill_first"])
-    p.add_argument("--max-num-batched-tokens", type=int, default=256,
-                   help="the local servers' token budget per step")
-    p.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB, local servers")
+    p.add_argument("--policies", nargs="+", default=["chunked", "prefill_first"],
+                   choices=SCHEDULER_POLICIES, help="with --model: the schedules to compare")
     p.add_argument("--rates", type=float, nargs="*", default=[0.5, 1.0, 2.0],
                    help="Poisson request rates to sweep (req/s)")
     p.add_argument("--concurrency", type=int, default=None,
@@ -267,7 +268,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-ttft", type=float, default=5.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.25,
                    help="seconds per output token (0.25: about reading speed)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG of p99 TTFT/TPOT and goodput vs rate")
     p.set_defaults(func=run)

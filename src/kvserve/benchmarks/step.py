@@ -21,7 +21,7 @@ import torch
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
-from kvserve.entrypoints.cli import engine_kwargs
+from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.model_runner import ModelRunner
 
@@ -103,8 +103,6 @@ def run(args: argparse.Namespace) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from kvserve.entrypoints.cli import add_engine_args
-
     p = sub.add_parser("step", help="what a prefill chunk adds to a decode step, against "
                                     "the chunk in a step of its own")
     add_engine_args(p)

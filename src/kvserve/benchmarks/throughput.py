@@ -1,4 +1,6 @@
-"""`kvserve bench throughput`: offline output tokens/s, kvserve against HF generate."""
+"""`kvserve bench throughput`: offline output tokens/s, kvserve against HF generate on the
+same checkpoint and device (eagerly, and with `--hf-compile` also with a compiled static
+cache)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,11 @@ import time
 
 import torch
 
+from kvserve.benchmarks.device import synchronize
 from kvserve.benchmarks.hf_baseline import hf_generate_batch, hf_run, load_hf
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import Workload, fixed, variable
-from kvserve.entrypoints.cli import engine_kwargs
+from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.sampling_params import SamplingParams
 
 
@@ -21,6 +24,7 @@ def kvserve_run(llm, work: Workload, temperature: float = 0.0) -> float:  # noqa
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    synchronize(llm.engine.config.device)
     elapsed = time.perf_counter() - start
     got = [len(o.outputs[0].token_ids) for o in outputs]
     assert got == work.output_lens, "kvserve produced a different number of tokens"
@@ -30,18 +34,22 @@ def kvserve_run(llm, work: Workload, temperature: float = 0.0) -> float:  # noqa
 def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
 
-    llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
-    cfg = llm.engine.config.model
+    llm = LLM(**engine_kwargs(args))
+    cfg, device = llm.engine.config.model, llm.engine.config.device
     vocab = cfg.vocab_size
     workloads = {
         "a": fixed(args.num_prompts, 128, 128, vocab, args.workload_seed),
         "b": variable(args.num_prompts, (32, 512), (16, 256), vocab, args.workload_seed),
+        # nano-vllm's benchmark (bench.py): 256 requests, 100-1024 tokens in and out.
+        "nano": variable(256, (100, 1024), (100, 1024), vocab, args.workload_seed),
     }
     selected = [workloads[w] for w in args.workloads]
-    hf = None if args.no_hf else load_hf(args.model, cfg.dtype)
+    hf = None if args.no_hf else load_hf(args.model, cfg.dtype, device)
+    hf_modes = {"hf": False, "hf static+compile": True} if args.hf_compile else {"hf": False}
     kvserve_run(llm, fixed(2, 16, 4, vocab))  # warm-up
     if hf is not None:
-        hf_generate_batch(hf, [[5] * 16, [6] * 16], 4)
+        for static_cache in hf_modes.values():
+            hf_generate_batch(hf, [[5] * 16, [6] * 16], 4, static_cache=static_cache)
     rows = []
     for work in selected:
         times = [kvserve_run(llm, work, args.temperature) for _ in range(args.runs)]
@@ -54,28 +62,31 @@ def run(args: argparse.Namespace) -> None:
                                          / statistics.median(times), 1),
         }
         if hf is not None:
-            hf_rates = {}
-            for batch in args.hf_batch_sizes:
-                hf_rates[batch] = work.num_output_tokens / hf_run(hf, work, batch, args.temperature)
-                print(f"  hf batch {batch}: {hf_rates[batch]:.1f} useful out tok/s", flush=True)
-            best = max(hf_rates, key=hf_rates.__getitem__)
-            row.update({"hf best batch": best, "hf out tok/s": round(hf_rates[best], 1),
-                        "ratio": round(ours / hf_rates[best], 2)})
+            for mode, static_cache in hf_modes.items():
+                rates = {}
+                for batch in args.hf_batch_sizes:
+                    rates[batch] = work.num_output_tokens / hf_run(
+                        hf, work, batch, args.temperature, static_cache)
+                    print(f"  {mode} batch {batch}: {rates[batch]:.1f} useful out tok/s",
+                          flush=True)
+                best = max(rates, key=rates.__getitem__)
+                row.update({f"{mode} best batch": best,
+                            f"{mode} out tok/s": round(rates[best], 1),
+                            f"ratio vs {mode}": round(ours / rates[best], 2)})
         rows.append(row)
         print_table(rows[-1:])
-    print_table(rows, title=f"throughput, {args.model}, {cfg.dtype}, "
+    print_table(rows, title=f"throughput, {args.model}, {cfg.dtype}, {device}, "
                             f"{torch.get_num_threads()} threads, temperature {args.temperature}")
-    save_json(args.json, {"benchmark": "throughput", "model": args.model,
+    save_json(args.json, {"benchmark": "throughput", "model": args.model, "device": device,
                           "temperature": args.temperature, "rows": rows})
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from kvserve.entrypoints.cli import add_engine_args
-
     p = sub.add_parser("throughput", help="offline throughput against HF generate")
     add_engine_args(p)
-    p.add_argument("--workloads", nargs="+", choices=["a", "b"], default=["a", "b"],
-                   help="a: N x 128 -> 128 tokens; b: N x [32,512] -> [16,256] tokens")
+    p.add_argument("--workloads", nargs="+", choices=["a", "b", "nano"], default=["a", "b"],
+                   help="a: N x 128 -> 128 tokens; b: N x [32,512] -> [16,256] tokens; "
+                        "nano: nano-vllm's 256 x [100,1024] -> [100,1024] tokens")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--runs", type=int, default=3, help="kvserve runs; the median is reported")
@@ -83,5 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="0 decodes greedily; above 0 both engines sample the full distribution")
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 32, 64])
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="also run transformers with a static cache, which it compiles on CUDA")
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=run)

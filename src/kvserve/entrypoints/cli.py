@@ -7,48 +7,8 @@ import logging
 import os
 import sys
 
-from kvserve.config import (
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_MAX_WAITING_REQUESTS,
-    SCHEDULER_POLICIES,
-    GiB,
-)
-
-
-def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
-    """The engine options shared by every command that loads a model."""
-    if model_positional:
-        parser.add_argument("model", help="HF checkpoint folder")
-    else:
-        parser.add_argument("--model", required=True, help="HF checkpoint folder")
-    parser.add_argument("--dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights and compute dtype (float32 is fastest on CPUs "
-                             "without AVX512-BF16/AMX)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", type=float, default=2.0,
-                        help="KV cache size in GiB (default 2)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--scheduler-policy", default="chunked", choices=SCHEDULER_POLICIES,
-                        help="chunked: stall-free chunked prefill beside decodes (default); "
-                             "prefill_first: whole prompts before decodes (a baseline)")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True, help="reuse the KV of prompt heads already computed "
-                                           "(default on)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    return dict(model=args.model, dtype=args.dtype,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                kv_cache_memory=int(args.kv_cache_memory * GiB),
-                max_model_len=args.max_model_len, seed=args.seed, device=args.device,
-                scheduler_policy=args.scheduler_policy,
-                enable_prefix_caching=args.enable_prefix_caching)
+from kvserve.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS, GiB
+from kvserve.engine_args import add_engine_args, engine_kwargs
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -112,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_engine_args(srv, model_positional=True)
+    add_engine_args(srv, model="positional")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),

@@ -42,6 +42,9 @@ PRESETS = {
     "tiny": Preset("llama", 64, 128, 2, 4, 2, 3000, 1024, init_std=0.08),
     "smollm2-135m": Preset("llama", 576, 1536, 30, 9, 3, 49152, 8192, rope_theta=100000.0),
     "qwen2.5-0.5b": Preset("qwen2", 896, 4864, 24, 14, 2, 151936, 32768, rope_theta=1e6),
+    # Qwen3-0.6B's shapes: the model of nano-vllm's benchmark.
+    "qwen3-0.6b": Preset("qwen3", 1024, 3072, 28, 16, 8, 151936, 40960, rope_theta=1e6,
+                         head_dim=128, dtype="bfloat16"),
     "llama3-8b": Preset("llama", 4096, 14336, 32, 32, 8, 128256, 131072, rope_theta=500000.0,
                         rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -1,0 +1,35 @@
+"""What a benchmark needs to know of the device it runs on: when its work is done, and how
+fast it streams memory (the floor every decode step is measured against)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Waits for the device's queued work (a no-op on CPU), so a timer sees all of it."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: str | torch.device = "cpu") -> float:
+    """Seconds `fn` takes, including the device work it queued."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def memory_bandwidth(device: str | torch.device = "cpu", num_bytes: int = 1 << 30,
+                     repeats: int = 5) -> tuple[float, float]:
+    """Best bytes/s on `device` of a large tensor copy (read + write counted) and of a
+    read-only sum."""
+    src = torch.ones(num_bytes // 4, device=device)
+    dst = torch.zeros_like(src)
+    copy = min(timed(lambda: dst.copy_(src), device) for _ in range(repeats))
+    read = min(timed(src.sum, device) for _ in range(repeats))
+    return 2 * num_bytes / copy, num_bytes / read

@@ -1,0 +1,67 @@
+"""The engine options as command-line flags, shared by `kvserve serve|generate` and every
+`kvserve bench`: one table turns flags into `EngineConfig.create` keywords, and back into
+flags for a server a benchmark starts as a subprocess."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvserve.config import SCHEDULER_POLICIES, GiB
+
+# (flag, argparse options); each flag's dest is an `EngineConfig.create` keyword.
+ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="weights and compute dtype; auto: bfloat16 on CUDA, else the "
+                          "checkpoint's (float32 is fastest on CPUs without AVX512-BF16/AMX)")),
+    ("--max-num-batched-tokens", dict(type=int, default=2048,
+                                      help="token budget of one step")),
+    ("--max-num-seqs", dict(type=int, default=128, help="most sequences running at once")),
+    ("--block-size", dict(type=int, default=16, help="tokens per KV block")),
+    ("--kv-cache-memory", dict(type=float, default=2.0, help="KV cache size in GiB (default 2)")),
+    ("--max-model-len", dict(type=int, default=None, help="context limit per request")),
+    ("--seed", dict(type=int, default=0)),
+    ("--device", dict(default="cpu", help="cpu, cuda or cuda:N")),
+    ("--scheduler-policy", dict(default="chunked", choices=SCHEDULER_POLICIES,
+                                help="chunked: stall-free chunked prefill beside decodes "
+                                     "(default); prefill_first: whole prompts before decodes "
+                                     "(a baseline)")),
+    ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction, default=True,
+                                     help="reuse the KV of prompt heads already computed "
+                                          "(default on)")),
+)
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model: str = "required") -> None:
+    """Adds the engine options; the checkpoint is a positional argument (`model="positional"`),
+    a required `--model` ("required") or an optional one ("optional")."""
+    if model == "positional":
+        parser.add_argument("model", help="HF checkpoint folder")
+    else:
+        parser.add_argument("--model", required=model == "required", default=None,
+                            help="HF checkpoint folder")
+    for flag, options in ENGINE_ARGS:
+        parser.add_argument(flag, **options)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed flags as `LLM(...)` / `EngineConfig.create` keywords."""
+    kwargs = {_dest(flag): getattr(args, _dest(flag)) for flag, _ in ENGINE_ARGS}
+    kwargs["kv_cache_memory"] = int(args.kv_cache_memory * GiB)
+    return {"model": args.model, **kwargs}
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The parsed engine options as flags again, for a `kvserve serve` subprocess."""
+    flags: list[str] = []
+    for flag, options in ENGINE_ARGS:
+        value = getattr(args, _dest(flag))
+        if options.get("action") is argparse.BooleanOptionalAction:
+            flags.append(flag if value else f"--no-{flag.removeprefix('--')}")
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags

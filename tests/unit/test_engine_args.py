@@ -1,0 +1,54 @@
+"""The engine flags: one table for every command, and a round trip for the servers that
+benchmarks start."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kvserve.config import GiB, resolve_dtype
+from kvserve.engine_args import add_engine_args, engine_flags, engine_kwargs
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_flags_round_trip_into_the_same_engine_options():
+    args = parse("--model", "m", "--dtype", "bfloat16", "--max-num-seqs", "7",
+                 "--kv-cache-memory", "0.5", "--max-model-len", "99", "--device", "cuda:1",
+                 "--scheduler-policy", "prefill_first", "--no-enable-prefix-caching")
+    again = parse("--model", "m", *engine_flags(args))
+    assert vars(again) == vars(args)
+    kwargs = engine_kwargs(again)
+    assert kwargs["kv_cache_memory"] == GiB // 2 and kwargs["enable_prefix_caching"] is False
+    assert kwargs["device"] == "cuda:1" and kwargs["max_model_len"] == 99
+
+
+def test_defaults_survive_the_round_trip():
+    args = parse("--model", "m")
+    assert "--max-model-len" not in engine_flags(args)
+    assert vars(parse("--model", "m", *engine_flags(args))) == vars(args)
+
+
+def test_auto_dtype_is_bfloat16_on_cuda_for_float32_checkpoints_only():
+    assert resolve_dtype("auto", {"torch_dtype": "float32"}, "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", {"torch_dtype": "float32"}, "cpu") == torch.float32
+    assert resolve_dtype("auto", {"torch_dtype": "float16"}, "cuda:0") == torch.float16
+    assert resolve_dtype("float32", {}, "cuda") == torch.float32
+
+
+def test_bench_serve_hands_every_engine_flag_to_its_servers():
+    from kvserve.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve", "--model", "m", "--device", "cuda",
+                                      "--dtype", "bfloat16", "--kv-cache-memory", "8",
+                                      "--max-num-seqs", "256"])
+    flags = engine_flags(args)
+    for flag, value in (("--device", "cuda"), ("--dtype", "bfloat16"),
+                        ("--kv-cache-memory", "8.0"), ("--max-num-seqs", "256"),
+                        ("--max-num-batched-tokens", "256")):
+        assert flags[flags.index(flag) + 1] == value
