@@ -188,6 +188,14 @@ class SchedulerConfig:
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
 
+    @property
+    def max_num_tokens_per_step(self) -> int:
+        """The most tokens one step can schedule: the budget, except that prefill_first
+        runs a prompt whole whatever its length."""
+        if self.policy == "prefill_first":
+            return max(self.max_num_batched_tokens, self.max_model_len)
+        return self.max_num_batched_tokens
+
 
 @dataclass
 class EngineConfig:

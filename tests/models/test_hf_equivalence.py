@@ -171,7 +171,7 @@ def test_half_precision_runs_and_tracks_float32(model_dirs, dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_greedy_matches_transformers_on_cuda(model_dirs):
     path = model_dirs["llama"]
-    llm = LLM(str(path), device="cuda", max_num_batched_tokens=64)
+    llm = LLM(str(path), device="cuda", dtype="float32", max_num_batched_tokens=64)
     prompts = random_prompts(PROMPT_LENS, seed=1)
     for prompt, tokens in zip(prompts, run_greedy(llm, prompts), strict=True):
         assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS)

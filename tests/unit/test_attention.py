@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,10 +26,11 @@ def paged_case(seq_lens, num_heads=6, num_kv_heads=2, head_dim=32, window=None, 
         dense.append(cache[:, :, ids].reshape(2, num_kv_heads, -1, head_dim)[:, :, :n])
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long), num_decodes=len(seq_lens),
-        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        decode_seq_lens=torch.tensor(seq_lens),
-        prefills=[], sliding_window=window)
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        query_start_loc=torch.arange(len(seq_lens) + 1), seq_lens=torch.tensor(seq_lens),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        num_decodes=len(seq_lens), seq_lens_host=np.array(seq_lens), prefills=[],
+        sliding_window=window)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
     return q, cache, meta, dense
 

@@ -3,6 +3,8 @@
 The runner lays out each step's tokens as all decode rows first (one query token per
 sequence), then the prefill chunks one after another. Backends write the new keys and values
 into the paged pool at `slot_mapping` and read each sequence's context through its block table.
+The tensors are views of the runner's persistent buffers on the device; what a backend needs
+for shapes is also given on the host, so no backend reads a device tensor back.
 """
 
 from __future__ import annotations
@@ -10,30 +12,43 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 @dataclass(slots=True)
 class PrefillChunk:
-    """A run of `num_query_tokens` consecutive query tokens of one sequence.
+    """Sequence `seq` of the step, which has `num_query_tokens` > 1 query rows from
+    `query_start`, at positions `context_len - num_query_tokens .. context_len - 1`."""
 
-    Its queries are at positions `context_len - num_query_tokens .. context_len - 1`.
-    """
-
+    seq: int
     query_start: int
     num_query_tokens: int
     context_len: int
-    block_ids: torch.Tensor  # [ceil(context_len / block_size)]
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] flat slot index of each new token
+    """One step's sequences, decodes first. Sequence i's new tokens are the rows
+    `query_start_loc[i] .. query_start_loc[i + 1] - 1`; its context, new tokens included, is
+    `seq_lens[i]` tokens long and lies in the blocks of `block_tables[i]`. Table entries past
+    a sequence's last block are never read."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat pool slot of each new token; -1: none
+    query_start_loc: torch.Tensor  # [num_seqs + 1]
+    seq_lens: torch.Tensor  # [num_seqs]
+    block_tables: torch.Tensor  # [num_seqs, at least the longest sequence's blocks]
     num_decodes: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
-    decode_seq_lens: torch.Tensor  # [num_decodes] context length including the new token
-    prefills: list[PrefillChunk]
+    seq_lens_host: np.ndarray  # seq_lens on the host, for shapes: no device sync
+    prefills: list[PrefillChunk]  # the multi-token sequences, described on the host
     sliding_window: int | None
+
+    def decode_tables(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode rows' block tables, cut to the longest decode's blocks, and their
+        context lengths."""
+        width = -(-int(self.seq_lens_host[:self.num_decodes].max(initial=0)) // block_size)
+        return (self.block_tables[:self.num_decodes, :width],
+                self.seq_lens[:self.num_decodes])
 
 
 class AttentionBackend(ABC):

@@ -47,7 +47,8 @@ class CpuPagedAttention(TorchPagedAttention):
                scale: float) -> torch.Tensor:
         if q.dtype != torch.float32 or q.shape[-1] % 16:
             return super().decode(q, kv_cache, meta, scale)
+        block_tables, seq_lens = meta.decode_tables(kv_cache.shape[3])
         out = self.kernel.paged_decode_attention(
-            q.contiguous(), kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale,
+            q.contiguous(), kv_cache, block_tables.contiguous(), seq_lens, scale,
             meta.sliding_window or 0)
         return out.view(q.shape[0], -1)

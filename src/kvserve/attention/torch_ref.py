@@ -24,7 +24,8 @@ class TorchPagedAttention(AttentionBackend):
             out[:meta.num_decodes] = self.decode(q[:meta.num_decodes], kv_cache, meta, scale)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
-            out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, block_size,
+            block_ids = meta.block_tables[chunk.seq, :-(-chunk.context_len // block_size)]
+            out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, block_ids,
                                  meta.sliding_window, scale)
         return out
 
@@ -39,32 +40,35 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[1]
     group = num_heads // num_kv_heads
+    block_tables, seq_lens = meta.decode_tables(kv_cache.shape[3])
     # [Hkv, B, max_blocks, block_size, D] -> one [T, D] context per (kv head, sequence).
-    keys = kv_cache[0][:, meta.decode_block_tables].view(num_kv_heads * batch, -1, head_dim)
-    values = kv_cache[1][:, meta.decode_block_tables].view(num_kv_heads * batch, -1, head_dim)
+    keys = kv_cache[0][:, block_tables].view(num_kv_heads * batch, -1, head_dim)
+    values = kv_cache[1][:, block_tables].view(num_kv_heads * batch, -1, head_dim)
     queries = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)
     queries = queries.reshape(num_kv_heads * batch, group, head_dim)
-    bias = _decode_bias(meta, keys.shape[1], q.dtype).unsqueeze(1).repeat(num_kv_heads, 1, 1)
+    bias = _decode_bias(seq_lens, keys.shape[1], meta.sliding_window, q.dtype)
+    bias = bias.unsqueeze(1).repeat(num_kv_heads, 1, 1)
     scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale)
     probs = torch.softmax(scores, dim=-1)
     out = torch.bmm(probs, values).view(num_kv_heads, batch, group, head_dim)
     return out.transpose(0, 1).reshape(batch, num_heads * head_dim)
 
 
-def _decode_bias(meta: AttentionMetadata, width: int, dtype: torch.dtype) -> torch.Tensor:
+def _decode_bias(seq_lens: torch.Tensor, width: int, window: int | None,
+                 dtype: torch.dtype) -> torch.Tensor:
     """[num_decodes, width] additive mask: 0 for each sequence's visible keys, -inf for the
     block-table padding and for keys outside the sliding window."""
-    lens = meta.decode_seq_lens.unsqueeze(1)
+    lens = seq_lens.unsqueeze(1)
     key_pos = torch.arange(width, device=lens.device)
     visible = key_pos < lens
-    if meta.sliding_window is not None:
-        visible &= key_pos >= lens - meta.sliding_window
+    if window is not None:
+        visible &= key_pos >= lens - window
     bias = torch.zeros(visible.shape, dtype=dtype, device=lens.device)
     return bias.masked_fill_(~visible, float("-inf"))
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             chunk: PrefillChunk, block_size: int, window: int | None,
+             chunk: PrefillChunk, block_ids: torch.Tensor, window: int | None,
              scale: float) -> torch.Tensor:
     num_q, ctx = chunk.num_query_tokens, chunk.context_len
     head_dim = q.shape[-1]
@@ -72,8 +76,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
     else:
         num_kv_heads = kv_cache.shape[1]
-        keys = kv_cache[0][:, chunk.block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
-        values = kv_cache[1][:, chunk.block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
+        keys = kv_cache[0][:, block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
+        values = kv_cache[1][:, block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
     mask = None
     if num_q != ctx or (window is not None and window < ctx):
         mask = causal_mask(num_q, ctx, window, q.device)

@@ -1,13 +1,20 @@
-"""Turns a SchedulerOutput into the flat tensors of one forward pass.
+"""Turns a SchedulerOutput into the flat tensors of one forward pass, through buffers that
+live as long as the runner.
 
 Layout: every one-token request (a decode) first, then each multi-token chunk in turn, so
-attention can batch the decodes and loop over the prefill chunks.
+attention can batch the decodes. The buffers are allocated once, sized by the step limits.
+Each step fills their host side with numpy (no per-token Python work) and copies what it
+used to the device once, without waiting (from pinned memory on CUDA): nothing in a step
+waits for the device until the sampled ids come back. Fixed device addresses are also what
+a captured CUDA graph replays over.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from kvserve.attention.backend import AttentionMetadata, PrefillChunk
@@ -23,54 +30,90 @@ class ModelInputs:
     sample_requests: list[ScheduledRequest]
 
 
-def build_inputs(scheduled: list[ScheduledRequest], block_size: int,
-                 sliding_window: int | None, device: str) -> ModelInputs:
-    decodes = [s for s in scheduled if len(s.token_ids) == 1]
-    chunks = [s for s in scheduled if len(s.token_ids) > 1]
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    sample_rows: list[int] = []
-    sample_requests: list[ScheduledRequest] = []
-    prefills: list[PrefillChunk] = []
-    for s in decodes + chunks:
-        start, num = s.num_computed_tokens, len(s.token_ids)
-        row = len(input_ids)
-        input_ids.extend(s.token_ids)
-        positions.extend(range(start, start + num))
-        slots.extend(s.block_ids[p // block_size] * block_size + p % block_size
-                     for p in range(start, start + num))
-        if num > 1:
-            num_blocks = -(-(start + num) // block_size)
-            prefills.append(PrefillChunk(
-                row, num, start + num,
-                torch.tensor(s.block_ids[:num_blocks], dtype=torch.long, device=device)))
-        if s.sample:
-            sample_rows.append(row + num - 1)
-            sample_requests.append(s)
-    block_tables, seq_lens = _decode_tables(decodes, block_size, device)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        num_decodes=len(decodes),
-        decode_block_tables=block_tables,
-        decode_seq_lens=seq_lens,
-        prefills=prefills,
-        sliding_window=sliding_window,
-    )
-    return ModelInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        attn_metadata=meta,
-        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
-        sample_requests=sample_requests,
-    )
+class StagedTensor:
+    """An int64 tensor on the device and its host staging twin, seen by numpy as `host`."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        staging = torch.zeros(shape, dtype=torch.int64, pin_memory=on_cuda)
+        self.host = staging.numpy()
+        self.staging = staging
+        self.device = torch.zeros(shape, dtype=torch.int64, device=device) if on_cuda \
+            else staging
+
+    def upload(self, rows: int, cols: int | None = None) -> torch.Tensor:
+        """Copies the leading `rows` (x `cols`) block to the device; returns its device view."""
+        index = (slice(rows),) if cols is None else (slice(rows), slice(cols))
+        if self.device is not self.staging:
+            self.device[index].copy_(self.staging[index], non_blocking=True)
+        return self.device[index]
 
 
-def _decode_tables(decodes: list[ScheduledRequest], block_size: int, device: str
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block tables padded with block 0, and each sequence's context length."""
-    seq_lens = [s.num_computed_tokens + 1 for s in decodes]
-    width = -(-max(seq_lens, default=0) // block_size)
-    tables = [s.block_ids[:width] + [0] * (width - len(s.block_ids[:width])) for s in decodes]
-    return (torch.tensor(tables, dtype=torch.long, device=device).view(len(decodes), width),
-            torch.tensor(seq_lens, dtype=torch.long, device=device))
+class InputBuffers:
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 block_size: int, sliding_window: int | None, device: str) -> None:
+        dev = torch.device(device)
+        self.block_size, self.sliding_window = block_size, sliding_window
+        self.max_num_tokens = max_num_tokens
+        self.input_ids = StagedTensor((max_num_tokens,), dev)
+        self.positions = StagedTensor((max_num_tokens,), dev)
+        self.slot_mapping = StagedTensor((max_num_tokens,), dev)
+        self.query_start_loc = StagedTensor((max_num_seqs + 1,), dev)
+        self.seq_lens = StagedTensor((max_num_seqs,), dev)
+        self.sample_rows = StagedTensor((max_num_seqs,), dev)
+        # Zeros at first, later stale entries of earlier steps: always valid block ids.
+        self.block_tables = StagedTensor((max_num_seqs, max_blocks_per_seq), dev)
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
+        ordered = ([s for s in scheduled if len(s.token_ids) == 1]
+                   + [s for s in scheduled if len(s.token_ids) > 1])
+        num_decodes = sum(len(s.token_ids) == 1 for s in ordered)
+        num_seqs = len(ordered)
+        num_new = np.fromiter((len(s.token_ids) for s in ordered), np.int64, num_seqs)
+        starts = np.fromiter((s.num_computed_tokens for s in ordered), np.int64, num_seqs)
+        query_start = self.query_start_loc.host[:num_seqs + 1]
+        query_start[0] = 0
+        np.cumsum(num_new, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        assert num_tokens <= self.max_num_tokens, "step exceeds the runner's token buffers"
+
+        seq_lens = self.seq_lens.host[:num_seqs]
+        np.add(starts, num_new, out=seq_lens)
+        width = -(-int(seq_lens.max(initial=0)) // self.block_size)
+        tables = self.block_tables.host
+        for i, s in enumerate(ordered):
+            blocks = s.block_ids[:width]
+            tables[i, :len(blocks)] = blocks
+
+        self.input_ids.host[:num_tokens] = np.fromiter(
+            chain.from_iterable(s.token_ids for s in ordered), np.int64, num_tokens)
+        seq_of_token = np.repeat(np.arange(num_seqs), num_new)
+        positions = self.positions.host[:num_tokens]
+        np.subtract(np.arange(num_tokens), query_start[seq_of_token], out=positions)
+        positions += starts[seq_of_token]
+        block_of_token = tables[seq_of_token, positions // self.block_size]
+        np.add(block_of_token * self.block_size, positions % self.block_size,
+               out=self.slot_mapping.host[:num_tokens])
+
+        sampling = [i for i, s in enumerate(ordered) if s.sample]
+        num_samples = len(sampling)
+        self.sample_rows.host[:num_samples] = query_start[1:][sampling] - 1
+        prefills = [PrefillChunk(i, int(query_start[i]), int(num_new[i]), int(seq_lens[i]))
+                    for i in range(num_decodes, num_seqs)]
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping.upload(num_tokens),
+            query_start_loc=self.query_start_loc.upload(num_seqs + 1),
+            seq_lens=self.seq_lens.upload(num_seqs),
+            block_tables=self.block_tables.upload(num_seqs, width),
+            num_decodes=num_decodes,
+            seq_lens_host=seq_lens.copy(),
+            prefills=prefills,
+            sliding_window=self.sliding_window,
+        )
+        return ModelInputs(
+            input_ids=self.input_ids.upload(num_tokens),
+            positions=self.positions.upload(num_tokens),
+            attn_metadata=meta,
+            sample_rows=self.sample_rows.upload(num_samples),
+            sample_requests=[ordered[i] for i in sampling],
+        )

@@ -13,7 +13,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.models.loader import load_model
 from kvserve.worker.forward_context import forward_context
-from kvserve.worker.input_batch import build_inputs
+from kvserve.worker.input_batch import InputBuffers
 from kvserve.worker.sampler import Sampler, SamplingState
 
 
@@ -32,6 +32,10 @@ class ModelRunner:
                                     device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_cache = self.kv_cache[i]
+        sched = config.scheduler
+        self.inputs = InputBuffers(sched.max_num_tokens_per_step, sched.max_num_seqs,
+                                   -(-sched.max_model_len // self.block_size), self.block_size,
+                                   mc.sliding_window, self.device)
         self.sampler = Sampler(config.seed, self.device)
         self.states: dict[str, SamplingState] = {}
 
@@ -44,8 +48,7 @@ class ModelRunner:
                 new.sampling_params, new.prompt_token_ids, new.eos_token_ids)
         if sched.is_empty:
             return ModelRunnerOutput([], [])
-        inputs = build_inputs(sched.scheduled, self.block_size, self.config.model.sliding_window,
-                              self.device)
+        inputs = self.inputs.prepare(sched.scheduled)
         with forward_context(inputs.attn_metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
         if not inputs.sample_requests:
