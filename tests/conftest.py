@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvserve.tools.make_model import make_model
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It is chosen when
+# a kernel is defined, so this must precede any import of one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
 # The tiny Mistral's window is 64 tokens, so prompts of a few hundred tokens cross it.

@@ -55,9 +55,12 @@ class AttentionBackend(ABC):
     """Computes attention for one layer of one step over the paged KV pool."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [N, Hq, D]; k, v: [N, Hkv, D]; kv_cache: [2, Hkv, num_blocks, block_size, D].
+        """qk: [N, Hq + Hkv, D], the queries then the keys, each head's dimensions in
+        interleaved rotary pairs, not yet rotated; v: [N, Hkv, D]; freqs_cis: [N, 1, D / 2]
+        complex rotations; kv_cache: [2, Hkv, num_blocks, block_size, D].
 
-        Writes k and v into kv_cache and returns the attention output [N, Hq * D].
+        Rotates queries and keys (a backend may do so in place), writes the keys and values
+        into kv_cache at meta.slot_mapping and returns the attention output [N, Hq * D].
         """

@@ -13,9 +13,11 @@ from kvserve.attention.backend import AttentionBackend, AttentionMetadata, Prefi
 
 
 class TorchPagedAttention(AttentionBackend):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_kv_heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[3], q.shape[-1]
+        num_kv_heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[3], qk.shape[-1]
+        qk = apply_rotary(qk, freqs_cis)  # q and k heads rotated in one op
+        q, k = qk[:, :-num_kv_heads], qk[:, -num_kv_heads:]
         flat = kv_cache.view(2, num_kv_heads, -1, head_dim)
         flat[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         flat[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
@@ -33,6 +35,13 @@ class TorchPagedAttention(AttentionBackend):
                scale: float) -> torch.Tensor:
         """Attention of one query token per sequence over its paged context."""
         return _decode(q, kv_cache, meta, scale)
+
+
+def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, head_dim] in interleaved pair order; each pair is a complex number
+    multiplied by its rotation, in float32."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs_cis).flatten(-2).to(x.dtype)
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -3,7 +3,8 @@
 Checkpoints in the HF layout rotate each head's dimension i together with i + head_dim/2
 ("rotate half"). The loader reorders q/k rows per head so those partners sit side by side
 (`to_interleaved`); q.k is unchanged by applying one permutation to both, and the rotation
-becomes a single complex multiply, a quarter of the ops of rotate-half.
+becomes a single complex multiply, a quarter of the ops of rotate-half. The attention backend
+applies it (`attention/torch_ref.py`), so that a kernel can fuse it with the KV-cache write.
 Linear and llama3 frequency scaling are supported.
 """
 
@@ -61,8 +62,3 @@ class RotaryEmbedding(nn.Module):
         """[N, 1, head_dim / 2] complex, broadcasting over heads."""
         return self.freqs_cis[positions].unsqueeze(1)
 
-
-def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, head_dim] in interleaved order; computed in float32."""
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(pairs * freqs_cis).flatten(-2).to(x.dtype)

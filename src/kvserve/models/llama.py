@@ -16,7 +16,7 @@ from kvserve.config import ModelConfig
 from kvserve.layers.activation import silu_and_mul
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
-from kvserve.layers.rotary import RotaryEmbedding, apply_rotary, to_interleaved
+from kvserve.layers.rotary import RotaryEmbedding, to_interleaved
 from kvserve.worker.forward_context import get_attention_metadata
 
 _ROTATED = re.compile(r"\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
@@ -44,9 +44,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]),
                             self.k_norm(qk[:, self.num_heads:])], dim=1)
-        qk = apply_rotary(qk, freqs_cis)  # q and k heads rotated in one op
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        out = self.backend.forward(q, k, v, self.kv_cache, get_attention_metadata(), self.scale)
+        out = self.backend.forward(qk, v, freqs_cis, self.kv_cache, get_attention_metadata(),
+                                   self.scale)
         return self.o_proj(out)
 
 

@@ -22,7 +22,8 @@ class ModelRunner:
         self.config = config
         mc = config.model
         self.device = config.device
-        self.model = load_model(mc, get_attention_backend(config.device), config.device)
+        self.model = load_model(mc, get_attention_backend(config.device, mc.head_dim),
+                                config.device)
         self.block_size = config.cache.block_size
         self.num_blocks = config.num_kv_blocks
         # One tensor for the whole pool: [layers, K/V, kv heads, blocks, block_size, head_dim].

@@ -1,0 +1,41 @@
+"""The CUDA attention backend: Triton kernels over the paged pool, nothing gathered.
+
+A step costs three launches per layer: rotary fused with the KV write, split-K decode
+attention for the decode rows (plus its merge), and one varlen prefill launch for all chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.attention.triton.cache import rotary_and_cache
+from kvserve.attention.triton.decode import num_splits_for, paged_decode_attention
+from kvserve.attention.triton.prefill import paged_prefill_attention
+
+
+class TritonPagedAttention(AttentionBackend):
+    def __init__(self, num_programs: int) -> None:
+        self.num_programs = num_programs  # decode splits aim to start this many programs
+
+    def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        rotary_and_cache(qk, v, freqs_cis, kv_cache, meta.slot_mapping)
+        num_kv_heads = kv_cache.shape[1]
+        q = qk[:, :-num_kv_heads]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_decodes = meta.num_decodes
+        if num_decodes:
+            splits = num_splits_for(num_decodes, num_kv_heads,
+                                    int(meta.seq_lens_host[:num_decodes].max()),
+                                    self.num_programs)
+            paged_decode_attention(q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
+                                   meta.seq_lens[:num_decodes], scale, meta.sliding_window,
+                                   splits, out=out[:num_decodes])
+        if meta.prefills:
+            paged_prefill_attention(
+                q, kv_cache, meta.block_tables[num_decodes:],
+                meta.query_start_loc[num_decodes:], meta.seq_lens[num_decodes:],
+                max(c.num_query_tokens for c in meta.prefills), scale, meta.sliding_window,
+                out)
+        return out.view(q.shape[0], -1)

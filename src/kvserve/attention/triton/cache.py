@@ -1,0 +1,65 @@
+"""Rotary embedding fused with the KV-cache write, in Triton: one pass over a step's new
+queries and keys instead of a rotation, then a scatter of keys and values into the pool."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotary_cache_kernel(
+    qk_ptr, v_ptr, freqs_ptr, kv_ptr, slot_ptr,
+    stride_qkt, stride_qkh, stride_vt, stride_vh, stride_ft, stride_kv, stride_kh,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QK_POW2: tl.constexpr,
+    KV_POW2: tl.constexpr, HALF: tl.constexpr,
+):
+    token = tl.program_id(0)
+    h = tl.arange(0, QK_POW2)
+    i = tl.arange(0, HALF)
+    cos = tl.load(freqs_ptr + token * stride_ft + 2 * i)
+    sin = tl.load(freqs_ptr + token * stride_ft + 2 * i + 1)
+    is_head = h < NUM_HEADS + NUM_KV_HEADS
+    pair = qk_ptr + token * stride_qkt + h[:, None] * stride_qkh + 2 * i[None, :]
+    x0 = tl.load(pair, mask=is_head[:, None], other=0.0)
+    x1 = tl.load(pair + 1, mask=is_head[:, None], other=0.0)
+    # Each interleaved pair is a complex number times e^(i * angle), computed in float32.
+    re = x0.to(tl.float32) * cos[None, :] - x1.to(tl.float32) * sin[None, :]
+    im = x0.to(tl.float32) * sin[None, :] + x1.to(tl.float32) * cos[None, :]
+    re, im = re.to(x0.dtype), im.to(x0.dtype)
+    tl.store(pair, re, mask=is_head[:, None])  # queries (and keys) rotated in place
+    tl.store(pair + 1, im, mask=is_head[:, None])
+
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:
+        is_key = (h >= NUM_HEADS) & is_head
+        dest = kv_ptr + (h - NUM_HEADS)[:, None] * stride_kh + slot * 2 * HALF + 2 * i[None, :]
+        tl.store(dest, re, mask=is_key[:, None])
+        tl.store(dest + 1, im, mask=is_key[:, None])
+        kh = tl.arange(0, KV_POW2)
+        d = tl.arange(0, 2 * HALF)
+        is_kv_head = kh < NUM_KV_HEADS
+        v = tl.load(v_ptr + token * stride_vt + kh[:, None] * stride_vh + d[None, :],
+                    mask=is_kv_head[:, None], other=0.0)
+        tl.store(kv_ptr + stride_kv + kh[:, None] * stride_kh + slot * 2 * HALF + d[None, :], v,
+                 mask=is_kv_head[:, None])
+
+
+def rotary_and_cache(qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
+                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """qk: [N, Hq + Hkv, D] in interleaved pair order, rotated in place; v: [N, Hkv, D];
+    freqs_cis: [N, 1, D / 2] complex; kv_cache: [2, Hkv, num_blocks, block_size, D] receives
+    the rotated keys and the values at `slot_mapping` (a slot of -1 writes nothing)."""
+    num_tokens, num_qk, head_dim = qk.shape
+    num_kv_heads = kv_cache.shape[1]
+    freqs = torch.view_as_real(freqs_cis)  # [N, 1, D / 2, 2]: cos, sin
+    assert qk.stride(2) == 1 and v.stride(2) == 1 and kv_cache.is_contiguous()
+    assert freqs.stride(2) == 2 and freqs.stride(3) == 1
+    _rotary_cache_kernel[(num_tokens,)](
+        qk, v, freqs, kv_cache, slot_mapping,
+        qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), freqs.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1),
+        NUM_HEADS=num_qk - num_kv_heads, NUM_KV_HEADS=num_kv_heads,
+        QK_POW2=triton.next_power_of_2(num_qk), KV_POW2=triton.next_power_of_2(num_kv_heads),
+        HALF=head_dim // 2)

@@ -1,0 +1,128 @@
+"""Paged decode attention (one query token per sequence) in Triton, split over the context.
+
+FlashDecoding: each (sequence, KV head) pair's context is cut into `num_splits` pieces that
+run as separate programs, so a small batch with long contexts still fills the GPU; a second
+kernel merges the pieces' partial softmax sums. Keys and values are read in place through
+the block table (no gather copy), and one program serves every query head of a GQA group,
+so each KV tile is loaded once for the whole group. Split boundaries are derived on the device
+from each sequence's length, so a launch's grid depends only on the batch size: the kernels
+are safe to capture in a CUDA graph. A sequence of length 0 (a graph's padding row) yields 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, part_ptr, lse_ptr,
+    scale, window,
+    stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first = 0
+    if window > 0:
+        first = tl.maximum(seq_len - window, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
+                mask=g[:, None] < GROUP, other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    k_base = kv_ptr + kv_head * stride_kh
+    for tile in range(start, end, BLOCK_N):
+        t = tile + tl.arange(0, BLOCK_N)
+        valid = t < end
+        block = tl.load(block_tables_ptr + seq * stride_bt + t // BLOCK_SIZE, mask=valid,
+                        other=0)
+        offset = block[:, None] * stride_kblk + (t % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_base + offset, mask=valid[:, None], other=0.0)
+        v = tl.load(k_base + stride_kv + offset, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    # Each (head, split) leaves its own softmax-weighted output and log-sum-exp; an empty
+    # split leaves 0 and -inf, which the merge weighs 0.
+    row = (seq * num_heads + head) * NUM_SPLITS + split
+    keep = g < GROUP
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=keep[:, None])
+    lse = tl.where(l_sum > 0, m + tl.log(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
+    tl.store(lse_ptr + row, lse, mask=keep)
+
+
+@triton.jit
+def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh,
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         SPLITS_POW2: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    row = seq * tl.num_programs(1) + head
+    s = tl.arange(0, SPLITS_POW2)
+    d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(lse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # all empty: all 0
+    part = tl.load(part_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+                   mask=(s < NUM_SPLITS)[:, None], other=0.0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d,
+             out.to(out_ptr.dtype.element_ty))
+
+
+MAX_SPLITS = 16
+BLOCK_N = 64
+
+
+def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                   num_programs: int) -> int:
+    """Enough splits to give `num_programs` programs work, none shorter than a tile."""
+    wanted = -(-num_programs // max(1, num_seqs * num_kv_heads))
+    return max(1, min(wanted, MAX_SPLITS, -(-max_seq_len // BLOCK_N)))
+
+
+def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, window: int | None,
+                           num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, Hq, D] (head-contiguous rows); kv_cache: [2, Hkv, num_blocks, block_size, D];
+    block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B]. Returns [B, Hq, D]."""
+    batch, num_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    assert q.stride(2) == 1 and kv_cache.is_contiguous() and block_tables.stride(1) == 1
+    if out is None:
+        out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
+                       device=q.device)
+    lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, kv_cache, block_tables, seq_lens, part, lse, scale, window or 0,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=max(BLOCK_N, block_size), NUM_SPLITS=num_splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    _decode_merge_kernel[(batch, num_heads)](
+        part, lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits))
+    return out

@@ -1,0 +1,95 @@
+"""Prefill attention for every chunk of a step in one Triton launch (varlen, paged).
+
+Each chunk's queries attend to its whole context in the paged pool (earlier chunks, cached
+prefix blocks and the chunk itself, whose keys were written just before), causally and
+within the sliding window. One program handles a tile of one chunk's queries for one head;
+the grid is (chunks, query tiles of the longest chunk, heads), and tiles past a chunk's end
+return at once. This serves chunked prefill and prefix-cache hits alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kv_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, out_ptr,
+    scale, window,
+    stride_qt, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq, tile, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    query_start = tl.load(query_start_ptr + seq)
+    num_queries = tl.load(query_start_ptr + seq + 1) - query_start
+    if tile * BLOCK_M >= num_queries:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    is_query = i < num_queries
+    q_pos = seq_len - num_queries + i
+    rows = query_start + i
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=is_query[:, None], other=0.0)
+
+    last = tl.minimum(seq_len, seq_len - num_queries + (tile + 1) * BLOCK_M)
+    first = 0
+    if window > 0:
+        first = tl.maximum(seq_len - num_queries + tile * BLOCK_M - window + 1, 0)
+        first = first // BLOCK_N * BLOCK_N
+    # A masked score is a large finite negative, not -inf: a row whose first tiles are all
+    # masked (outside its window) accumulates junk at m = -1e30, which the first real key
+    # wipes out (alpha = 0). Every query row sees at least itself.
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    k_base = kv_ptr + (head // GROUP) * stride_kh
+    for start in range(first, last, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        in_context = t < last
+        block = tl.load(block_tables_ptr + seq * stride_bt + t // BLOCK_SIZE, mask=in_context,
+                        other=0)
+        offset = block[:, None] * stride_kblk + (t % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_base + offset, mask=in_context[:, None], other=0.0)
+        v = tl.load(k_base + stride_kv + offset, mask=in_context[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = (t[None, :] <= q_pos[:, None]) & in_context[None, :]
+        if window > 0:
+            visible &= t[None, :] > q_pos[:, None] - window
+        s = tl.where(visible, s, -1.0e30)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    out = acc / l_sum[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=is_query[:, None])
+
+
+def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            seq_lens: torch.Tensor, max_query_len: int, scale: float,
+                            window: int | None, out: torch.Tensor) -> torch.Tensor:
+    """q, out: [num_tokens, Hq, D], rows of chunk i at query_start_loc[i] .. [i + 1] - 1;
+    kv_cache: [2, Hkv, num_blocks, block_size, D], already holding every chunk's new keys;
+    block_tables: [num_chunks, ...]; seq_lens: [num_chunks] context lengths."""
+    num_chunks = seq_lens.shape[0]
+    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    num_heads = q.shape[1]
+    assert q.stride(2) == 1 and kv_cache.is_contiguous() and block_tables.stride(1) == 1
+    block_m = 64 if max_query_len > 32 else 16
+    grid = (num_chunks, triton.cdiv(max_query_len, block_m), num_heads)
+    _prefill_kernel[grid](
+        q, kv_cache, block_tables, query_start_loc, seq_lens, out, scale, window or 0,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_N=max(64, block_size),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    return out

@@ -1,0 +1,118 @@
+"""The Triton attention kernels against the plain-torch backend, on steps built by the
+runner's own input buffers. Without CUDA they run in Triton's interpreter (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.attention.torch_ref import TorchPagedAttention  # noqa: E402
+from kvserve.attention.triton.backend import TritonPagedAttention  # noqa: E402
+from kvserve.attention.triton.decode import paged_decode_attention  # noqa: E402
+from kvserve.core.scheduler.output import ScheduledRequest  # noqa: E402
+from kvserve.layers.rotary import RotaryEmbedding  # noqa: E402
+from kvserve.worker.input_batch import InputBuffers  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Bit-exact bfloat16 on CUDA; Triton's interpreter truncates float32 to bfloat16 where a GPU
+# rounds to nearest, so there a stored value may differ by one unit in the last place.
+BF16_STORE = {"rtol": 0, "atol": 0} if DEVICE == "cuda" else {"rtol": 2 ** -7, "atol": 0}
+
+
+def make_step(seqs, num_heads, num_kv_heads, head_dim, block_size, window=None, seed=0,
+              dtype=torch.float32, device=DEVICE):
+    """seqs: (tokens already cached, new tokens) per sequence. Returns the step's inputs
+    and a KV pool whose cached part is random, with blocks handed out in shuffled order."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-(cached + new) // block_size) + 1 for cached, new in seqs]  # one spare
+    num_blocks = sum(per_seq) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    scheduled = []
+    for i, ((cached, new), n) in enumerate(zip(seqs, per_seq, strict=True)):
+        blocks = [order.pop() for _ in range(n)]
+        scheduled.append(ScheduledRequest(f"r{i}", [7] * new, cached, blocks, sample=True))
+    max_len = max(c + n for c, n in seqs)
+    buffers = InputBuffers(sum(n for _, n in seqs), len(seqs), -(-max_len // block_size) + 2,
+                           block_size, window, device)
+    inputs = buffers.prepare(scheduled)
+    num_tokens = inputs.input_ids.shape[0]
+    cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=gen)
+    qk = torch.randn(num_tokens, num_heads + num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    rotary = RotaryEmbedding(head_dim, max_len + 1, 10000.0, None).to(device)
+    freqs = rotary(inputs.positions)
+    return (qk.to(device, dtype), v.to(device, dtype), freqs, cache.to(device, dtype),
+            inputs.attn_metadata)
+
+
+def run_both(step, scale=0.3):
+    qk, v, freqs, cache, meta = step
+    ref_cache, our_cache = cache.clone(), cache.clone()
+    expected = TorchPagedAttention().forward(qk.clone(), v, freqs, ref_cache, meta, scale)
+    got = TritonPagedAttention(num_programs=8).forward(qk.clone(), v, freqs, our_cache, meta,
+                                                       scale)
+    return expected, got, ref_cache, our_cache
+
+
+# Decodes then chunks: a fresh prompt, a chunk after cached context, a chunk of one block
+# boundary's worth, contexts that are not multiples of the block size.
+MIXED = [(0, 1), (5, 1), (37, 1), (130, 1), (0, 23), (41, 17), (16, 80)]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (4, 4, 128),
+                                                             (6, 2, 16)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window", [None, 24])
+def test_mixed_step_matches_the_torch_backend(num_heads, num_kv_heads, head_dim, block_size,
+                                              window):
+    step = make_step(MIXED, num_heads, num_kv_heads, head_dim, block_size, window)
+    expected, got, ref_cache, our_cache = run_both(step)
+    torch.testing.assert_close(our_cache, ref_cache, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_prefill_only_and_decode_only_steps():
+    for seqs in ([(0, 33), (9, 64)], [(3, 1), (200, 1), (64, 1)]):
+        expected, got, _, _ = run_both(make_step(seqs, 4, 2, 32, 8))
+        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_bfloat16_tracks_the_torch_backend():
+    expected, got, ref_cache, our_cache = run_both(make_step(MIXED, 8, 2, 64, 16,
+                                                             dtype=torch.bfloat16))
+    torch.testing.assert_close(our_cache, ref_cache, **BF16_STORE)
+    if DEVICE == "cuda":  # Triton 3.9's interpreter gets bfloat16 dot products wrong
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_decode_splits_agree_and_an_empty_row_gives_zero():
+    qk, _, _, cache, meta = make_step([(90, 1), (300, 1), (1, 1)], 8, 2, 64, 16)
+    q = qk[:, :8]
+    seq_lens = meta.seq_lens.clone()
+    seq_lens[2] = 0  # a padding row, as in a replayed CUDA graph
+    one = paged_decode_attention(q, cache, meta.block_tables, seq_lens, 0.3, None, 1)
+    many = paged_decode_attention(q, cache, meta.block_tables, seq_lens, 0.3, None, 7)
+    torch.testing.assert_close(many, one, rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(one[2]) == 0 and torch.isfinite(one).all()
+
+
+def test_a_negative_slot_writes_nothing():
+    qk, v, freqs, cache, meta = make_step([(4, 1), (8, 1)], 4, 2, 32, 4)
+    meta.slot_mapping[1] = -1
+    before = cache.clone()
+    TritonPagedAttention(num_programs=4).forward(qk, v, freqs, cache, meta, 0.3)
+    written = (cache != before).any(dim=-1).nonzero().tolist()
+    assert {tuple(w[2:]) for w in written} == {(int(meta.block_tables[0, 1]), 0)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_real_shapes_on_cuda():
+    """llama3-8b's heads, long contexts, bfloat16, many splits."""
+    seqs = [(1000, 1)] * 24 + [(3000, 1)] * 8 + [(0, 512), (2048, 256)]
+    expected, got, ref_cache, our_cache = run_both(
+        make_step(seqs, 32, 8, 128, 16, dtype=torch.bfloat16), scale=128 ** -0.5)
+    torch.testing.assert_close(our_cache, ref_cache, rtol=0, atol=0)
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
