@@ -68,9 +68,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), freqs_cis)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns this layer's output and the residual stream before it: the add of one
+        layer happens in the next one's norm (a single kernel on CUDA)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, freqs_cis)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -95,9 +103,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [N, hidden] for a flat batch of tokens."""
         x = self.embed_tokens[input_ids]
         freqs_cis = self.rotary(positions)
+        residual = None
         for layer in self.layers:
-            x = layer(x, freqs_cis)
-        return self.norm(x)
+            x, residual = layer(x, residual, freqs_cis)
+        return self.norm(x, residual)[0]
 
     def adapt_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Puts q/k rows in the interleaved order the rotary embedding expects (a tensor of the
