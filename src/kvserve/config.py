@@ -204,6 +204,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     device: str = "cpu"
+    enforce_eager: bool = False  # CUDA: never replay captured graphs
 
     def __post_init__(self) -> None:
         limit = self.model.max_position_embeddings
@@ -218,7 +219,8 @@ class EngineConfig:
                max_num_seqs: int = 128, block_size: int = 16,
                kv_cache_memory: int = 2 * GiB, max_model_len: int | None = None,
                seed: int = 0, device: str = "cpu", scheduler_policy: str = "chunked",
-               enable_prefix_caching: bool = True) -> EngineConfig:
+               enable_prefix_caching: bool = True, enforce_eager: bool = False
+               ) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
             model=ModelConfig.from_pretrained(model, dtype, device),
@@ -230,6 +232,7 @@ class EngineConfig:
                                       policy=scheduler_policy),
             seed=seed,
             device=device,
+            enforce_eager=enforce_eager,
         )
 
     @property

@@ -29,6 +29,8 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction, default=True,
                                      help="reuse the KV of prompt heads already computed "
                                           "(default on)")),
+    ("--enforce-eager", dict(action="store_true",
+                             help="CUDA: run every step eagerly, never replaying CUDA graphs")),
 )
 
 
@@ -62,6 +64,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, _dest(flag))
         if options.get("action") is argparse.BooleanOptionalAction:
             flags.append(flag if value else f"--no-{flag.removeprefix('--')}")
+        elif options.get("action") == "store_true":
+            flags += [flag] if value else []
         elif value is not None:
             flags += [flag, str(value)]
     return flags

@@ -59,9 +59,26 @@ def test_bench_step_times_every_cell_and_names_a_too_small_pool(llama_dir, tmp_p
     assert [(r["decodes"], r["chunk"]) for r in rows] == [
         (1, 0), (1, 8), (1, 24), (3, 0), (3, 8), (3, 24)]
     assert all(r["chunk alone ms"] > 0 for r in rows if r["chunk"])
+    assert all(r["roofline ms"] > 0 and r["step / roofline"] > 0 for r in rows if not r["chunk"])
     for flags, error in ((["--decodes", "64", "--kv-cache-memory", "0.001"],
                           "--kv-cache-memory: the largest step needs"),
                          (["--context", "1000000"], "--context: 1000000 plus the largest")):
         bad = kvserve("bench", "step", "--model", str(llama_dir), *flags)
         assert bad.returncode == 2 and error in bad.stderr, bad.stderr
         assert "Traceback" not in bad.stderr
+
+
+def test_bench_kernels_times_every_kernel_against_the_floor(tmp_path):
+    import json
+
+    out = tmp_path / "kernels.json"
+    run = kvserve("bench", "kernels", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim",
+                  "32", "--batches", "1", "3", "--contexts", "40", "--repeats", "2",
+                  "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["kernel"]) for r in rows] == [
+        (1, "cpu kernel"), (1, "torch gather"), (3, "cpu kernel"), (3, "torch gather")]
+    assert all(r["time / floor"] > 0 for r in rows)
+    bad = kvserve("bench", "kernels", "--num-heads", "5", "--num-kv-heads", "2")
+    assert bad.returncode == 2 and "--num-heads (5) must be a multiple" in bad.stderr

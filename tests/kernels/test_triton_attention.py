@@ -120,3 +120,19 @@ def test_real_shapes_on_cuda():
         make_step(seqs, 32, 8, 128, 16, dtype=torch.bfloat16), scale=128 ** -0.5)
     torch.testing.assert_close(our_cache, ref_cache, **bf16_close())
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("unified_max,shift", [(0.0, 0.0), (2.0, 0.0), (0.0, 500.0)])
+def test_unified_max_softmax_matches_the_exact_one(unified_max, shift):
+    """Around the scores it is exact up to rounding; with scores pushed 500 above the unified
+    maximum (exp would overflow) every split falls back to the exact computation."""
+    qk, _, _, cache, meta = make_step([(90, 1), (300, 1), (17, 1)], 8, 2, 64, 16, seed=3)
+    q = qk[:, :8].clone()
+    if shift:  # make every score about `shift`: q . k = shift / scale on a constant key
+        cache[0].fill_(1.0)
+        q[:] = shift / (0.3 * 64)
+    exact = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 0.3, None, 4)
+    unified = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 0.3, None, 4,
+                                     unified_max=unified_max)
+    assert torch.isfinite(unified).all()
+    torch.testing.assert_close(unified, exact, rtol=1e-5, atol=1e-5)

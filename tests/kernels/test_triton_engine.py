@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 
 from kvserve import LLM  # noqa: E402
 from kvserve.attention.triton.backend import TritonPagedAttention  # noqa: E402
+from kvserve.worker.cuda_graphs import graph_batch_sizes  # noqa: E402
 from tests.conftest import random_prompts  # noqa: E402
 from tests.models.test_hf_equivalence import MAX_TOKENS, hf_greedy, run_greedy  # noqa: E402
 
@@ -30,10 +31,52 @@ def test_greedy_matches_transformers_on_triton_attention(model_dirs, triton_ever
     prefix-cache hit on the second run of the same prompts."""
     path = model_dirs[arch]
     llm = LLM(str(path), device=DEVICE, dtype="float32", max_num_batched_tokens=budget)
-    assert isinstance(llm.engine.core.runner.model.layers[0].self_attn.backend,
-                      TritonPagedAttention)
+    runner = llm.engine.core.runner
+    assert isinstance(runner.model.layers[0].self_attn.backend, TritonPagedAttention)
+    assert runner.graphs is not None  # decode steps take the padded graph path (eagerly here)
     prompts = random_prompts([5, 40, 97], seed=4)
     expected = [hf_greedy(path, tuple(p), MAX_TOKENS) for p in prompts]
     assert run_greedy(llm, prompts) == expected
     assert run_greedy(llm, prompts) == expected
     assert llm.get_stats().prefix_cache_hits > 0
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(1) == [1]
+
+
+def test_enforce_eager_runs_without_graphs(model_dirs, triton_everywhere):
+    llm = LLM(str(model_dirs["llama"]), device=DEVICE, dtype="float32", enforce_eager=True)
+    assert llm.engine.core.runner.graphs is None
+    prompts = random_prompts([6, 30], seed=5)
+    assert run_greedy(llm, prompts) == [hf_greedy(model_dirs["llama"], tuple(p), MAX_TOKENS)
+                                        for p in prompts]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_step_never_waits_for_the_gpu(model_dirs):
+    """From the scheduler's output to the hidden states, mixed and graph-replayed decode
+    steps alike, nothing reads a device value back (CUDA's sync debug mode raises if so)."""
+    from kvserve.core.scheduler.output import ScheduledRequest
+    from kvserve.worker.forward_context import forward_context
+
+    runner = LLM(str(model_dirs["llama"]), device="cuda").engine.core.runner
+    mixed = [ScheduledRequest("a", [5] * 40, 0, [0, 1, 2], False),
+             ScheduledRequest("b", [6], 20, [3, 4], True)]
+    decodes = [ScheduledRequest("c", [7], 33, [5, 6, 7], True),
+               ScheduledRequest("d", [8], 9, [8], True)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        inputs = runner.inputs.prepare(mixed)
+        with forward_context(inputs.attn_metadata):
+            runner.model(inputs.input_ids, inputs.positions)
+        inputs = runner.inputs.prepare(decodes)
+        batch_size = runner.graphs.padded_size(inputs)
+        assert batch_size == 2 and 2 in runner.graphs.graphs
+        runner.graphs.run(inputs, batch_size)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -54,6 +54,10 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Computes attention for one layer of one step over the paged KV pool."""
 
+    # Whether rows with slot -1 and length 0 pass through harmlessly (no KV write, a finite
+    # output): what replaying a CUDA graph padded to a larger batch needs.
+    takes_padding_rows = False
+
     @abstractmethod
     def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -6,7 +6,7 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kvserve.benchmarks import latency, prefix, serve, step, throughput
+    from kvserve.benchmarks import kernels, latency, prefix, serve, step, throughput
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -15,3 +15,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_parser(bench_sub)
     prefix.add_parser(bench_sub)
     step.add_parser(bench_sub)
+    kernels.add_parser(bench_sub)

@@ -1,5 +1,6 @@
 """What a benchmark needs to know of the device it runs on: when its work is done, and how
-fast it streams memory (the floor every decode step is measured against)."""
+fast it streams memory, which with the bytes a decode step must read gives the floor every
+decode step is measured against."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from kvserve.layers.linear import Linear
 
 
 def synchronize(device: str | torch.device) -> None:
@@ -33,3 +36,8 @@ def memory_bandwidth(device: str | torch.device = "cpu", num_bytes: int = 1 << 3
     copy = min(timed(lambda: dst.copy_(src), device) for _ in range(repeats))
     read = min(timed(src.sum, device) for _ in range(repeats))
     return 2 * num_bytes / copy, num_bytes / read
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every matmul weight: what each decode step streams once."""
+    return sum(m.weight_bytes for m in model.modules() if isinstance(m, Linear))

@@ -12,19 +12,12 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import torch
-
-from kvserve.benchmarks.device import memory_bandwidth, timed
+from kvserve.benchmarks.device import memory_bandwidth, timed, weight_bytes
 from kvserve.benchmarks.hf_baseline import hf_generate_batch, load_hf
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import fixed
 from kvserve.engine_args import add_engine_args, engine_kwargs
-from kvserve.layers.linear import Linear
 from kvserve.sampling_params import SamplingParams
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    return sum(m.weight_bytes for m in model.modules() if isinstance(m, Linear))
 
 
 def run(args: argparse.Namespace) -> None:

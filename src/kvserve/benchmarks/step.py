@@ -8,6 +8,9 @@ the same context) and reports the ride-along ratio: the time a chunk adds to a d
 over the time the same chunk takes in a step of its own. Near 0, chunking hides prefill work
 inside decodes; near 1, it only moves that work around, and prefill-first (whole prompts, at
 the per-token cost of the largest chunk alone) does as well on TPOT.
+
+Each decode-only step is also set against its roofline: the bytes it must read (every matmul
+weight once, and each sequence's KV) at the device's copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ import argparse
 import statistics
 import time
 
-import torch
-
+from kvserve.benchmarks.device import memory_bandwidth, synchronize, weight_bytes
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -56,8 +58,7 @@ class SyntheticSteps:
                                                     self.chunk_blocks, sample=False))
         start = time.perf_counter()
         self.runner.execute_model(sched)
-        if self.runner.device.startswith("cuda"):
-            torch.cuda.synchronize()
+        synchronize(self.runner.device)
         return time.perf_counter() - start
 
 
@@ -81,10 +82,15 @@ def run(args: argparse.Namespace) -> None:
                                  for _ in range(args.repeats)) * 1e3
 
     alone = {c: median_ms(0, c) for c in chunks}
+    bandwidth = memory_bandwidth(runner.device)[0]
+    weights = weight_bytes(runner.model)
+    kv_per_token = runner.config.model.kv_bytes_per_token
     rows: list[dict[str, object]] = []
     for num_decodes in args.decodes:
         base = median_ms(num_decodes, 0)
-        rows.append({"decodes": num_decodes, "chunk": 0, "step ms": round(base, 1)})
+        floor = (weights + num_decodes * (args.context + 1) * kv_per_token) / bandwidth * 1e3
+        rows.append({"decodes": num_decodes, "chunk": 0, "step ms": round(base, 1),
+                     "roofline ms": round(floor, 2), "step / roofline": round(base / floor, 2)})
         for c in chunks:
             step = median_ms(num_decodes, c)
             rows.append({"decodes": num_decodes, "chunk": c, "step ms": round(step, 1),
@@ -97,9 +103,11 @@ def run(args: argparse.Namespace) -> None:
         f"step cost, {args.model}, {runner.config.model.dtype}, {runner.device}, context "
         f"{args.context}, medians of {args.repeats}; ride-along ratio = what a chunk adds to "
         f"a decode step / the same chunk in a step of its own; a {chunks[-1]}-token chunk "
-        f"alone costs {alone[chunks[-1]] / chunks[-1]:.2f} ms/token"))
+        f"alone costs {alone[chunks[-1]] / chunks[-1]:.2f} ms/token; roofline = "
+        f"{weights / 1e6:.0f} MB of weights + the decodes' KV at {bandwidth / 1e9:.1f} GB/s"))
     save_json(args.json, {"benchmark": "step", "model": args.model, "device": runner.device,
-                          "context": args.context, "rows": rows})
+                          "context": args.context, "copy_bandwidth": bandwidth,
+                          "weight_bytes": weights, "rows": rows})
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -55,6 +55,7 @@ class InputBuffers:
         dev = torch.device(device)
         self.block_size, self.sliding_window = block_size, sliding_window
         self.max_num_tokens = max_num_tokens
+        self.max_seq_len = max_blocks_per_seq * block_size
         self.input_ids = StagedTensor((max_num_tokens,), dev)
         self.positions = StagedTensor((max_num_tokens,), dev)
         self.slot_mapping = StagedTensor((max_num_tokens,), dev)
@@ -117,3 +118,28 @@ class InputBuffers:
             sample_rows=self.sample_rows.upload(num_samples),
             sample_requests=[ordered[i] for i in sampling],
         )
+
+    def padded_decode(self, num_seqs: int, batch_size: int) -> ModelInputs:
+        """The inputs of a decode-only step whose first `num_seqs` rows `prepare()` has
+        filled, padded to `batch_size` rows that write no KV (slot -1) and attend to nothing
+        (length 0). The views cover fixed addresses and whole block-table rows, and claim the
+        longest possible context for shapes: what a captured graph replays over."""
+        pad = slice(num_seqs, batch_size)
+        self.input_ids.host[pad] = 0
+        self.positions.host[pad] = 0
+        self.slot_mapping.host[pad] = -1
+        self.seq_lens.host[pad] = 0
+        self.query_start_loc.host[:batch_size + 1] = np.arange(batch_size + 1)
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping.upload(batch_size),
+            query_start_loc=self.query_start_loc.upload(batch_size + 1),
+            seq_lens=self.seq_lens.upload(batch_size),
+            block_tables=self.block_tables.device[:batch_size],
+            num_decodes=batch_size,
+            seq_lens_host=np.full(batch_size, self.max_seq_len),
+            prefills=[],
+            sliding_window=self.sliding_window,
+        )
+        return ModelInputs(input_ids=self.input_ids.upload(batch_size),
+                           positions=self.positions.upload(batch_size), attn_metadata=meta,
+                           sample_rows=self.sample_rows.device[:0], sample_requests=[])

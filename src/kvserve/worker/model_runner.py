@@ -12,6 +12,7 @@ from kvserve.attention.selector import get_attention_backend
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.models.loader import load_model
+from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.input_batch import InputBuffers
 from kvserve.worker.sampler import Sampler, SamplingState
@@ -37,6 +38,7 @@ class ModelRunner:
         self.inputs = InputBuffers(sched.max_num_tokens_per_step, sched.max_num_seqs,
                                    -(-sched.max_model_len // self.block_size), self.block_size,
                                    mc.sliding_window, self.device)
+        self.graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed, self.device)
         self.states: dict[str, SamplingState] = {}
 
@@ -50,8 +52,12 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput([], [])
         inputs = self.inputs.prepare(sched.scheduled)
-        with forward_context(inputs.attn_metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+        batch_size = self.graphs.padded_size(inputs) if self.graphs is not None else None
+        if self.graphs is not None and batch_size is not None:
+            hidden = self.graphs.run(inputs, batch_size)
+        else:
+            with forward_context(inputs.attn_metadata):
+                hidden = self.model(inputs.input_ids, inputs.positions)
         if not inputs.sample_requests:
             return ModelRunnerOutput([], [])
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
@@ -64,3 +70,12 @@ class ModelRunner:
             sampled_token_ids=[[t] for t in sampled.token_ids],
             logprobs=sampled.logprobs,
         )
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """Decode steps replay CUDA graphs unless `enforce_eager`; graphs need a backend that
+        takes padding rows (the Triton one). Elsewhere, the padded path runs eagerly."""
+        backend = self.model.layers[0].self_attn.backend
+        if self.config.enforce_eager or not backend.takes_padding_rows:
+            return None
+        return DecodeGraphs(self.model, self.inputs, self.config.scheduler.max_num_seqs,
+                            capture=torch.device(self.device).type == "cuda")

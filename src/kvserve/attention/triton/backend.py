@@ -15,6 +15,8 @@ from kvserve.attention.triton.prefill import paged_prefill_attention
 
 
 class TritonPagedAttention(AttentionBackend):
+    takes_padding_rows = True
+
     def __init__(self, num_programs: int) -> None:
         self.num_programs = num_programs  # decode splits aim to start this many programs
 

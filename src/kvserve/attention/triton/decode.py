@@ -7,6 +7,11 @@ the block table (no gather copy), and one program serves every query head of a G
 so each KV tile is loaded once for the whole group. Split boundaries are derived on the device
 from each sequence's length, so a launch's grid depends only on the batch size: the kernels
 are safe to capture in a CUDA graph. A sequence of length 0 (a graph's padding row) yields 0.
+
+Optionally (`unified_max`), FlashDecoding++'s asynchronized softmax: every score is
+exponentiated against one fixed value instead of a running maximum, so no tile rescales what
+came before it. A split whose largest score lands more than `UNIFIED_RANGE` away from that
+value, where exp would overflow or lose every digit, is recomputed exactly.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kvserve.attention.triton.tiles import MASKED, attend_tile, load_kv_tile
 
 
 @triton.jit
@@ -23,7 +30,8 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, UNIFIED: tl.constexpr, UNIFIED_RANGE: tl.constexpr,
+    unified_max,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
@@ -44,22 +52,35 @@ def _decode_split_kernel(
     l_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     k_base = kv_ptr + kv_head * stride_kh
-    for tile in range(start, end, BLOCK_N):
-        t = tile + tl.arange(0, BLOCK_N)
-        valid = t < end
-        block = tl.load(block_tables_ptr + seq * stride_bt + t // BLOCK_SIZE, mask=valid,
-                        other=0)
-        offset = block[:, None] * stride_kblk + (t % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_base + offset, mask=valid[:, None], other=0.0)
-        v = tl.load(k_base + stride_kv + offset, mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+    table = block_tables_ptr + seq * stride_bt
+    exact = True
+    if UNIFIED:
+        top = tl.full([BLOCK_G], MASKED, tl.float32)
+        for tile in range(start, end, BLOCK_N):
+            t = tile + tl.arange(0, BLOCK_N)
+            valid = t < end
+            k, v = load_kv_tile(k_base, stride_kv, stride_kblk, table, t, valid, BLOCK_SIZE,
+                                HEAD_DIM)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(valid[None, :], s, MASKED)
+            top = tl.maximum(top, tl.max(s, 1))
+            p = tl.exp(s - unified_max)
+            l_sum += tl.sum(p, 1)
+            acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = tl.zeros([BLOCK_G], tl.float32) + unified_max
+        distance = tl.where(g < GROUP, tl.abs(top - unified_max), 0.0)
+        exact = (end > start) & (tl.max(distance, 0) > UNIFIED_RANGE)
+    if exact:
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_sum = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for tile in range(start, end, BLOCK_N):
+            t = tile + tl.arange(0, BLOCK_N)
+            valid = t < end
+            k, v = load_kv_tile(k_base, stride_kv, stride_kblk, table, t, valid, BLOCK_SIZE,
+                                HEAD_DIM)
+            m, l_sum, acc = attend_tile(q, k, v, valid[None, :], m, l_sum, acc, scale,
+                                        PRECISION)
 
     # Each (head, split) leaves its own softmax-weighted output and log-sum-exp; an empty
     # split leaves 0 and -inf, which the merge weighs 0.
@@ -94,6 +115,14 @@ MAX_SPLITS = 16
 BLOCK_N = 64
 
 
+def unified_range(dtype: torch.dtype) -> float:
+    """How far the largest score may lie from the unified maximum: its exp (up to e^range
+    per term, summed over a context) must stay finite in float32, and the probabilities, cast
+    to the KV dtype for the second product, must stay normal numbers: float16 tops out at
+    65504 (e^11), bfloat16 has float32's range."""
+    return 8.0 if dtype == torch.float16 else 60.0
+
+
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int,
                    num_programs: int) -> int:
     """Enough splits to give `num_programs` programs work, none shorter than a tile."""
@@ -103,9 +132,11 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int,
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, window: int | None,
-                           num_splits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int, out: torch.Tensor | None = None,
+                           unified_max: float | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (head-contiguous rows); kv_cache: [2, Hkv, num_blocks, block_size, D];
-    block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B]. Returns [B, Hq, D]."""
+    block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B]. Returns [B, Hq, D].
+    `unified_max` switches to the asynchronized softmax around that fixed value."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -121,7 +152,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=max(BLOCK_N, block_size), NUM_SPLITS=num_splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UNIFIED=unified_max is not None, UNIFIED_RANGE=unified_range(q.dtype),
+        unified_max=unified_max or 0.0)
     _decode_merge_kernel[(batch, num_heads)](
         part, lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
         NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits))

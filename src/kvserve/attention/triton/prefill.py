@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.attention.triton.tiles import MASKED, attend_tile, load_kv_tile
+
 
 @triton.jit
 def _prefill_kernel(
@@ -41,32 +43,20 @@ def _prefill_kernel(
     if window > 0:
         first = tl.maximum(seq_len - num_queries + tile * BLOCK_M - window + 1, 0)
         first = first // BLOCK_N * BLOCK_N
-    # A masked score is a large finite negative, not -inf: a row whose first tiles are all
-    # masked (outside its window) accumulates junk at m = -1e30, which the first real key
-    # wipes out (alpha = 0). Every query row sees at least itself.
-    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    m = tl.full([BLOCK_M], MASKED, tl.float32)  # every query row sees at least itself
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     k_base = kv_ptr + (head // GROUP) * stride_kh
+    table = block_tables_ptr + seq * stride_bt
     for start in range(first, last, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         in_context = t < last
-        block = tl.load(block_tables_ptr + seq * stride_bt + t // BLOCK_SIZE, mask=in_context,
-                        other=0)
-        offset = block[:, None] * stride_kblk + (t % BLOCK_SIZE)[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_base + offset, mask=in_context[:, None], other=0.0)
-        v = tl.load(k_base + stride_kv + offset, mask=in_context[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        k, v = load_kv_tile(k_base, stride_kv, stride_kblk, table, t, in_context, BLOCK_SIZE,
+                            HEAD_DIM)
         visible = (t[None, :] <= q_pos[:, None]) & in_context[None, :]
         if window > 0:
             visible &= t[None, :] > q_pos[:, None] - window
-        s = tl.where(visible, s, -1.0e30)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l_sum, acc = attend_tile(q, k, v, visible, m, l_sum, acc, scale, PRECISION)
     out = acc / l_sum[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=is_query[:, None])

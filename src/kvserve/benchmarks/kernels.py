@@ -1,0 +1,125 @@
+"""`kvserve bench kernels`: paged decode attention against the device's bandwidth floor.
+
+Decode attention reads every cached key and value of the batch once, so its floor is those
+bytes at the copy bandwidth measured in the same run. Each kernel the device has is timed on
+the same random paged cache: on CUDA the Triton split-K kernel with the exact softmax merge
+and with FlashDecoding++'s unified maximum, on CPU the C++ kernel; everywhere the plain-torch
+reference, which gathers the blocks first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvserve.attention.backend import AttentionMetadata
+from kvserve.attention.cpu_paged import CpuPagedAttention, load_kernel
+from kvserve.attention.torch_ref import TorchPagedAttention
+from kvserve.benchmarks.device import memory_bandwidth, timed
+from kvserve.benchmarks.report import print_table, save_json
+from kvserve.config import resolve_dtype
+
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def decode_case(batch: int, context: int, args: argparse.Namespace, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Queries, a pool holding `batch` contexts in shuffled blocks, and their metadata."""
+    gen = torch.Generator().manual_seed(0)
+    per_seq = -(-context // args.block_size)
+    num_blocks = batch * per_seq
+    cache = torch.randn(2, args.num_kv_heads, num_blocks, args.block_size, args.head_dim,
+                        dtype=dtype, device=args.device)
+    tables = torch.randperm(num_blocks, generator=gen).view(batch, per_seq).to(args.device)
+    q = torch.randn(batch, args.num_heads, args.head_dim, dtype=dtype, device=args.device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long, device=args.device),
+        query_start_loc=torch.arange(batch + 1, device=args.device),
+        seq_lens=torch.full((batch,), context, device=args.device), block_tables=tables,
+        num_decodes=batch, seq_lens_host=np.full(batch, context), prefills=[],
+        sliding_window=None)
+    return q, cache, meta
+
+
+def decode_kernels(args: argparse.Namespace) -> dict[str, DecodeFn]:
+    scale = args.head_dim ** -0.5
+    kernels: dict[str, DecodeFn] = {}
+    if torch.device(args.device).type == "cuda":
+        from kvserve.attention.triton.decode import num_splits_for, paged_decode_attention
+
+        sms = torch.cuda.get_device_properties(args.device).multi_processor_count
+
+        def triton_decode(unified_max: float | None) -> DecodeFn:
+            def run(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
+                    ) -> torch.Tensor:
+                splits = num_splits_for(q.shape[0], cache.shape[1],
+                                        int(meta.seq_lens_host.max()), 2 * sms)
+                return paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens,
+                                              scale, None, splits, unified_max=unified_max)
+            return run
+
+        kernels["triton, exact merge"] = triton_decode(None)
+        kernels[f"triton, unified max {args.unified_max:g}"] = triton_decode(args.unified_max)
+    elif load_kernel() is not None:
+        cpu = CpuPagedAttention(load_kernel())
+        kernels["cpu kernel"] = lambda q, cache, meta: cpu.decode(q, cache, meta, scale)
+    kernels["torch gather"] = lambda q, cache, meta: TorchPagedAttention().decode(
+        q, cache, meta, scale)
+    return kernels
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.num_heads % args.num_kv_heads:
+        raise ValueError(f"--num-heads ({args.num_heads}) must be a multiple of "
+                         f"--num-kv-heads ({args.num_kv_heads})")
+    dtype = resolve_dtype(args.dtype, {}, args.device)
+    bandwidth = memory_bandwidth(args.device)[0]
+    kernels = decode_kernels(args)
+    rows: list[dict[str, object]] = []
+    for context in args.contexts:
+        for batch in args.batches:
+            q, cache, meta = decode_case(batch, context, args, dtype)
+            kv_bytes = cache.numel() * cache.element_size()
+            floor = kv_bytes / bandwidth
+            for name, kernel in kernels.items():
+                call = functools.partial(kernel, q, cache, meta)
+                call()  # compile, autotune, allocate
+                seconds = statistics.median(timed(call, args.device)
+                                            for _ in range(args.repeats))
+                rows.append({"context": context, "batch": batch, "kernel": name,
+                             "ms": round(seconds * 1e3, 3),
+                             "GB/s": round(kv_bytes / seconds / 1e9, 1),
+                             "floor ms": round(floor * 1e3, 3),
+                             "time / floor": round(seconds / floor, 2)})
+            print_table(rows[-len(kernels):])
+    print_table(rows, title=(
+        f"paged decode attention, {args.device}, {dtype}, {args.num_heads}/{args.num_kv_heads} "
+        f"heads of {args.head_dim}, block {args.block_size}, medians of {args.repeats}; floor "
+        f"= the batch's KV at {bandwidth / 1e9:.1f} GB/s copy bandwidth"))
+    save_json(args.json, {"benchmark": "kernels", "device": args.device, "dtype": str(dtype),
+                          "copy_bandwidth": bandwidth, "rows": rows})
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kernels", help="paged decode attention kernels against the KV "
+                                       "bandwidth floor")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                       "float16"],
+                   help="auto: bfloat16 on CUDA, float32 elsewhere")
+    p.add_argument("--num-heads", type=int, default=32, help="query heads (llama3-8b: 32)")
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--unified-max", type=float, default=0.0,
+                   help="the fixed softmax maximum of the unified-max variant")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=run)
