@@ -53,6 +53,14 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the cache at admission
     prefix_cache_hits: int  # of those, tokens whose KV was found and reused
+    step_seconds: float = 0.0  # in engine steps: scheduling, the model, detokenizing
+    execute_seconds: float = 0.0  # of those, in the model runner (forward and sampling)
+
+    @property
+    def host_seconds(self) -> float:
+        """Step time outside the model runner: scheduling, bookkeeping, detokenizing. Work
+        that overlapping the next step's scheduling with the device's step could hide."""
+        return self.step_seconds - self.execute_seconds
 
     @property
     def prefix_cache_hit_rate(self) -> float:

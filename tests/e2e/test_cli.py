@@ -82,3 +82,19 @@ def test_bench_kernels_times_every_kernel_against_the_floor(tmp_path):
     assert all(r["time / floor"] > 0 for r in rows)
     bad = kvserve("bench", "kernels", "--num-heads", "5", "--num-kv-heads", "2")
     assert bad.returncode == 2 and "--num-heads (5) must be a multiple" in bad.stderr
+
+
+def test_bench_throughput_runs_both_transformers_modes(llama_dir, tmp_path):
+    import json
+
+    out = tmp_path / "throughput.json"
+    run = kvserve("bench", "throughput", "--model", str(llama_dir), "--workloads", "a",
+                  "--num-prompts", "2", "--runs", "1", "--hf-batch-sizes", "2",
+                  "--hf-compile", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    saved = json.loads(out.read_text())
+    assert saved["device"] == "cpu"
+    row = saved["rows"][0]
+    assert row["kvserve out tok/s"] > 0 and row["hf out tok/s"] > 0
+    assert row["hf static+compile out tok/s"] > 0 and row["ratio vs hf static+compile"] > 0
+    assert 0 <= row["host % of steps"] < 100

@@ -52,7 +52,9 @@ def run(args: argparse.Namespace) -> None:
             hf_generate_batch(hf, [[5] * 16, [6] * 16], 4, static_cache=static_cache)
     rows = []
     for work in selected:
+        before = llm.get_stats()
         times = [kvserve_run(llm, work, args.temperature) for _ in range(args.runs)]
+        after = llm.get_stats()
         ours = work.num_output_tokens / statistics.median(times)
         row: dict[str, object] = {
             "workload": work.name,
@@ -60,6 +62,9 @@ def run(args: argparse.Namespace) -> None:
             "kvserve out tok/s": round(ours, 1),
             "kvserve total tok/s": round((work.num_output_tokens + work.num_prompt_tokens)
                                          / statistics.median(times), 1),
+            # The share of step time an overlapped (async) scheduler could hide.
+            "host % of steps": round(100 * (after.host_seconds - before.host_seconds)
+                                     / (after.step_seconds - before.step_seconds), 1),
         }
         if hf is not None:
             for mode, static_cache in hf_modes.items():

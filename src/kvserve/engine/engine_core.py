@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.scheduler.scheduler import Scheduler
@@ -16,6 +18,7 @@ class EngineCore:
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                        config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.execute_seconds = 0.0  # in the model runner, which waits for the device
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -26,7 +29,9 @@ class EngineCore:
     def step(self) -> tuple[list[Request], list[tuple[list[int], list[float], float, int] | None]]:
         """Runs one batch; returns the requests that got a token and their logprobs."""
         sched = self.scheduler.schedule()
+        start = time.perf_counter()
         result = self.runner.execute_model(sched)
+        self.execute_seconds += time.perf_counter() - start
         updated = self.scheduler.update_from_output(sched, result)
         by_id = dict(zip(result.request_ids, result.logprobs, strict=True))
         if not self.scheduler.has_unfinished_requests():

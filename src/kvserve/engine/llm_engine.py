@@ -66,6 +66,7 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[ParentRequest, CompletionState]] = {}
         self._ids = itertools.count()
+        self.step_seconds = 0.0
 
     @property
     def max_model_len(self) -> int:
@@ -198,10 +199,12 @@ class LLMEngine:
             kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.pool.num_blocks,
             kv_blocks_peak=kv.peak_used_blocks, num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits)
+            prefix_cache_hits=kv.prefix_cache_hits, step_seconds=self.step_seconds,
+            execute_seconds=self.core.execute_seconds)
 
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the updated state of every request that changed."""
+        start = time.perf_counter()
         updated, logprobs = self.core.step()
         touched: dict[str, ParentRequest] = {}
         stopped: list[str] = []
@@ -232,6 +235,7 @@ class LLMEngine:
                 for seq in parent.sequences:
                     self._child_to_parent.pop(seq.request.request_id, None)
             outputs.append(out)
+        self.step_seconds += time.perf_counter() - start
         return outputs
 
     def _logprob_dict(self, sampled: int, lp: tuple[list[int], list[float], float, int]
