@@ -34,10 +34,11 @@ def _rotary_cache_kernel(
     slot = tl.load(slot_ptr + token)
     if slot >= 0:
         is_key = (h >= NUM_HEADS) & is_head
-        dest = kv_ptr + (h - NUM_HEADS)[:, None] * stride_kh + slot * 2 * HALF + 2 * i[None, :]
+        key_head = (h - NUM_HEADS).to(tl.int64)
+        dest = kv_ptr + key_head[:, None] * stride_kh + slot * 2 * HALF + 2 * i[None, :]
         tl.store(dest, re, mask=is_key[:, None])
         tl.store(dest + 1, im, mask=is_key[:, None])
-        kh = tl.arange(0, KV_POW2)
+        kh = tl.arange(0, KV_POW2).to(tl.int64)
         d = tl.arange(0, 2 * HALF)
         is_kv_head = kh < NUM_KV_HEADS
         v = tl.load(v_ptr + token * stride_vt + kh[:, None] * stride_vh + d[None, :],

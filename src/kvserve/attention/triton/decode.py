@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.tiles import MASKED, attend_tile, load_kv_tile
+from kvserve.attention.triton.tiles import MASKED, NO_WINDOW, attend_tile, load_kv_tile
 
 
 @triton.jit
@@ -36,9 +36,7 @@ def _decode_split_kernel(
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
-    first = 0
-    if window > 0:
-        first = tl.maximum(seq_len - window, 0)
+    first = tl.maximum(seq_len - window, 0)
     split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -51,7 +49,7 @@ def _decode_split_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    k_base = kv_ptr + kv_head * stride_kh
+    k_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
     table = block_tables_ptr + seq * stride_bt
     exact = True
     if UNIFIED:
@@ -147,7 +145,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                        device=q.device)
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, kv_cache, block_tables, seq_lens, part, lse, scale, window or 0,
+        q, kv_cache, block_tables, seq_lens, part, lse, scale, window or NO_WINDOW,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,

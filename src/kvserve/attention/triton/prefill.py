@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.tiles import MASKED, attend_tile, load_kv_tile
+from kvserve.attention.triton.tiles import MASKED, NO_WINDOW, attend_tile, load_kv_tile
 
 
 @triton.jit
@@ -39,23 +39,20 @@ def _prefill_kernel(
                 mask=is_query[:, None], other=0.0)
 
     last = tl.minimum(seq_len, seq_len - num_queries + (tile + 1) * BLOCK_M)
-    first = 0
-    if window > 0:
-        first = tl.maximum(seq_len - num_queries + tile * BLOCK_M - window + 1, 0)
-        first = first // BLOCK_N * BLOCK_N
+    first = tl.maximum(seq_len - num_queries + tile * BLOCK_M - window + 1, 0)
+    first = first // BLOCK_N * BLOCK_N
     m = tl.full([BLOCK_M], MASKED, tl.float32)  # every query row sees at least itself
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    k_base = kv_ptr + (head // GROUP) * stride_kh
+    k_base = kv_ptr + (head // GROUP).to(tl.int64) * stride_kh
     table = block_tables_ptr + seq * stride_bt
     for start in range(first, last, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         in_context = t < last
         k, v = load_kv_tile(k_base, stride_kv, stride_kblk, table, t, in_context, BLOCK_SIZE,
                             HEAD_DIM)
-        visible = (t[None, :] <= q_pos[:, None]) & in_context[None, :]
-        if window > 0:
-            visible &= t[None, :] > q_pos[:, None] - window
+        visible = ((t[None, :] <= q_pos[:, None]) & (t[None, :] > q_pos[:, None] - window)
+                   & in_context[None, :])
         m, l_sum, acc = attend_tile(q, k, v, visible, m, l_sum, acc, scale, PRECISION)
     out = acc / l_sum[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
@@ -76,7 +73,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor,
     block_m = 64 if max_query_len > 32 else 16
     grid = (num_chunks, triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_kernel[grid](
-        q, kv_cache, block_tables, query_start_loc, seq_lens, out, scale, window or 0,
+        q, kv_cache, block_tables, query_start_loc, seq_lens, out, scale, window or NO_WINDOW,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,

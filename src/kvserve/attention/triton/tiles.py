@@ -9,6 +9,8 @@ import triton.language as tl
 # A masked score. Finite, so a row whose first tiles are all masked (outside its window)
 # accumulates junk at m = MASKED, which its first visible key wipes out (alpha = 0).
 MASKED = tl.constexpr(-1.0e30)
+# The window of a model without one: wider than any context, so no key falls outside it.
+NO_WINDOW = 1 << 30
 
 
 @triton.jit
