@@ -14,6 +14,8 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the top-k plus the sampled token).
 SampleLogprobs = list[dict[int, Logprob]]
+# The same per prompt token, with None for the first, which nothing predicts.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -39,6 +41,7 @@ class RequestOutput:
     finished: bool = False
     first_scheduled_time: float | None = None  # time.monotonic() of first admission
     first_token_time: float | None = None  # time.monotonic() when its first token came
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs
 
 
 @dataclass(frozen=True, slots=True)

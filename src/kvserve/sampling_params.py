@@ -27,6 +27,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-k's
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -54,6 +55,8 @@ class SamplingParams:
                f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+               "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "must be non-empty strings", self.stop)
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

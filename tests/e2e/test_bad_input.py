@@ -37,6 +37,7 @@ def assert_engine_intact(llm):
     ("n", 0, r"n must be in \[1, 128\], got 0"),
     ("max_tokens", 0, "max_tokens must be >= 1, got 0"),
     ("logprobs", 21, r"logprobs must be in \[0, 20\], got 21"),
+    ("prompt_logprobs", -1, r"prompt_logprobs must be in \[0, 20\], got -1"),
     ("min_p", 1.5, r"min_p must be in \[0, 1\], got 1.5"),
     ("repetition_penalty", 0.0, "repetition_penalty must be > 0, got 0.0"),
     ("presence_penalty", 3.0, r"presence_penalty must be in \[-2, 2\], got 3.0"),

@@ -96,6 +96,22 @@ def test_token_prompts_echo_and_logprobs(client: openai.OpenAI, llm: LLM) -> Non
     assert echoed.choices[0].text.startswith("import os")
 
 
+def test_prompt_logprobs_as_vllm_returns_them(client: openai.OpenAI, llm: LLM) -> None:
+    ids = [5, 6, 7, 8, 9]
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    expected = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    for stream in (False, True):
+        got = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
+                                        stream=stream, extra_body={"prompt_logprobs": 1})
+        first = next(iter(got)) if stream else got
+        scored = first.choices[0].prompt_logprobs
+        assert len(scored) == len(ids) and scored[0] is None
+        for position in range(1, len(ids)):
+            entry = scored[position][str(ids[position])]
+            want = expected.prompt_logprobs[position][ids[position]]
+            assert abs(entry["logprob"] - want.logprob) < 1e-5 and entry["rank"] == want.rank
+
+
 def test_chat_sync_and_stream(client: openai.OpenAI, llm: LLM) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=10,

@@ -109,7 +109,7 @@ def test_mistral_prompt_longer_than_sliding_window(model_dirs):
             assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS)
 
 
-def test_prompt_logprobs_match_transformers_log_softmax(model_dirs):
+def test_sample_logprobs_match_transformers_log_softmax(model_dirs):
     path = model_dirs["qwen2"]
     llm = LLM(str(path))
     prompts = random_prompts([9, 60], seed=3)
@@ -132,6 +132,36 @@ def test_prompt_logprobs_match_transformers_log_softmax(model_dirs):
                 assert entry[tid].rank == rank
                 assert abs(entry[tid].logprob - value) < 1e-4
             assert entry[token].rank == 1  # greedy picks the top token
+
+
+@pytest.mark.parametrize("setting", ["default", "small-chunks", "preemption"])
+def test_prompt_logprobs_match_transformers_log_softmax(model_dirs, setting):
+    """Every prompt token's logprob, rank and top-3 across chunk boundaries, with a shared
+    head that prefix caching must not serve (its logits are needed), and preemption."""
+    path = model_dirs["llama"]
+    kwargs = dict(SETTINGS[setting])
+    if "kv_blocks" in kwargs:  # eight: the longest request alone needs seven
+        kwargs["kv_cache_memory"] = kv_bytes_for_blocks(path, 8)
+        del kwargs["kv_blocks"]
+    llm = LLM(str(path), **kwargs)
+    head, *tails = random_prompts([48, 1, 30, 90], seed=6)
+    prompts = [head + tails[0], head + tails[1], tails[2]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.get_stats().prefix_cache_hits == 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_model(path)(torch.tensor([prompt])).logits[0].float(), -1)
+        scored = out.prompt_logprobs
+        assert scored is not None and len(scored) == len(prompt) and scored[0] is None
+        for position in range(1, len(prompt)):
+            entry, row, token = scored[position], ref[position - 1], prompt[position]
+            assert abs(entry[token].logprob - row[token].item()) < 1e-4
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            assert list(entry)[:3] == torch.topk(row, 3).indices.tolist()
+    llm.engine.core.kv_cache.check_integrity()
+    if setting == "preemption":
+        assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_llama3_rope_scaling_matches_transformers(model_dirs, tmp_path):

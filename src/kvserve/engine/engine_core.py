@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache.manager import KVCacheManager
+from kvserve.core.scheduler.output import TokenLogprobs
 from kvserve.core.scheduler.scheduler import Scheduler
 from kvserve.request import Request
 from kvserve.worker.model_runner import ModelRunner
+
+
+@dataclass(slots=True)
+class CoreStep:
+    """What a step produced: the requests that got a token, with that token's logprobs, and
+    the prompt logprobs computed (request id -> first position scored, entries)."""
+
+    updated: list[Request]
+    logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]
 
 
 class EngineCore:
@@ -26,8 +38,8 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> tuple[list[Request], list[tuple[list[int], list[float], float, int] | None]]:
-        """Runs one batch; returns the requests that got a token and their logprobs."""
+    def step(self) -> CoreStep:
+        """Runs one batch."""
         sched = self.scheduler.schedule()
         start = time.perf_counter()
         result = self.runner.execute_model(sched)
@@ -36,4 +48,4 @@ class EngineCore:
         by_id = dict(zip(result.request_ids, result.logprobs, strict=True))
         if not self.scheduler.has_unfinished_requests():
             self.kv_cache.check_integrity()
-        return updated, [by_id[r.request_id] for r in updated]
+        return CoreStep(updated, [by_id[r.request_id] for r in updated], result.prompt_logprobs)

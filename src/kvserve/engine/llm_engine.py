@@ -11,10 +11,11 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kvserve.config import EngineConfig
+from kvserve.core.scheduler.output import TokenLogprobs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_core import EngineCore
 from kvserve.errors import CheckpointError
-from kvserve.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
+from kvserve.outputs import CompletionOutput, EngineStats, Logprob, PromptLogprobs, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
@@ -40,12 +41,15 @@ class ParentRequest:
     cache_salt: str | None = None
     sequences: list[CompletionState] = field(default_factory=list)
     first_token_time: float | None = None
+    # One entry per prompt token (None for the first, which nothing predicts), when asked for.
+    prompt_logprobs: PromptLogprobs | None = None
 
     def to_output(self) -> RequestOutput:
         outputs = [s.output for s in self.sequences]
         scheduled = [s.request.scheduled_time for s in self.sequences]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
                              finished=all(o.finished for o in outputs),
+                             prompt_logprobs=self.prompt_logprobs,
                              first_scheduled_time=min((t for t in scheduled if t is not None),
                                                       default=None),
                              first_token_time=self.first_token_time)
@@ -160,6 +164,8 @@ class LLMEngine:
         if parent.request_id in self._parents:
             raise ValueError(f"request_id {parent.request_id!r} is already in use")
         self._parents[parent.request_id] = parent
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None] * len(parent.prompt_token_ids)
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
@@ -205,10 +211,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the updated state of every request that changed."""
         start = time.perf_counter()
-        updated, logprobs = self.core.step()
+        step = self.core.step()
+        for request_id, (position, entries) in step.prompt_logprobs.items():
+            parent = self._child_to_parent[request_id][0]
+            scored = parent.prompt_logprobs
+            if scored is not None:  # n > 1 completions score the same prompt alike
+                for offset, entry in enumerate(entries, start=position):
+                    scored[offset] = self._logprob_dict(parent.prompt_token_ids[offset], entry)
         touched: dict[str, ParentRequest] = {}
         stopped: list[str] = []
-        for request, lp in zip(updated, logprobs, strict=True):
+        for request, lp in zip(step.updated, step.logprobs, strict=True):
             parent, seq = self._child_to_parent[request.request_id]
             new_ids = request.output_token_ids[len(seq.output.token_ids):]
             seq.output.token_ids.extend(new_ids)
@@ -238,8 +250,7 @@ class LLMEngine:
         self.step_seconds += time.perf_counter() - start
         return outputs
 
-    def _logprob_dict(self, sampled: int, lp: tuple[list[int], list[float], float, int]
-                      ) -> dict[int, Logprob]:
+    def _logprob_dict(self, sampled: int, lp: TokenLogprobs) -> dict[int, Logprob]:
         top_ids, top_values, chosen, rank = lp
         entries = {t: Logprob(v, i + 1, self.tokenizer.decode([t]))
                    for i, (t, v) in enumerate(zip(top_ids, top_values, strict=True))}

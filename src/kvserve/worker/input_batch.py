@@ -28,6 +28,8 @@ class ModelInputs:
     attn_metadata: AttentionMetadata
     sample_rows: torch.Tensor  # flat row of each sampling request's last token
     sample_requests: list[ScheduledRequest]
+    scheduled: list[ScheduledRequest]  # in row order: decodes, then chunks
+    query_start_host: np.ndarray  # first row of each of `scheduled`, then the row count
 
 
 class StagedTensor:
@@ -117,6 +119,8 @@ class InputBuffers:
             attn_metadata=meta,
             sample_rows=self.sample_rows.upload(num_samples),
             sample_requests=[ordered[i] for i in sampling],
+            scheduled=ordered,
+            query_start_host=query_start.copy(),
         )
 
     def padded_decode(self, num_seqs: int, batch_size: int) -> ModelInputs:
@@ -142,4 +146,5 @@ class InputBuffers:
         )
         return ModelInputs(input_ids=self.input_ids.upload(batch_size),
                            positions=self.positions.upload(batch_size), attn_metadata=meta,
-                           sample_rows=self.sample_rows.device[:0], sample_requests=[])
+                           sample_rows=self.sample_rows.device[:0], sample_requests=[],
+                           scheduled=[], query_start_host=np.arange(batch_size + 1))

@@ -15,6 +15,7 @@ from kvserve.models.loader import load_model
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.input_batch import InputBuffers
+from kvserve.worker.prompt_logprobs import prompt_logprobs
 from kvserve.worker.sampler import Sampler, SamplingState
 
 
@@ -58,8 +59,9 @@ class ModelRunner:
         else:
             with forward_context(inputs.attn_metadata):
                 hidden = self.model(inputs.input_ids, inputs.positions)
+        scored = prompt_logprobs(self.model, hidden, inputs, self.states)
         if not inputs.sample_requests:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], prompt_logprobs=scored)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         states = [self.states[s.request_id] for s in inputs.sample_requests]
         sampled = self.sampler(logits, states)
@@ -69,6 +71,7 @@ class ModelRunner:
             request_ids=[s.request_id for s in inputs.sample_requests],
             sampled_token_ids=[[t] for t in sampled.token_ids],
             logprobs=sampled.logprobs,
+            prompt_logprobs=scored,
         )
 
     def _decode_graphs(self) -> DecodeGraphs | None:

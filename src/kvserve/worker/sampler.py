@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.core.scheduler.output import TokenLogprobs
 from kvserve.sampling_params import SamplingParams
 
 
@@ -32,7 +33,7 @@ class SamplingState:
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[tuple[list[int], list[float], float, int] | None]
+    logprobs: list[TokenLogprobs | None]
 
 
 class Sampler:
@@ -125,21 +126,28 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> None:
 
 
 def _gather_logprobs(logprobs: torch.Tensor | None, sampled: list[int],
-                     states: list[SamplingState]
-                     ) -> list[tuple[list[int], list[float], float, int] | None]:
+                     states: list[SamplingState]) -> list[TokenLogprobs | None]:
     if logprobs is None:
         return [None] * len(states)
-    result: list[tuple[list[int], list[float], float, int] | None] = []
-    for row, st in enumerate(states):
-        k = st.params.logprobs
-        if k is None:
-            result.append(None)
-            continue
-        row_lp = logprobs[row]
-        chosen = row_lp[sampled[row]]
-        rank = int((row_lp > chosen).sum()) + 1
-        top = torch.topk(row_lp, k) if k else None
-        result.append((top.indices.tolist() if top is not None else [],
-                       top.values.tolist() if top is not None else [],
-                       float(chosen), rank))
+    rows = [row for row, st in enumerate(states) if st.params.logprobs is not None]
+    entries = token_logprobs(logprobs[rows],
+                             torch.tensor([sampled[r] for r in rows], device=logprobs.device),
+                             [states[r].params.logprobs or 0 for r in rows])
+    result: list[TokenLogprobs | None] = [None] * len(states)
+    for row, entry in zip(rows, entries, strict=True):
+        result[row] = entry
     return result
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
+                   ) -> list[TokenLogprobs]:
+    """For each row of log-softmaxed logits: the logprob and rank of `token_ids[row]` and the
+    `num_top[row]` best tokens, brought to the host in one go per field."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    k = max(num_top, default=0)
+    top = torch.topk(logprobs, k) if k else None
+    top_ids = top.indices.tolist() if top is not None else [[]] * len(num_top)
+    top_values = top.values.tolist() if top is not None else [[]] * len(num_top)
+    return [(ids[:n], values[:n], lp, rank) for ids, values, lp, rank, n in
+            zip(top_ids, top_values, chosen.squeeze(1).tolist(), ranks, num_top, strict=True)]

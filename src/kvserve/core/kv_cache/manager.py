@@ -44,8 +44,9 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """The blocks of the longest cached run of the request's leading full blocks, short
-        of its last token, which is always computed so that it has logits."""
-        if not self.enable_prefix_caching:
+        of its last token, which is always computed so that it has logits. None for a
+        request that wants its prompt's logprobs: they need logits at every position."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         hashes = self.block_hashes(request)
         block_ids = []

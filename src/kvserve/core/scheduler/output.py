@@ -45,12 +45,17 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# One token's logprobs: (top-k token ids, their logprobs, the token's logprob, its rank).
+TokenLogprobs = tuple[list[int], list[float], float, int]
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """One sampled token (as a list, for future multi-token steps) per sampling request."""
 
     request_ids: list[str]
     sampled_token_ids: list[list[int]]
-    # Per request: (top token ids, their logprobs, sampled token's logprob, sampled token rank)
-    logprobs: list[tuple[list[int], list[float], float, int] | None] = field(
-        default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # of the sampled tokens
+    # Request id -> (the prompt position p of the first entry, the logprobs of prompt tokens
+    # p, p + 1, ...) for requests that asked for prompt logprobs and ran prompt chunks.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

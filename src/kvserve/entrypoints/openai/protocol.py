@@ -49,14 +49,15 @@ class SamplingRequest(BaseModel):
         """A prompt for the engine, with this request's `cache_salt` when it has one."""
         return prompt if self.cache_salt is None else {**prompt, "cache_salt": self.cache_salt}
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            logprobs=logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 class CompletionRequest(SamplingRequest):
@@ -64,6 +65,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's extra: each choice gets `prompt_logprobs`
 
 
 class TextPart(BaseModel):

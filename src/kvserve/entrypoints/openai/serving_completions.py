@@ -33,13 +33,26 @@ def prompts_of(request: CompletionRequest) -> list[dict[str, Any]]:
                                   else {"prompt_token_ids": p}) for p in prompt]
 
 
+def prompt_logprobs_field(out: RequestOutput) -> dict[str, Any]:
+    """vLLM's layout: per prompt token, None for the first, else {token id: {logprob, rank,
+    decoded_token}}; absent unless the request asked for it."""
+    if out.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": [
+        None if entry is None else {str(t): {"logprob": e.logprob, "rank": e.rank,
+                                             "decoded_token": e.decoded_token}
+                                    for t, e in entry.items()}
+        for entry in out.prompt_logprobs]}
+
+
 class CompletionServer(Serving):
     def start(self, request: CompletionRequest) -> tuple[SamplingParams, list]:
         """Validates and queues the request (raising before anything runs)."""
         if request.echo and request.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (prompt logprobs are not "
-                             "computed)")
-        params = request.sampling_params(request.max_tokens, request.logprobs)
+            raise ValueError("echo with logprobs is not supported; prompt_logprobs gives the "
+                             "prompt tokens' logprobs")
+        params = request.sampling_params(request.max_tokens, request.logprobs,
+                                         request.prompt_logprobs)
         return params, self.llm.add_requests(prompts_of(request), params)
 
     def _echo(self, request: CompletionRequest, out: RequestOutput) -> str:
@@ -59,7 +72,7 @@ class CompletionServer(Serving):
                 choices.append({
                     "index": i * params.n + c.index, "text": echo + c.text,
                     "logprobs": self._logprobs(c, 0, len(c.token_ids)),
-                    "finish_reason": finish_reason(c)})
+                    "finish_reason": finish_reason(c), **prompt_logprobs_field(out)})
         return {"id": new_id("cmpl"), "object": "text_completion", "created": now(),
                 "model": self.model_name, "choices": choices, "usage": usage(outputs)}
 
@@ -85,7 +98,8 @@ class CompletionServer(Serving):
                         text = self._echo(request, out) + text
                     choice = {"index": i * params.n + c.index, "text": text,
                               "logprobs": self._logprobs(c, first, end),
-                              "finish_reason": finish_reason(c)}
+                              "finish_reason": finish_reason(c),
+                              **(prompt_logprobs_field(out) if first == 0 else {})}
                     yield sse({**head, "choices": [choice]})
                 if out.finished:
                     final[i] = out
