@@ -98,3 +98,17 @@ def test_bench_throughput_runs_both_transformers_modes(llama_dir, tmp_path):
     assert row["kvserve out tok/s"] > 0 and row["hf out tok/s"] > 0
     assert row["hf static+compile out tok/s"] > 0 and row["ratio vs hf static+compile"] > 0
     assert 0 <= row["host % of steps"] < 100
+
+
+def test_eval_perplexity_agrees_with_transformers(llama_dir, tmp_path):
+    import json
+
+    out = tmp_path / "ppl.json"
+    run = kvserve("eval", "perplexity", str(llama_dir), "--context", "40", "--num-windows",
+                  "3", "--max-num-batched-tokens", "32", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    ours, theirs = json.loads(out.read_text())["rows"]
+    assert ours["tokens scored"] == theirs["tokens scored"] == 3 * 39
+    assert abs(ours["perplexity"] / theirs["perplexity"] - 1) < 1e-4
+    bad = kvserve("eval", "perplexity", str(llama_dir), "--context", "5000")
+    assert bad.returncode == 2 and "--context (5000) exceeds" in bad.stderr

@@ -47,12 +47,13 @@ def _make_model(args: argparse.Namespace) -> None:
 
     path = make_model(args.preset, args.output, arch=args.arch, seed=args.seed,
                       dtype=args.dtype, max_shard_bytes=int(args.max_shard_size * GiB),
-                      progress=True)
+                      train_steps=args.train_steps, progress=True)
     print(f"wrote {path}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.benchmarks.cli import add_bench_parser
+    from kvserve.evals import perplexity
     from kvserve.tools.make_model import ARCHES, PRESETS
 
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
@@ -93,9 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     mk.add_argument("--max-shard-size", type=float, default=2.0, help="GiB per safetensors file")
+    mk.add_argument("--train-steps", type=int, default=0,
+                    help="train this many steps on the standard library's sources (the "
+                         "held-out loss goes to training.json); 0 keeps random weights")
     mk.set_defaults(func=_make_model)
 
     add_bench_parser(sub)
+    evals = sub.add_parser("eval", help="model quality through the engine")
+    evals_sub = evals.add_subparsers(dest="eval", required=True)
+    perplexity.add_parser(evals_sub)
     return parser
 
 

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kvserve.tools.tokenizer import tokenizer_config, train_tokenizer
+from kvserve.tools.train import train
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class Preset:
 
 PRESETS = {
     "tiny": Preset("llama", 64, 128, 2, 4, 2, 3000, 1024, init_std=0.08),
+    # Small enough to train in minutes on 2 CPU cores (`--train-steps`), with linear layers
+    # whose inputs split into 128-wide quantization groups.
+    "small": Preset("llama", 256, 768, 4, 4, 2, 4096, 2048),
     "smollm2-135m": Preset("llama", 576, 1536, 30, 9, 3, 49152, 8192, rope_theta=100000.0),
     "qwen2.5-0.5b": Preset("qwen2", 896, 4864, 24, 14, 2, 151936, 32768, rope_theta=1e6),
     # Qwen3-0.6B's shapes: the model of nano-vllm's benchmark.
@@ -62,9 +66,14 @@ ARCHES = {
 
 def make_model(preset: str, output: str | Path, arch: str | None = None, seed: int = 0,
                dtype: str | None = None, max_shard_bytes: int = 2 << 30,
-               sliding_window: int | None = None, progress: bool = False) -> Path:
+               sliding_window: int | None = None, train_steps: int = 0,
+               progress: bool = False) -> Path:
     """Writes a checkpoint folder for `preset` (optionally as another architecture) and
-    returns its path. The same arguments always give the same files."""
+    returns its path; with `train_steps`, trains it that many steps on local text first
+    (`train.py`) and writes `training.json` beside it. The same arguments always give the
+    same files (on a machine with the same number of threads, when training)."""
+    if train_steps < 0:
+        raise ValueError(f"train_steps must be >= 0, got {train_steps}")
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     spec = PRESETS[preset]
@@ -84,7 +93,14 @@ def make_model(preset: str, output: str | Path, arch: str | None = None, seed: i
     _write_json(out / "generation_config.json", {"eos_token_id": 2, "pad_token_id": 0})
     (out / "tokenizer.json").write_text(train_tokenizer(spec.vocab_size))
     _write_json(out / "tokenizer_config.json", tokenizer_config(spec.max_position_embeddings))
-    _write_weights(out, spec, seed, max_shard_bytes, progress)
+    dtype_of = getattr(torch, spec.dtype)
+    if not train_steps:
+        _write_weights(out, _tensors(spec, seed), dtype_of, max_shard_bytes, progress)
+        return out
+    _write_weights(out, _tensors(spec, seed), torch.float32, max_shard_bytes, False)
+    trained, report = train(out, train_steps, seed, progress=progress)
+    _write_weights(out, iter(trained.items()), dtype_of, max_shard_bytes, progress)
+    _write_json(out / "training.json", report.as_dict())
     return out
 
 
@@ -155,15 +171,13 @@ def _tensors(spec: Preset, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
         yield "lm_head.weight", normal(spec.vocab_size, h)
 
 
-def _write_weights(out: Path, spec: Preset, seed: int, max_shard_bytes: int,
-                   progress: bool) -> None:
-    dtype = getattr(torch, spec.dtype)
+def _write_weights(out: Path, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                   max_shard_bytes: int, progress: bool) -> None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = total = 0
     written: list[Path] = []
     weight_map: dict[str, int] = {}
-    for name, tensor in tqdm(_tensors(spec, seed), desc="weights", unit=" tensors",
-                             disable=not progress):
+    for name, tensor in tqdm(tensors, desc="weights", unit=" tensors", disable=not progress):
         tensor = tensor.to(dtype).contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import functools
-import sysconfig
-from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from kvserve.tools.corpus import read_texts, stdlib_files
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -15,20 +15,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-
-def training_text(max_bytes: int) -> list[str]:
-    """The standard library's modules in path order, up to `max_bytes` of text."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(f for f in stdlib.rglob("*.py") if "site-packages" not in f.parts)
-    texts, total = [], 0
-    for file in files:
-        text = file.read_text(encoding="utf-8", errors="replace")
-        texts.append(text)
-        total += len(text)
-        if total >= max_bytes:
-            break
-    return texts
 
 
 @functools.lru_cache(maxsize=4)
@@ -43,7 +29,8 @@ def train_tokenizer(vocab_size: int) -> str:
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     # About 300 bytes of text per merge gives the trainer enough pairs to reach vocab_size.
-    tokenizer.train_from_iterator(training_text(max(200_000, vocab_size * 300)), trainer)
+    text = read_texts(list(stdlib_files()), max(200_000, vocab_size * 300))
+    tokenizer.train_from_iterator(text, trainer)
     return tokenizer.to_str()
 
 
