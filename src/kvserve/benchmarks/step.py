@@ -45,6 +45,7 @@ class SyntheticSteps:
         params = SamplingParams(temperature=0.0)
         self.pending = [NewRequestData(f"decode-{i}", [3] * context, params, ())
                         for i in range(max_decodes)]
+        self.pending.append(NewRequestData("prefill", [3] * (context + max_chunk), params, ()))
 
     def run(self, num_decodes: int, chunk: int) -> float:
         """Seconds for one step of `num_decodes` decodes and a `chunk`-token prefill chunk."""
