@@ -12,6 +12,7 @@ import torch
 
 from kvserve.errors import CheckpointError
 from kvserve.models.registry import resolve_architecture
+from kvserve.quantization.hub_format import QuantConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -52,6 +53,7 @@ class ModelConfig:
     sliding_window: int | None
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = ()
+    quantization: QuantConfig | None = None  # a quantized checkpoint's format
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: str = "auto",
@@ -99,6 +101,8 @@ class ModelConfig:
             sliding_window=int(sliding_window) if sliding_window else None,
             dtype=resolve_dtype(dtype, raw, device),
             eos_token_ids=_eos_ids(raw, folder),
+            quantization=(QuantConfig.from_hf(raw["quantization_config"])
+                          if raw.get("quantization_config") else None),
         )
 
     @property

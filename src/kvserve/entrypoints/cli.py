@@ -51,6 +51,15 @@ def _make_model(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+def _quantize(args: argparse.Namespace) -> None:
+    from kvserve.quantization.quantize import quantize_model
+
+    path = quantize_model(args.model, args.output, args.method, args.bits, args.group_size,
+                          args.act_order, args.sym, args.calibration_samples,
+                          args.calibration_len, args.seed, progress=True)
+    print(f"wrote {path}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.benchmarks.cli import add_bench_parser
     from kvserve.evals import perplexity
@@ -98,6 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train this many steps on the standard library's sources (the "
                          "held-out loss goes to training.json); 0 keeps random weights")
     mk.set_defaults(func=_make_model)
+
+    qt = sub.add_parser("quantize", help="quantize a checkpoint's linear layers (GPTQ format)")
+    qt.add_argument("model", help="HF checkpoint folder (full precision)")
+    qt.add_argument("--output", required=True)
+    qt.add_argument("--method", choices=["rtn", "gptq"], default="gptq")
+    qt.add_argument("--bits", type=int, choices=[2, 3, 4, 8], default=4)
+    qt.add_argument("--group-size", type=int, default=128, help="-1: one group per row")
+    qt.add_argument("--act-order", action="store_true",
+                    help="GPTQ: quantize input channels by decreasing Hessian diagonal")
+    qt.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
+                    help="zero point at the middle of the range (default) or fitted")
+    qt.add_argument("--calibration-samples", type=int, default=128)
+    qt.add_argument("--calibration-len", type=int, default=256, help="tokens per sample")
+    qt.add_argument("--seed", type=int, default=0)
+    qt.set_defaults(func=_quantize)
 
     add_bench_parser(sub)
     evals = sub.add_parser("eval", help="model quality through the engine")

@@ -1,4 +1,5 @@
-"""Builds a model from a HF checkpoint folder: safetensors only, never pickle, never remote code."""
+"""Builds a model from a HF checkpoint folder: safetensors only, never pickle, never remote code.
+Quantized checkpoints (GPTQ, AWQ) load through `quantization/hub_format.py`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvserve.config import ModelConfig
 from kvserve.errors import CheckpointError
 from kvserve.layers.linear import Linear
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.quantization.hub_format import dequantize_checkpoint
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -30,7 +32,8 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
                 if hasattr(module, "weight") and not isinstance(module, Linear)}
     missing.add(("embed_tokens", "weight", 0))
     embedding: torch.Tensor | None = None
-    for hf_name, tensor in iter_checkpoint(Path(cfg.path)):
+    tensors = dequantize_checkpoint(iter_checkpoint(Path(cfg.path)), cfg.quantization)
+    for hf_name, tensor in tensors:
         if _IGNORED.match(hf_name):
             continue
         target = _target(hf_name, model)

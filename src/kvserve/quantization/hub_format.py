@@ -1,0 +1,103 @@
+"""Quantized hub checkpoints: the `quantization_config` of config.json, and their tensors.
+
+GPTQ (`quant_method: gptq`, 2/3/4/8 bits, `checkpoint_format` gptq or gptq_v2) and AWQ
+(`quant_method: awq`, 4 bits, `version: gemm`) load as they are. Anything else is refused
+when the config is read, naming what is unsupported, never run with wrong weights. Quantized
+layers are dequantized to the model's dtype as they load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvserve.errors import CheckpointError
+from kvserve.quantization.packing import dequantize_awq, dequantize_gptq
+
+SUPPORTED_BITS = {"gptq": (2, 3, 4, 8), "awq": (4,)}
+PARTS = {"gptq": frozenset({"qweight", "qzeros", "scales", "g_idx"}),
+         "awq": frozenset({"qweight", "qzeros", "scales"})}
+QUANTIZED_PARTS = frozenset().union(*PARTS.values())
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    method: str  # gptq | awq
+    bits: int
+    group_size: int  # -1: one group over the whole input
+    desc_act: bool = False
+    sym: bool = True
+    zero_offset: int = 1  # GPTQ v1 files store zero - 1
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> QuantConfig:
+        method = raw.get("quant_method")
+        if method not in SUPPORTED_BITS:
+            raise CheckpointError(f"model: quantization_config.quant_method {method!r} is not "
+                                  f"supported (supported: {', '.join(SUPPORTED_BITS)})")
+        bits = raw.get("bits", raw.get("w_bit"))
+        if bits not in SUPPORTED_BITS[method]:
+            raise CheckpointError(f"model: {method} with bits={bits!r} is not supported "
+                                  f"(supported: {SUPPORTED_BITS[method]})")
+        group_size = raw.get("group_size", raw.get("q_group_size", -1))
+        if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+            raise CheckpointError(f"model: quantization_config.group_size must be -1 or a "
+                                  f"positive integer, got {group_size!r}")
+        if method == "awq":
+            version = str(raw.get("version", "gemm")).lower()
+            if version != "gemm" or raw.get("zero_point", True) is not True:
+                raise CheckpointError(f"model: AWQ version {version!r} with zero_point="
+                                      f"{raw.get('zero_point', True)!r} is not supported "
+                                      "(supported: version gemm with zero points)")
+            return cls("awq", bits, group_size, zero_offset=0)
+        checkpoint_format = raw.get("checkpoint_format", "gptq")
+        if checkpoint_format not in ("gptq", "gptq_v2"):
+            raise CheckpointError(f"model: GPTQ checkpoint_format {checkpoint_format!r} is not "
+                                  "supported (supported: gptq, gptq_v2)")
+        return cls("gptq", bits, group_size, bool(raw.get("desc_act", False)),
+                   bool(raw.get("sym", True)), 1 if checkpoint_format == "gptq" else 0)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The config.json entry, as GPTQModel writes it (GPTQ only)."""
+        assert self.method == "gptq"
+        return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size,
+                "desc_act": self.desc_act, "sym": self.sym, "checkpoint_format": "gptq"}
+
+    def dequantize(self, layer: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The float weight [out, in] of one quantized layer's tensors."""
+        try:
+            if self.method == "awq":
+                in_features = parts["qweight"].shape[0]
+                group = in_features if self.group_size == -1 else self.group_size
+                return dequantize_awq(parts["qweight"], parts["qzeros"], parts["scales"], group)
+            return dequantize_gptq(parts["qweight"], parts["qzeros"], parts["scales"],
+                                   parts["g_idx"], self.bits, self.zero_offset)
+        except (IndexError, RuntimeError, ValueError) as e:
+            shapes = {k: list(v.shape) for k, v in sorted(parts.items())}
+            raise CheckpointError(f"model: quantized layer {layer!r} has inconsistent tensors "
+                                  f"{shapes} for {self.method} {self.bits}-bit: {e}") from None
+
+
+def dequantize_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]],
+                          quant: QuantConfig | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each quantized layer's parts replaced, once all have
+    been read, by its dequantized `<layer>.weight`."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        layer, _, part = name.rpartition(".")
+        if part not in QUANTIZED_PARTS:
+            yield name, tensor
+            continue
+        if quant is None:
+            raise CheckpointError(f"model: tensor {name!r} is quantized but config.json has no "
+                                  "quantization_config")
+        parts = pending.setdefault(layer, {})
+        parts[part] = tensor
+        if set(parts) >= PARTS[quant.method]:
+            yield f"{layer}.weight", quant.dequantize(layer, pending.pop(layer))
+    for layer, parts in pending.items():
+        missing = sorted(PARTS[quant.method] - set(parts)) if quant else []
+        raise CheckpointError(f"model: quantized layer {layer!r} lacks {', '.join(missing)}")

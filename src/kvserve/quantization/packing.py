@@ -1,0 +1,87 @@
+"""Bit packing of quantized weights in the layouts hub checkpoints use.
+
+GPTQ (AutoGPTQ / GPTQModel, `checkpoint_format: gptq`): `qweight` [in * bits / 32, out]
+int32 packs the integers along the input dimension, `qzeros` [groups, out * bits / 32]
+packs each group's zero points along the output dimension, storing zero - 1; `scales`
+[groups, out] float16; `g_idx` [in] int32, the group of each input channel. Values are
+laid out as one little-endian bit stream per column, which for 3 bits lets a value straddle
+two words exactly as AutoGPTQ writes it.
+
+AWQ (`version: gemm`): `qweight` [in, out * bits / 32] and `qzeros` [groups, out * bits / 32]
+both pack along the output dimension, eight 4-bit values per word in the order 0 2 4 6 1 3
+5 7, zeros stored as they are; `scales` [groups, out].
+"""
+
+from __future__ import annotations
+
+import torch
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # logical value i sits in nibble AWQ_ORDER.index(i)
+
+
+def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """[n, m] integers in [0, 2^bits) -> [n * bits / 32, m] int32: each column a bit stream,
+    value i at bits i * bits .. (i + 1) * bits - 1."""
+    n, m = values.shape
+    if (n * bits) % 32:
+        raise ValueError(f"{n} values of {bits} bits do not fill whole 32-bit words")
+    shifts = torch.arange(bits)
+    stream = ((values.long().unsqueeze(1) >> shifts.view(1, bits, 1)) & 1).reshape(-1, 32, m)
+    words = (stream << torch.arange(32).view(1, 32, 1)).sum(dim=1)
+    return (words - (words >= 2**31).long() * 2**32).to(torch.int32)
+
+
+def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of `pack_rows`: [w, m] int32 -> [w * 32 / bits, m] int64."""
+    w, m = words.shape
+    unsigned = words.long() & 0xFFFFFFFF
+    stream = (unsigned.unsqueeze(1) >> torch.arange(32).view(1, 32, 1)) & 1
+    stream = stream.reshape(-1, bits, m)
+    return (stream << torch.arange(bits).view(1, bits, 1)).sum(dim=1)
+
+
+def pack_gptq(intweight: torch.Tensor, zeros: torch.Tensor, bits: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """intweight [out, in] and zeros [groups, out] -> (qweight, qzeros) in GPTQ's layout."""
+    return pack_rows(intweight.t(), bits), pack_rows((zeros - 1).t(), bits).t().contiguous()
+
+
+def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, zero_offset: int = 1
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight, qzeros) -> intweight [out, in] and zeros [groups, out]; `zero_offset` is 1
+    for files that store zero - 1 (checkpoint_format gptq), 0 for gptq_v2."""
+    zeros = unpack_rows(qzeros.t().contiguous(), bits).t() + zero_offset
+    return unpack_rows(qweight, bits).t(), zeros
+
+
+def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                    g_idx: torch.Tensor, bits: int, zero_offset: int = 1) -> torch.Tensor:
+    """The float weight [out, in] a GPTQ layer stands for: scale * (q - zero) of each input
+    channel's group."""
+    intweight, zeros = unpack_gptq(qweight, qzeros, bits, zero_offset)
+    groups = g_idx.long()
+    return scales.float().t()[:, groups] * (intweight - zeros.t()[:, groups])
+
+
+def unpack_awq(words: torch.Tensor) -> torch.Tensor:
+    """AWQ's [rows, out / 8] int32 of 4-bit values -> [rows, out] int64 in logical order."""
+    unsigned = words.long() & 0xFFFFFFFF
+    nibbles = (unsigned.unsqueeze(-1) >> (4 * torch.arange(8))) & 0xF  # nibble k of word
+    logical = nibbles[..., [AWQ_ORDER.index(i) for i in range(8)]]
+    return logical.reshape(words.shape[0], -1)
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """The inverse of `unpack_awq`, for tests: [rows, out] 4-bit values -> [rows, out / 8]."""
+    rows = values.long().reshape(values.shape[0], -1, 8)[..., AWQ_ORDER]
+    words = (rows << (4 * torch.arange(8))).sum(dim=-1)
+    return (words - (words >= 2**31).long() * 2**32).to(torch.int32)
+
+
+def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   group_size: int) -> torch.Tensor:
+    """The float weight [out, in] of an AWQ (gemm) layer."""
+    intweight = unpack_awq(qweight)  # [in, out]
+    zeros = unpack_awq(qzeros)  # [groups, out]
+    groups = torch.arange(intweight.shape[0]) // group_size
+    return (scales.float()[groups] * (intweight - zeros[groups])).t()

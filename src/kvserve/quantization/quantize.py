@@ -1,0 +1,145 @@
+"""`kvserve quantize`: every linear layer of the decoder quantized by RTN or GPTQ, written
+in GPTQ's hub format (`packing.py`) so that other tools read the files too.
+
+GPTQ runs layer by layer: calibration windows from the training split of the local corpus
+go through the model, hooks sum each linear layer's input Hessian for one decoder layer at a
+time, and that layer's weights are replaced by their quantized values before the next
+layer's inputs are collected, so every layer compensates the error of those before it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
+
+from kvserve.quantization.gptq import QuantizedWeight, gptq, rtn
+from kvserve.quantization.hub_format import QuantConfig
+from kvserve.quantization.packing import pack_gptq
+from kvserve.tools.corpus import corpus_tokens
+
+METHODS = ("rtn", "gptq")
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                "special_tokens_map.json")
+
+
+class _StopForward(Exception):
+    """Raised after the decoder layer being calibrated: later layers need not run."""
+
+
+def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits: int,
+                   group_size: int = 128, act_order: bool = False, sym: bool = True,
+                   num_samples: int = 128, seq_len: int = 256, seed: int = 0,
+                   progress: bool = False) -> Path:
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if bits not in (2, 3, 4, 8):
+        raise ValueError(f"bits must be 2, 3, 4 or 8, got {bits}")
+    if num_samples < 1 or seq_len < 2:
+        raise ValueError("calibration needs at least 1 sample of at least 2 tokens")
+    source, out = Path(model_dir), Path(output)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    layers = model.model.layers
+    linears = [{name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+               for layer in layers]
+    for name, m in linears[0].items():
+        _check_shape(name, m, bits, group_size)
+    calibration = None
+    if method == "gptq":
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
+        calibration = _calibration(tokenizer, num_samples, seq_len, seed)
+    quantized: dict[str, QuantizedWeight] = {}
+    for index in tqdm(range(len(layers)), desc=f"{method} {bits}-bit", unit=" layers",
+                      disable=not progress):
+        hessians = _hessians(model, layers[index], linears[index], calibration) \
+            if calibration is not None else {}
+        for name, linear in linears[index].items():
+            group = linear.in_features if group_size == -1 else group_size
+            weight = linear.weight.data
+            q = (gptq(weight, hessians[name], bits, group, sym, act_order) if method == "gptq"
+                 else rtn(weight, bits, group, sym))
+            linear.weight.data.copy_(q.dequantize())  # later layers see the quantized layer
+            quantized[f"model.layers.{index}.{name}"] = q
+    config = QuantConfig("gptq", bits, group_size, act_order and method == "gptq", sym)
+    _write(model, source, out, quantized, config)
+    return out
+
+
+def _check_shape(name: str, linear: nn.Linear, bits: int, group_size: int) -> None:
+    if group_size != -1 and linear.in_features % group_size:
+        raise ValueError(f"group_size {group_size} does not divide {name}'s "
+                         f"{linear.in_features} input features")
+    if (linear.in_features * bits) % 32 or (linear.out_features * bits) % 32:
+        raise ValueError(f"{name} ({linear.in_features} -> {linear.out_features}) does not pack "
+                         f"into 32-bit words at {bits} bits")
+
+
+def _calibration(tokenizer: object, num_samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """`num_samples` windows drawn (seeded) from the training split."""
+    data = corpus_tokens(tokenizer, "train", max(4 * num_samples * seq_len, 1 << 20))
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(data) - seq_len, (num_samples,), generator=gen).tolist()
+    return torch.stack([data[s:s + seq_len] for s in starts])
+
+
+@torch.inference_mode()
+def _hessians(model: nn.Module, layer: nn.Module, linears: dict[str, nn.Linear],
+              calibration: torch.Tensor, batch_size: int = 8) -> dict[str, torch.Tensor]:
+    """2 X^T X / N of each linear layer's inputs X over all calibration tokens."""
+    sums = {name: torch.zeros(m.in_features, m.in_features) for name, m in linears.items()}
+    counts = dict.fromkeys(linears, 0)
+
+    def record(name: str):  # noqa: ANN202
+        def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...], _out: object) -> None:
+            x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+            sums[name] += x.t() @ x
+            counts[name] += x.shape[0]
+        return hook
+
+    def stop(*_: object) -> None:
+        raise _StopForward
+
+    handles = [m.register_forward_hook(record(name)) for name, m in linears.items()]
+    handles.append(layer.register_forward_hook(stop))
+    try:
+        for start in range(0, len(calibration), batch_size):
+            with contextlib.suppress(_StopForward):
+                model(input_ids=calibration[start:start + batch_size])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: 2 * sums[name] / counts[name] for name in linears}
+
+
+def _write(model: nn.Module, source: Path, out: Path, quantized: dict[str, QuantizedWeight],
+           config: QuantConfig) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    tied = model.config.tie_word_embeddings
+    for name, tensor in model.state_dict().items():
+        layer = name.removesuffix(".weight")
+        if layer in quantized:
+            q = quantized[layer]
+            qweight, qzeros = pack_gptq(q.intweight, q.zeros, config.bits)
+            tensors.update({f"{layer}.qweight": qweight, f"{layer}.qzeros": qzeros,
+                            f"{layer}.scales": q.scales.to(torch.float16),
+                            f"{layer}.g_idx": q.g_idx.to(torch.int32)})
+        elif not (tied and name == "lm_head.weight"):
+            tensors[name] = tensor.contiguous()
+    for stale in out.glob("model*.safetensors*"):
+        stale.unlink()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    raw = json.loads((source / "config.json").read_text())
+    raw["quantization_config"] = config.to_hf()
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    for name in COPIED_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, out / name)

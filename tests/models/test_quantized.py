@@ -1,0 +1,96 @@
+"""Quantized checkpoints served by the engine give what their dequantized weights give in
+transformers: GPTQ files written by `kvserve quantize`, and AWQ files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvserve import LLM
+from kvserve.models.loader import iter_checkpoint
+from kvserve.quantization.gptq import rtn
+from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
+from kvserve.quantization.packing import pack_awq
+from kvserve.quantization.quantize import quantize_model
+from kvserve.tools.make_model import make_model
+from tests.conftest import random_prompts
+from tests.models.test_hf_equivalence import MAX_TOKENS, hf_greedy, run_greedy
+
+RELATIVE_ERROR = {8: 0.01, 4: 0.2, 3: 0.4}  # |dequantized - original| / |original|
+
+
+@pytest.fixture(scope="module")
+def trained_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model("tiny", tmp_path_factory.mktemp("trained") / "tiny", train_steps=10)
+
+
+def dequantized_copy(quantized: Path, out: Path) -> Path:
+    """The same model as a plain float checkpoint: what dequantize-then-run runs."""
+    shutil.copytree(quantized, out)
+    config = json.loads((out / "config.json").read_text())
+    tensors = dict(dequantize_checkpoint(iter_checkpoint(quantized),
+                                         QuantConfig.from_hf(config.pop("quantization_config"))))
+    (out / "config.json").write_text(json.dumps(config))
+    save_file({k: v.float().contiguous() for k, v in tensors.items()},
+              str(out / "model.safetensors"))
+    return out
+
+
+def assert_serves_like_its_dequantized_weights(quantized: Path, reference: Path) -> None:
+    prompts = random_prompts([6, 70], seed=8)
+    got = run_greedy(LLM(str(quantized), max_num_batched_tokens=32), prompts)
+    assert got == [hf_greedy(reference, tuple(p), MAX_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("method,bits,act_order", [("gptq", 4, True), ("gptq", 3, False),
+                                                   ("rtn", 8, False)])
+def test_kvserve_quantize_output_serves_like_its_dequantized_weights(trained_tiny, tmp_path,
+                                                                     method, bits, act_order):
+    out = quantize_model(trained_tiny, tmp_path / "q", method, bits, group_size=32,
+                         act_order=act_order, num_samples=8, seq_len=64)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config == {"quant_method": "gptq", "bits": bits, "group_size": 32,
+                      "desc_act": act_order, "sym": True, "checkpoint_format": "gptq"}
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["model.layers.0.mlp.down_proj.qweight"].shape == (128 * bits // 32, 64)
+    assert "model.layers.0.mlp.down_proj.weight" not in tensors
+    reference = dequantized_copy(out, tmp_path / "dequantized")
+    original = load_file(str(trained_tiny / "model.safetensors"))
+    for name, weight in load_file(str(reference / "model.safetensors")).items():
+        error = float((weight - original[name]).norm() / original[name].norm())
+        assert error < RELATIVE_ERROR[bits], name  # the files hold the weights, not noise
+    assert_serves_like_its_dequantized_weights(out, reference)
+
+
+def test_awq_checkpoints_load(trained_tiny, tmp_path):
+    out = tmp_path / "awq"
+    shutil.copytree(trained_tiny, out)
+    tensors = load_file(str(trained_tiny / "model.safetensors"))
+    for name in [n for n in tensors if ".layers." in n and n.endswith("proj.weight")]:
+        q = rtn(tensors.pop(name), 4, 32, sym=False)
+        layer = name.removesuffix(".weight")
+        tensors[f"{layer}.qweight"] = pack_awq(q.intweight.t())
+        tensors[f"{layer}.qzeros"] = pack_awq(q.zeros)
+        tensors[f"{layer}.scales"] = q.scales.to(torch.float16)
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32,
+                                     "zero_point": True, "version": "gemm"}
+    (out / "config.json").write_text(json.dumps(config))
+    assert_serves_like_its_dequantized_weights(out, dequantized_copy(out, tmp_path / "float"))
+
+
+def test_a_quantized_file_without_its_config_is_refused(trained_tiny, tmp_path):
+    from kvserve.errors import CheckpointError
+
+    out = quantize_model(trained_tiny, tmp_path / "q", "rtn", 4, group_size=32)
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="is quantized but config.json has no"):
+        LLM(str(out))

@@ -1,0 +1,127 @@
+"""Quantized weights: hub packing layouts, RTN and GPTQ, and reading bad files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.errors import CheckpointError
+from kvserve.quantization.gptq import gptq, rtn
+from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
+from kvserve.quantization.packing import (
+    dequantize_awq,
+    pack_awq,
+    pack_gptq,
+    pack_rows,
+    unpack_awq,
+    unpack_gptq,
+    unpack_rows,
+)
+
+GEN = torch.Generator().manual_seed(0)
+
+
+def reference_pack(intweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packing along dim 0 written out word by word as AutoGPTQ's packer does it, with 3-bit
+    values straddling words at positions 10 and 21 of every 32."""
+    iw = intweight.numpy().astype(np.uint32)
+    words = np.zeros((iw.shape[0] // 32 * bits, iw.shape[1]), dtype=np.uint32)
+    i = row = 0
+    while row < words.shape[0]:
+        if bits != 3:
+            for j in range(32 // bits):
+                words[row] |= iw[i + j] << (bits * j)
+            i, row = i + 32 // bits, row + 1
+            continue
+        for shift in (0, 1, 2):
+            for j in range(10):
+                words[row] |= iw[i + j] << (3 * j + shift)
+            i += 10
+            if shift < 2:  # the straddling value: its low bits end this word
+                words[row] |= iw[i] << (30 + shift)
+                words[row + 1] |= (iw[i] >> (2 - shift)) & ((1 << (shift + 1)) - 1)
+                i += 1
+            row += 1
+    return torch.from_numpy(words.astype(np.int32))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_bit_streams_round_trip_and_match_autogptq_words(bits):
+    values = torch.randint(0, 2**bits, (64, 5), generator=GEN)
+    packed = pack_rows(values, bits)
+    assert packed.dtype == torch.int32 and packed.shape == (64 * bits // 32, 5)
+    assert torch.equal(unpack_rows(packed, bits), values)
+    assert torch.equal(packed, reference_pack(values, bits))
+
+
+def test_gptq_and_awq_layouts_round_trip():
+    intweight = torch.randint(0, 16, (24, 64), generator=GEN)  # [out, in]
+    zeros = torch.randint(1, 16, (2, 24), generator=GEN)  # [groups, out]
+    qweight, qzeros = pack_gptq(intweight, zeros, 4)
+    assert qweight.shape == (8, 24) and qzeros.shape == (2, 3)
+    assert all(torch.equal(a, b) for a, b in zip(unpack_gptq(qweight, qzeros, 4),
+                                                 (intweight, zeros), strict=True))
+    awq = torch.randint(0, 16, (64, 24), generator=GEN)
+    assert torch.equal(unpack_awq(pack_awq(awq)), awq)
+    scales = torch.rand(2, 24, generator=GEN)
+    expected = (scales[torch.arange(64) // 32] * (awq - 3)).t()
+    got = dequantize_awq(pack_awq(awq), pack_awq(torch.full((2, 24), 3)), scales, 32)
+    torch.testing.assert_close(got, expected)
+
+
+def correlated_layer():
+    w = torch.randn(96, 256, generator=GEN) * 0.05
+    x = torch.randn(2048, 256, generator=GEN) @ (torch.randn(256, 256, generator=GEN) * 0.2)
+    x[:, :8] *= 10  # a few outlier input channels, as in real activations
+    return w, x, 2 * x.t() @ x / x.shape[0]
+
+
+@pytest.mark.parametrize("bits,act_order", [(4, False), (3, False), (3, True)])
+def test_gptq_output_error_beats_rtn_on_the_calibration_inputs(bits, act_order):
+    w, x, hessian = correlated_layer()
+
+    def output_error(q):
+        return float(((x @ (q.dequantize() - w).t()) ** 2).mean())
+
+    baseline = rtn(w, bits, 128, sym=True)
+    ours = gptq(w, hessian, bits, 128, sym=True, act_order=act_order)
+    assert output_error(ours) < 0.5 * output_error(baseline)
+    assert ours.intweight.max() < 2**bits and ours.intweight.min() >= 0
+    if act_order:  # groups follow the permuted order, so g_idx is not sorted
+        assert not torch.equal(ours.g_idx, torch.sort(ours.g_idx).values)
+
+
+def test_rtn_dequantizes_within_half_a_step():
+    w = torch.randn(8, 64, generator=GEN)
+    q = rtn(w, 4, 32, sym=False)
+    step = q.scales.t()[:, q.g_idx]
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+    ({"quant_method": "gptq", "bits": 5}, "gptq with bits=5 is not supported"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"},
+     "checkpoint_format 'marlin' is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size must be -1 or"),
+])
+def test_unsupported_configs_are_refused_by_name(raw, message):
+    with pytest.raises(CheckpointError, match=message):
+        QuantConfig.from_hf(raw)
+
+
+def test_incomplete_or_unexpected_quantized_tensors_are_refused():
+    config = QuantConfig.from_hf({"quant_method": "gptq", "bits": 4, "group_size": 32})
+    qweight, qzeros = pack_gptq(torch.zeros(8, 64, dtype=torch.long),
+                                torch.ones(2, 8, dtype=torch.long), 4)
+    parts = [("layers.0.mlp.up_proj.qweight", qweight), ("layers.0.mlp.up_proj.qzeros", qzeros)]
+    with pytest.raises(CheckpointError, match="'layers.0.mlp.up_proj' lacks g_idx, scales"):
+        list(dequantize_checkpoint(iter(parts), config))
+    with pytest.raises(CheckpointError, match="is quantized but config.json has no"):
+        list(dequantize_checkpoint(iter(parts), None))
+    bad = parts + [("layers.0.mlp.up_proj.scales", torch.ones(2, 8)),
+                   ("layers.0.mlp.up_proj.g_idx", torch.zeros(48, dtype=torch.int32))]
+    with pytest.raises(CheckpointError, match="has inconsistent tensors"):
+        list(dequantize_checkpoint(iter(bad), config))
