@@ -48,14 +48,15 @@ def assert_serves_like_its_dequantized_weights(quantized: Path, reference: Path)
 
 
 @pytest.mark.parametrize("method,bits,act_order", [("gptq", 4, True), ("gptq", 3, False),
-                                                   ("rtn", 8, False)])
+                                                   ("rtn", 8, False), ("squeezellm", 3, False)])
 def test_kvserve_quantize_output_serves_like_its_dequantized_weights(trained_tiny, tmp_path,
                                                                      method, bits, act_order):
     out = quantize_model(trained_tiny, tmp_path / "q", method, bits, group_size=32,
                          act_order=act_order, num_samples=8, seq_len=64)
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert config == {"quant_method": "gptq", "bits": bits, "group_size": 32,
-                      "desc_act": act_order, "sym": True, "checkpoint_format": "gptq"}
+    assert config == ({"quant_method": "squeezellm", "bits": bits} if method == "squeezellm"
+                      else {"quant_method": "gptq", "bits": bits, "group_size": 32,
+                            "desc_act": act_order, "sym": True, "checkpoint_format": "gptq"})
     tensors = load_file(str(out / "model.safetensors"))
     assert tensors["model.layers.0.mlp.down_proj.qweight"].shape == (128 * bits // 32, 64)
     assert "model.layers.0.mlp.down_proj.weight" not in tensors

@@ -1,4 +1,4 @@
-"""Quantized weights: hub packing layouts, RTN and GPTQ, and reading bad files."""
+"""Quantized weights: hub packing layouts, RTN, GPTQ and SqueezeLLM, and reading bad files."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from kvserve.quantization.packing import (
     unpack_gptq,
     unpack_rows,
 )
+from kvserve.quantization.squeezellm import squeezellm
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -125,3 +126,18 @@ def test_incomplete_or_unexpected_quantized_tensors_are_refused():
                    ("layers.0.mlp.up_proj.g_idx", torch.zeros(48, dtype=torch.int32))]
     with pytest.raises(CheckpointError, match="has inconsistent tensors"):
         list(dequantize_checkpoint(iter(bad), config))
+
+
+def test_squeezellm_keeps_sensitive_weights_closer_and_outliers_exact():
+    w = torch.randn(40, 96, generator=GEN)
+    w[3, 7], w[20, 50] = 25.0, -30.0  # outliers far outside every row's range
+    fisher = torch.rand(40, 96, generator=GEN) ** 8  # a few weights matter much more
+    weighted = squeezellm(w, fisher, 3, outlier_fraction=2 / w.numel())
+    flat = squeezellm(w, torch.ones_like(w), 3, outlier_fraction=2 / w.numel())
+    error = {name: float((fisher * (q.dequantize() - w) ** 2).sum())
+             for name, q in (("weighted", weighted), ("flat", flat))}
+    assert error["weighted"] < 0.8 * error["flat"]
+    got = weighted.dequantize()
+    assert abs(got[3, 7] - 25.0) < 0.02 and abs(got[20, 50] + 30.0) < 0.02
+    assert weighted.sparse_cols.tolist() == [7, 50]
+    assert weighted.lookup_table.shape == (40, 8) and int(weighted.indices.max()) < 8

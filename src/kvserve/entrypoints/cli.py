@@ -56,7 +56,8 @@ def _quantize(args: argparse.Namespace) -> None:
 
     path = quantize_model(args.model, args.output, args.method, args.bits, args.group_size,
                           args.act_order, args.sym, args.calibration_samples,
-                          args.calibration_len, args.seed, progress=True)
+                          args.calibration_len, args.seed, args.outlier_fraction,
+                          progress=True)
     print(f"wrote {path}")
 
 
@@ -108,10 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "held-out loss goes to training.json); 0 keeps random weights")
     mk.set_defaults(func=_make_model)
 
-    qt = sub.add_parser("quantize", help="quantize a checkpoint's linear layers (GPTQ format)")
+    qt = sub.add_parser("quantize", help="quantize a checkpoint's linear layers")
     qt.add_argument("model", help="HF checkpoint folder (full precision)")
     qt.add_argument("--output", required=True)
-    qt.add_argument("--method", choices=["rtn", "gptq"], default="gptq")
+    qt.add_argument("--method", choices=["rtn", "gptq", "squeezellm"], default="gptq")
     qt.add_argument("--bits", type=int, choices=[2, 3, 4, 8], default=4)
     qt.add_argument("--group-size", type=int, default=128, help="-1: one group per row")
     qt.add_argument("--act-order", action="store_true",
@@ -121,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     qt.add_argument("--calibration-samples", type=int, default=128)
     qt.add_argument("--calibration-len", type=int, default=256, help="tokens per sample")
     qt.add_argument("--seed", type=int, default=0)
+    qt.add_argument("--outlier-fraction", type=float, default=0.005,
+                    help="SqueezeLLM: the share of weights kept exactly, as a sparse matrix")
     qt.set_defaults(func=_quantize)
 
     add_bench_parser(sub)

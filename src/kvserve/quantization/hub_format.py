@@ -1,7 +1,8 @@
 """Quantized hub checkpoints: the `quantization_config` of config.json, and their tensors.
 
-GPTQ (`quant_method: gptq`, 2/3/4/8 bits, `checkpoint_format` gptq or gptq_v2) and AWQ
-(`quant_method: awq`, 4 bits, `version: gemm`) load as they are. Anything else is refused
+GPTQ (`quant_method: gptq`, 2/3/4/8 bits, `checkpoint_format` gptq or gptq_v2), AWQ
+(`quant_method: awq`, 4 bits, `version: gemm`) and SqueezeLLM (`quant_method: squeezellm`,
+the layout `kvserve quantize` writes: README) load as they are. Anything else is refused
 when the config is read, naming what is unsupported, never run with wrong weights. Quantized
 layers are dequantized to the model's dtype as they load.
 """
@@ -15,17 +16,20 @@ from typing import Any
 import torch
 
 from kvserve.errors import CheckpointError
-from kvserve.quantization.packing import dequantize_awq, dequantize_gptq
+from kvserve.quantization.packing import dequantize_awq, dequantize_gptq, unpack_rows
+from kvserve.quantization.squeezellm import dequantize_lut
 
-SUPPORTED_BITS = {"gptq": (2, 3, 4, 8), "awq": (4,)}
+SUPPORTED_BITS = {"gptq": (2, 3, 4, 8), "awq": (4,), "squeezellm": (2, 3, 4, 8)}
 PARTS = {"gptq": frozenset({"qweight", "qzeros", "scales", "g_idx"}),
-         "awq": frozenset({"qweight", "qzeros", "scales"})}
+         "awq": frozenset({"qweight", "qzeros", "scales"}),
+         "squeezellm": frozenset({"qweight", "lookup_table", "sparse_rows", "sparse_cols",
+                                  "sparse_values"})}
 QUANTIZED_PARTS = frozenset().union(*PARTS.values())
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    method: str  # gptq | awq
+    method: str  # gptq | awq | squeezellm
     bits: int
     group_size: int  # -1: one group over the whole input
     desc_act: bool = False
@@ -38,10 +42,12 @@ class QuantConfig:
         if method not in SUPPORTED_BITS:
             raise CheckpointError(f"model: quantization_config.quant_method {method!r} is not "
                                   f"supported (supported: {', '.join(SUPPORTED_BITS)})")
-        bits = raw.get("bits", raw.get("w_bit"))
+        bits = raw.get("bits", raw.get("w_bit", raw.get("wbits")))
         if bits not in SUPPORTED_BITS[method]:
             raise CheckpointError(f"model: {method} with bits={bits!r} is not supported "
                                   f"(supported: {SUPPORTED_BITS[method]})")
+        if method == "squeezellm":
+            return cls("squeezellm", bits, -1)
         group_size = raw.get("group_size", raw.get("q_group_size", -1))
         if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
             raise CheckpointError(f"model: quantization_config.group_size must be -1 or a "
@@ -61,7 +67,9 @@ class QuantConfig:
                    bool(raw.get("sym", True)), 1 if checkpoint_format == "gptq" else 0)
 
     def to_hf(self) -> dict[str, Any]:
-        """The config.json entry, as GPTQModel writes it (GPTQ only)."""
+        """The config.json entry (for GPTQ, as GPTQModel writes it)."""
+        if self.method == "squeezellm":
+            return {"quant_method": "squeezellm", "bits": self.bits}
         assert self.method == "gptq"
         return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size,
                 "desc_act": self.desc_act, "sym": self.sym, "checkpoint_format": "gptq"}
@@ -69,6 +77,10 @@ class QuantConfig:
     def dequantize(self, layer: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """The float weight [out, in] of one quantized layer's tensors."""
         try:
+            if self.method == "squeezellm":
+                return dequantize_lut(unpack_rows(parts["qweight"], self.bits).t(),
+                                      parts["lookup_table"], parts["sparse_rows"],
+                                      parts["sparse_cols"], parts["sparse_values"])
             if self.method == "awq":
                 in_features = parts["qweight"].shape[0]
                 group = in_features if self.group_size == -1 else self.group_size

@@ -1,10 +1,13 @@
 """`kvserve quantize`: every linear layer of the decoder quantized by RTN or GPTQ, written
-in GPTQ's hub format (`packing.py`) so that other tools read the files too.
+in GPTQ's hub format (`packing.py`) so that other tools read the files too, or by SqueezeLLM
+(`squeezellm.py`), written in the lookup-table layout the README documents.
 
 GPTQ runs layer by layer: calibration windows from the training split of the local corpus
 go through the model, hooks sum each linear layer's input Hessian for one decoder layer at a
 time, and that layer's weights are replaced by their quantized values before the next
 layer's inputs are collected, so every layer compensates the error of those before it.
+SqueezeLLM weighs each weight by the Fisher information of the full-precision model, from
+the gradients of the language-model loss on the same calibration windows.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from tqdm import tqdm
 
 from kvserve.quantization.gptq import QuantizedWeight, gptq, rtn
 from kvserve.quantization.hub_format import QuantConfig
-from kvserve.quantization.packing import pack_gptq
+from kvserve.quantization.packing import pack_gptq, pack_rows
+from kvserve.quantization.squeezellm import LutWeight, squeezellm
 from kvserve.tools.corpus import corpus_tokens
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "squeezellm")
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                 "special_tokens_map.json")
 
@@ -36,7 +40,7 @@ class _StopForward(Exception):
 def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits: int,
                    group_size: int = 128, act_order: bool = False, sym: bool = True,
                    num_samples: int = 128, seq_len: int = 256, seed: int = 0,
-                   progress: bool = False) -> Path:
+                   outlier_fraction: float = 0.005, progress: bool = False) -> Path:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     if method not in METHODS:
@@ -50,25 +54,36 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
     layers = model.model.layers
     linears = [{name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
                for layer in layers]
+    if method == "squeezellm":
+        group_size = -1  # a lookup table per row: no groups
     for name, m in linears[0].items():
         _check_shape(name, m, bits, group_size)
+    if not 0 <= outlier_fraction < 1:
+        raise ValueError(f"outlier_fraction must be in [0, 1), got {outlier_fraction}")
     calibration = None
-    if method == "gptq":
+    if method != "rtn":
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
         calibration = _calibration(tokenizer, num_samples, seq_len, seed)
-    quantized: dict[str, QuantizedWeight] = {}
+    fisher = _fisher(model, calibration) if method == "squeezellm" else {}
+    quantized: dict[str, QuantizedWeight | LutWeight] = {}
     for index in tqdm(range(len(layers)), desc=f"{method} {bits}-bit", unit=" layers",
                       disable=not progress):
         hessians = _hessians(model, layers[index], linears[index], calibration) \
-            if calibration is not None else {}
+            if method == "gptq" else {}
         for name, linear in linears[index].items():
             group = linear.in_features if group_size == -1 else group_size
             weight = linear.weight.data
-            q = (gptq(weight, hessians[name], bits, group, sym, act_order) if method == "gptq"
-                 else rtn(weight, bits, group, sym))
+            if method == "squeezellm":
+                q: QuantizedWeight | LutWeight = squeezellm(weight, fisher[linear], bits,
+                                                            outlier_fraction)
+            elif method == "gptq":
+                q = gptq(weight, hessians[name], bits, group, sym, act_order)
+            else:
+                q = rtn(weight, bits, group, sym)
             linear.weight.data.copy_(q.dequantize())  # later layers see the quantized layer
             quantized[f"model.layers.{index}.{name}"] = q
-    config = QuantConfig("gptq", bits, group_size, act_order and method == "gptq", sym)
+    config = (QuantConfig("squeezellm", bits, -1) if method == "squeezellm" else
+              QuantConfig("gptq", bits, group_size, act_order and method == "gptq", sym))
     _write(model, source, out, quantized, config)
     return out
 
@@ -119,15 +134,38 @@ def _hessians(model: nn.Module, layer: nn.Module, linears: dict[str, nn.Linear],
     return {name: 2 * sums[name] / counts[name] for name in linears}
 
 
-def _write(model: nn.Module, source: Path, out: Path, quantized: dict[str, QuantizedWeight],
-           config: QuantConfig) -> None:
+def _fisher(model: nn.Module, calibration: torch.Tensor, batch_size: int = 8
+            ) -> dict[nn.Module, torch.Tensor]:
+    """The mean squared gradient of the loss, per weight of every linear layer."""
+    linears = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)]
+    sums = {m: torch.zeros_like(m.weight) for m in linears}
+    num_batches = 0
+    for start in range(0, len(calibration), batch_size):
+        batch = calibration[start:start + batch_size]
+        model.zero_grad(set_to_none=True)
+        model(input_ids=batch, labels=batch).loss.backward()
+        for m in linears:
+            sums[m] += m.weight.grad.float() ** 2
+        num_batches += 1
+    model.zero_grad(set_to_none=True)
+    return {m: total / num_batches for m, total in sums.items()}
+
+
+def _write(model: nn.Module, source: Path, out: Path,
+           quantized: dict[str, QuantizedWeight | LutWeight], config: QuantConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     tied = model.config.tie_word_embeddings
     for name, tensor in model.state_dict().items():
         layer = name.removesuffix(".weight")
-        if layer in quantized:
-            q = quantized[layer]
+        q = quantized.get(layer)
+        if isinstance(q, LutWeight):
+            tensors.update({f"{layer}.qweight": pack_rows(q.indices.t(), config.bits),
+                            f"{layer}.lookup_table": q.lookup_table.to(torch.float16),
+                            f"{layer}.sparse_rows": q.sparse_rows.to(torch.int32),
+                            f"{layer}.sparse_cols": q.sparse_cols.to(torch.int32),
+                            f"{layer}.sparse_values": q.sparse_values.to(torch.float16)})
+        elif q is not None:
             qweight, qzeros = pack_gptq(q.intweight, q.zeros, config.bits)
             tensors.update({f"{layer}.qweight": qweight, f"{layer}.qzeros": qzeros,
                             f"{layer}.scales": q.scales.to(torch.float16),

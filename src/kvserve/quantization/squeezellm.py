@@ -1,0 +1,82 @@
+"""SqueezeLLM: non-uniform quantization with a per-row lookup table, weighted by
+sensitivity, plus a sparse full-precision part for the outliers (dense-and-sparse).
+
+Each output channel (row) gets 2^bits centroids from a k-means over its weights in which a
+weight counts by its Fisher information (the mean squared gradient of the loss on the
+calibration data): the weights the loss is sensitive to are kept closest. Before
+clustering, the largest-magnitude `outlier_fraction` of the layer's weights are set aside;
+they are stored exactly, as a sparse matrix of (weight - its centroid), so that
+W = lookup_table[row, index] + sparse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROWS_PER_CHUNK = 256  # bounds the [rows, in, 2^bits] distance tensor of the k-means
+
+
+@dataclass(frozen=True)
+class LutWeight:
+    indices: torch.Tensor  # [out, in] int64 in [0, 2^bits)
+    lookup_table: torch.Tensor  # [out, 2^bits] float32, float16-exact
+    sparse_rows: torch.Tensor  # [out + 1] int64: CSR row pointers of the outliers
+    sparse_cols: torch.Tensor  # [nnz] int64
+    sparse_values: torch.Tensor  # [nnz] float32, float16-exact: weight - its centroid
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_lut(self.indices, self.lookup_table, self.sparse_rows,
+                              self.sparse_cols, self.sparse_values)
+
+
+def dequantize_lut(indices: torch.Tensor, lookup_table: torch.Tensor, rows: torch.Tensor,
+                   cols: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    dense = lookup_table.float().gather(1, indices.long())
+    counts = rows.long().diff()
+    row_of = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    dense[row_of, cols.long()] += values.float()
+    return dense
+
+
+def squeezellm(weight: torch.Tensor, fisher: torch.Tensor, bits: int,
+               outlier_fraction: float = 0.005, iterations: int = 25) -> LutWeight:
+    """SqueezeLLM of weight [out, in], given the Fisher diagonal of the same shape."""
+    w = weight.float()
+    num_outliers = int(outlier_fraction * w.numel())
+    outlier = torch.zeros_like(w, dtype=torch.bool)
+    if num_outliers:
+        top = torch.topk(w.abs().flatten(), num_outliers).indices
+        outlier.view(-1)[top] = True
+    # Every weight counts a little, so rows whose gradients vanished still cluster.
+    sensitivity = (fisher.float() + 1e-12 * fisher.float().mean().clamp(min=1e-30))
+    sensitivity = sensitivity.masked_fill(outlier, 0.0)
+    tables, indices = [], []
+    for start in range(0, w.shape[0], ROWS_PER_CHUNK):
+        rows = slice(start, start + ROWS_PER_CHUNK)
+        table, index = _weighted_kmeans(w[rows], sensitivity[rows], 2**bits, iterations)
+        tables.append(table)
+        indices.append(index)
+    table = torch.cat(tables).half().float()
+    index = torch.cat(indices)
+    rows, cols = outlier.nonzero(as_tuple=True)  # row-major, as CSR lists them
+    pointers = torch.zeros(w.shape[0] + 1, dtype=torch.long)
+    pointers[1:] = torch.bincount(rows, minlength=w.shape[0]).cumsum(0)
+    values = (w[rows, cols] - table.gather(1, index)[rows, cols]).half().float()
+    return LutWeight(index, table, pointers, cols, values)
+
+
+def _weighted_kmeans(w: torch.Tensor, weight: torch.Tensor, k: int, iterations: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of w, k centroids minimizing the weighted squared error; starts from the
+    row's quantiles. Returns the centroids [rows, k] and each value's centroid index."""
+    levels = (torch.arange(k, dtype=torch.float32) + 0.5) / k
+    centroids = torch.quantile(w, levels, dim=1).t().contiguous()
+    for _ in range(iterations):
+        index = (w.unsqueeze(2) - centroids.unsqueeze(1)).abs().argmin(dim=2)
+        mass = torch.zeros_like(centroids).scatter_add_(1, index, weight)
+        moment = torch.zeros_like(centroids).scatter_add_(1, index, weight * w)
+        centroids = torch.where(mass > 0, moment / mass.clamp(min=1e-30), centroids)
+    index = (w.unsqueeze(2) - centroids.unsqueeze(1)).abs().argmin(dim=2)
+    return centroids, index
