@@ -66,8 +66,20 @@ class InputBuffers:
         self.sample_rows = StagedTensor((max_num_seqs,), dev)
         # Zeros at first, later stale entries of earlier steps: always valid block ids.
         self.block_tables = StagedTensor((max_num_seqs, max_blocks_per_seq), dev)
+        # Marks where the device stream took the last uploads: host staging is rewritten only
+        # once they are done (a step that samples nothing lets the host run ahead).
+        self.uploaded = torch.cuda.Event() if dev.type == "cuda" else None
+
+    def _wait_for_uploads(self) -> None:
+        if self.uploaded is not None and not self.uploaded.query():
+            self.uploaded.synchronize()
+
+    def _mark_uploads(self) -> None:
+        if self.uploaded is not None:
+            self.uploaded.record()
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
+        self._wait_for_uploads()
         ordered = ([s for s in scheduled if len(s.token_ids) == 1]
                    + [s for s in scheduled if len(s.token_ids) > 1])
         num_decodes = sum(len(s.token_ids) == 1 for s in ordered)
@@ -113,7 +125,7 @@ class InputBuffers:
             prefills=prefills,
             sliding_window=self.sliding_window,
         )
-        return ModelInputs(
+        inputs = ModelInputs(
             input_ids=self.input_ids.upload(num_tokens),
             positions=self.positions.upload(num_tokens),
             attn_metadata=meta,
@@ -122,12 +134,16 @@ class InputBuffers:
             scheduled=ordered,
             query_start_host=query_start.copy(),
         )
+        self._mark_uploads()
+        return inputs
 
     def padded_decode(self, num_seqs: int, batch_size: int) -> ModelInputs:
         """The inputs of a decode-only step whose first `num_seqs` rows `prepare()` has
         filled, padded to `batch_size` rows that write no KV (slot -1) and attend to nothing
         (length 0). The views cover fixed addresses and whole block-table rows, and claim the
-        longest possible context for shapes: what a captured graph replays over."""
+        longest possible context for shapes: what a captured graph replays over. The rows it
+        writes are not among those `prepare()` is still uploading (its query starts are the
+        same 0, 1, 2, ...)."""
         pad = slice(num_seqs, batch_size)
         self.input_ids.host[pad] = 0
         self.positions.host[pad] = 0
@@ -144,7 +160,9 @@ class InputBuffers:
             prefills=[],
             sliding_window=self.sliding_window,
         )
-        return ModelInputs(input_ids=self.input_ids.upload(batch_size),
-                           positions=self.positions.upload(batch_size), attn_metadata=meta,
-                           sample_rows=self.sample_rows.device[:0], sample_requests=[],
-                           scheduled=[], query_start_host=np.arange(batch_size + 1))
+        inputs = ModelInputs(input_ids=self.input_ids.upload(batch_size),
+                             positions=self.positions.upload(batch_size), attn_metadata=meta,
+                             sample_rows=self.sample_rows.device[:0], sample_requests=[],
+                             scheduled=[], query_start_host=np.arange(batch_size + 1))
+        self._mark_uploads()
+        return inputs
