@@ -61,4 +61,3 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """[N, 1, head_dim / 2] complex, broadcasting over heads."""
         return self.freqs_cis[positions].unsqueeze(1)
-
