@@ -17,6 +17,7 @@ from kvserve.quantization.gptq import rtn
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
 from kvserve.quantization.packing import pack_awq
 from kvserve.quantization.quantize import quantize_model
+from kvserve.tools.checkpoint_files import write_weights
 from kvserve.tools.make_model import make_model
 from tests.conftest import random_prompts
 from tests.models.test_hf_equivalence import MAX_TOKENS, hf_greedy, run_greedy
@@ -36,8 +37,7 @@ def dequantized_copy(quantized: Path, out: Path) -> Path:
     tensors = dict(dequantize_checkpoint(iter_checkpoint(quantized),
                                          QuantConfig.from_hf(config.pop("quantization_config"))))
     (out / "config.json").write_text(json.dumps(config))
-    save_file({k: v.float().contiguous() for k, v in tensors.items()},
-              str(out / "model.safetensors"))
+    write_weights(out, iter(tensors.items()), torch.float32, 2 << 30, progress=False)
     return out
 
 
@@ -83,6 +83,15 @@ def test_awq_checkpoints_load(trained_tiny, tmp_path):
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32,
                                      "zero_point": True, "version": "gemm"}
     (out / "config.json").write_text(json.dumps(config))
+    assert_serves_like_its_dequantized_weights(out, dequantized_copy(out, tmp_path / "float"))
+
+
+def test_sharded_quantized_checkpoints_load(trained_tiny, tmp_path):
+    out = quantize_model(trained_tiny, tmp_path / "q", "rtn", 4, group_size=32,
+                         max_shard_bytes=100_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1 and not (out / "model.safetensors").exists()
+    assert "model.layers.1.self_attn.o_proj.qweight" in index
     assert_serves_like_its_dequantized_weights(out, dequantized_copy(out, tmp_path / "float"))
 
 

@@ -18,7 +18,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
@@ -26,6 +25,7 @@ from kvserve.quantization.gptq import QuantizedWeight, gptq, rtn
 from kvserve.quantization.hub_format import QuantConfig
 from kvserve.quantization.packing import pack_gptq, pack_rows
 from kvserve.quantization.squeezellm import LutWeight, squeezellm
+from kvserve.tools.checkpoint_files import write_json, write_weights
 from kvserve.tools.corpus import corpus_tokens
 
 METHODS = ("rtn", "gptq", "squeezellm")
@@ -40,7 +40,8 @@ class _StopForward(Exception):
 def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits: int,
                    group_size: int = 128, act_order: bool = False, sym: bool = True,
                    num_samples: int = 128, seq_len: int = 256, seed: int = 0,
-                   outlier_fraction: float = 0.005, progress: bool = False) -> Path:
+                   outlier_fraction: float = 0.005, max_shard_bytes: int = 2 << 30,
+                   progress: bool = False) -> Path:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     if method not in METHODS:
@@ -84,7 +85,7 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
             quantized[f"model.layers.{index}.{name}"] = q
     config = (QuantConfig("squeezellm", bits, -1) if method == "squeezellm" else
               QuantConfig("gptq", bits, group_size, act_order and method == "gptq", sym))
-    _write(model, source, out, quantized, config)
+    _write(model, source, out, quantized, config, max_shard_bytes)
     return out
 
 
@@ -152,7 +153,8 @@ def _fisher(model: nn.Module, calibration: torch.Tensor, batch_size: int = 8
 
 
 def _write(model: nn.Module, source: Path, out: Path,
-           quantized: dict[str, QuantizedWeight | LutWeight], config: QuantConfig) -> None:
+           quantized: dict[str, QuantizedWeight | LutWeight], config: QuantConfig,
+           max_shard_bytes: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     tied = model.config.tie_word_embeddings
@@ -172,12 +174,10 @@ def _write(model: nn.Module, source: Path, out: Path,
                             f"{layer}.g_idx": q.g_idx.to(torch.int32)})
         elif not (tied and name == "lm_head.weight"):
             tensors[name] = tensor.contiguous()
-    for stale in out.glob("model*.safetensors*"):
-        stale.unlink()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_weights(out, iter(tensors.items()), None, max_shard_bytes, progress=False)
     raw = json.loads((source / "config.json").read_text())
     raw["quantization_config"] = config.to_hf()
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    write_json(out / "config.json", raw)
     for name in COPIED_FILES:
         if (source / name).is_file():
             shutil.copy(source / name, out / name)

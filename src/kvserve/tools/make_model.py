@@ -6,16 +6,14 @@ tokenizer_config.json) load unchanged in `transformers`, which is how kvserve is
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
-from tqdm import tqdm
 
+from kvserve.tools.checkpoint_files import write_json, write_weights
 from kvserve.tools.tokenizer import tokenizer_config, train_tokenizer
 from kvserve.tools.train import train
 
@@ -89,18 +87,18 @@ def make_model(preset: str, output: str | Path, arch: str | None = None, seed: i
         spec = replace(spec, dtype=dtype)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "config.json", hf_config(spec))
-    _write_json(out / "generation_config.json", {"eos_token_id": 2, "pad_token_id": 0})
+    write_json(out / "config.json", hf_config(spec))
+    write_json(out / "generation_config.json", {"eos_token_id": 2, "pad_token_id": 0})
     (out / "tokenizer.json").write_text(train_tokenizer(spec.vocab_size))
-    _write_json(out / "tokenizer_config.json", tokenizer_config(spec.max_position_embeddings))
+    write_json(out / "tokenizer_config.json", tokenizer_config(spec.max_position_embeddings))
     dtype_of = getattr(torch, spec.dtype)
     if not train_steps:
-        _write_weights(out, _tensors(spec, seed), dtype_of, max_shard_bytes, progress)
+        write_weights(out, _tensors(spec, seed), dtype_of, max_shard_bytes, progress)
         return out
-    _write_weights(out, _tensors(spec, seed), torch.float32, max_shard_bytes, False)
+    write_weights(out, _tensors(spec, seed), torch.float32, max_shard_bytes, False)
     trained, report = train(out, train_steps, seed, progress=progress)
-    _write_weights(out, iter(trained.items()), dtype_of, max_shard_bytes, progress)
-    _write_json(out / "training.json", report.as_dict())
+    write_weights(out, iter(trained.items()), dtype_of, max_shard_bytes, progress)
+    write_json(out / "training.json", report.as_dict())
     return out
 
 
@@ -169,47 +167,3 @@ def _tensors(spec: Preset, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     yield "model.norm.weight", 1.0 + normal(h)
     if not spec.tie_word_embeddings:
         yield "lm_head.weight", normal(spec.vocab_size, h)
-
-
-def _write_weights(out: Path, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                   max_shard_bytes: int, progress: bool) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = total = 0
-    written: list[Path] = []
-    weight_map: dict[str, int] = {}
-    for name, tensor in tqdm(tensors, desc="weights", unit=" tensors", disable=not progress):
-        tensor = tensor.to(dtype).contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            written.append(_save_shard(out, len(written), shards.pop()))
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        weight_map[name] = len(written)
-        size += nbytes
-        total += nbytes
-    written.append(_save_shard(out, len(written), shards.pop()))
-    for stale in out.glob("model*.safetensors*"):
-        if stale not in written:
-            stale.unlink()
-    if len(written) == 1:
-        written[0].rename(out / "model.safetensors")
-        return
-    count = len(written)
-    final = [out / f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-    for src, dst in zip(written, final, strict=True):
-        src.rename(dst)
-    _write_json(out / "model.safetensors.index.json", {
-        "metadata": {"total_size": total},
-        "weight_map": {name: final[i].name for name, i in weight_map.items()},
-    })
-
-
-def _save_shard(out: Path, index: int, tensors: dict[str, torch.Tensor]) -> Path:
-    path = out / f"model.part{index}.safetensors.tmp"
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return path
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
