@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
+from kvserve.layers.linear import Linear
 from kvserve.models.loader import iter_checkpoint
 from kvserve.quantization.gptq import rtn
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
@@ -39,6 +40,13 @@ def dequantized_copy(quantized: Path, out: Path) -> Path:
     (out / "config.json").write_text(json.dumps(config))
     write_weights(out, iter(tensors.items()), torch.float32, 2 << 30, progress=False)
     return out
+
+
+@pytest.fixture(autouse=True)
+def dequantized_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact comparisons run the dequantized weights; the int4 kernel (bfloat16
+    activations) is compared within a tolerance below."""
+    monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "dequantized")
 
 
 def assert_serves_like_its_dequantized_weights(quantized: Path, reference: Path) -> None:
@@ -104,3 +112,24 @@ def test_a_quantized_file_without_its_config_is_refused(trained_tiny, tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="is quantized but config.json has no"):
         LLM(str(out))
+
+
+def test_cpu_int4_kernel_tracks_the_dequantized_weights(trained_tiny, tmp_path, monkeypatch):
+    out = quantize_model(trained_tiny, tmp_path / "q", "gptq", 4, group_size=32,
+                         num_samples=8, seq_len=64)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 70], seed=8)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    dense = LLM(str(out))
+    monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "int4")
+    int4 = LLM(str(out))
+    linears = [m for m in int4.engine.core.runner.model.layers.modules()
+               if isinstance(m, Linear)]
+    assert linears and all(m.int4 is not None for m in linears)
+    dense_linears = [m for m in dense.engine.core.runner.model.layers.modules()
+                     if isinstance(m, Linear)]
+    assert sum(m.weight_bytes for m in linears) < sum(m.weight_bytes for m in dense_linears) / 4
+    for a, b in zip(dense.generate(prompts, params, use_tqdm=False),
+                    int4.generate(prompts, params, use_tqdm=False), strict=True):
+        for position, token in enumerate(a.prompt_token_ids[1:], start=1):
+            want = a.prompt_logprobs[position][token].logprob
+            assert abs(b.prompt_logprobs[position][token].logprob - want) < 0.05

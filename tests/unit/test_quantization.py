@@ -10,7 +10,6 @@ from kvserve.errors import CheckpointError
 from kvserve.quantization.gptq import gptq, rtn
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
 from kvserve.quantization.packing import (
-    dequantize_awq,
     pack_awq,
     pack_gptq,
     pack_rows,
@@ -67,8 +66,10 @@ def test_gptq_and_awq_layouts_round_trip():
     assert torch.equal(unpack_awq(pack_awq(awq)), awq)
     scales = torch.rand(2, 24, generator=GEN)
     expected = (scales[torch.arange(64) // 32] * (awq - 3)).t()
-    got = dequantize_awq(pack_awq(awq), pack_awq(torch.full((2, 24), 3)), scales, 32)
-    torch.testing.assert_close(got, expected)
+    config = QuantConfig.from_hf({"quant_method": "awq", "bits": 4, "group_size": 32})
+    got = config.unpack("layer", {"qweight": pack_awq(awq), "scales": scales,
+                                  "qzeros": pack_awq(torch.full((2, 24), 3))})
+    torch.testing.assert_close(got.dequantize(), expected)
 
 
 def correlated_layer():

@@ -9,6 +9,9 @@ loading, `prepare()` picks the execution form:
   tuned for;
 - elsewhere the contiguous transposed weight itself (`x @ W_t`), which on CPU is also up to 2x
   faster than `F.linear(x, W)` for 8-32 rows.
+Shards of GPTQ or AWQ checkpoints arrive as integers (`QuantizedWeight`). On CPU they run on
+the int4 kernel where it is faster on the layer's shape (`quantization/cpu_int4.py`);
+otherwise, and on other devices, they are dequantized into the dense weight.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvserve.quantization.cpu_int4 import Int4Weight, int4_is_faster, kernel_choice, pack_int4
+from kvserve.quantization.gptq import QuantizedWeight
 
 
 def _onednn_available() -> bool:
@@ -32,9 +38,15 @@ class Linear(nn.Module):
         out = sum(output_sizes)
         self.weight = torch.empty(in_features, out, dtype=dtype)
         self.bias = torch.zeros(out, dtype=dtype) if bias else None
-        self.form = "transposed"  # until prepare(): "packed" (oneDNN) or "out_major" (CUDA)
+        self.quantized: dict[int, QuantizedWeight] = {}  # shards loaded as integers
+        self.int4: Int4Weight | None = None
+        # Until prepare(): "packed" (oneDNN), "out_major" (CUDA) or "int4" (CPU, quantized).
+        self.form = "transposed"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None:
+            out = self.int4.matmul(x)
+            return out if self.bias is None else out + self.bias
         if self.form == "packed":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias,
                                                       "none", [], "")
@@ -46,6 +58,8 @@ class Linear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
+        if self.int4 is not None:
+            return self.int4.num_bytes
         return self.weight.numel() * self.weight.element_size()
 
     def checkpoint_parts(self) -> list[tuple[str, int]]:
@@ -53,22 +67,27 @@ class Linear(nn.Module):
         kinds = ["weight"] + (["bias"] if self.bias is not None else [])
         return [(kind, shard) for kind in kinds for shard in range(len(self.output_sizes))]
 
-    def load(self, kind: str, shard: int, tensor: torch.Tensor) -> None:
-        """Copies a checkpoint tensor (`[out, in]` weight or `[out]` bias) into its shard."""
+    def load(self, kind: str, shard: int, tensor: torch.Tensor | QuantizedWeight) -> None:
+        """Copies a checkpoint tensor (`[out, in]` weight, quantized or not, or `[out]` bias)
+        into its shard."""
         assert self.form == "transposed", "load() after prepare()"
         start = sum(self.output_sizes[:shard])
         size = self.output_sizes[shard]
         expected = (size, self.in_features) if kind == "weight" else (size,)
         bias = self.bias
-        if tuple(tensor.shape) != expected or (kind == "bias" and bias is None):
-            raise ValueError(f"expected shape {list(expected)}, got {list(tensor.shape)}")
-        if kind == "weight":
+        shape = tensor.intweight.shape if isinstance(tensor, QuantizedWeight) else tensor.shape
+        if tuple(shape) != expected or (kind == "bias" and bias is None):
+            raise ValueError(f"expected shape {list(expected)}, got {list(shape)}")
+        if isinstance(tensor, QuantizedWeight):
+            self.quantized[shard] = tensor
+        elif kind == "weight":
             self.weight[:, start:start + size].copy_(tensor.t())
         elif bias is not None:
             bias[start:start + size].copy_(tensor)
 
     def prepare(self) -> None:
         """Switches to the fastest execution form for the weight's device (see module doc)."""
+        int4 = self._dequantize_shards()
         if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 and \
                 _onednn_available():
             self.weight = torch.ops.mkldnn._reorder_linear_weight(
@@ -77,3 +96,21 @@ class Linear(nn.Module):
         elif self.weight.device.type == "cuda":
             self.weight = self.weight.t().contiguous()
             self.form = "out_major"
+
+        if int4 is not None and (kernel_choice() == "int4" or int4_is_faster(
+                int4, self.forward, self.in_features, self.weight.dtype)):
+            self.int4, self.weight = int4, torch.empty(0)
+
+    def _dequantize_shards(self) -> Int4Weight | None:
+        """Writes quantized shards into the dense weight; returns them packed for the CPU
+        int4 kernel when it can run them and may be chosen."""
+        if not self.quantized:
+            return None
+        shards = [self.quantized[i] for i in range(len(self.output_sizes))]
+        self.quantized = {}
+        for shard, q in enumerate(shards):
+            start = sum(self.output_sizes[:shard])
+            self.weight[:, start:start + self.output_sizes[shard]].copy_(q.dequantize().t())
+        if self.weight.device.type != "cpu" or kernel_choice() == "dequantized":
+            return None
+        return pack_int4(shards)

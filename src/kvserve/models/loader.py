@@ -16,6 +16,7 @@ from kvserve.config import ModelConfig
 from kvserve.errors import CheckpointError
 from kvserve.layers.linear import Linear
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.quantization.gptq import QuantizedWeight
 from kvserve.quantization.hub_format import dequantize_checkpoint
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -32,7 +33,8 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
                 if hasattr(module, "weight") and not isinstance(module, Linear)}
     missing.add(("embed_tokens", "weight", 0))
     embedding: torch.Tensor | None = None
-    tensors = dequantize_checkpoint(iter_checkpoint(Path(cfg.path)), cfg.quantization)
+    tensors = dequantize_checkpoint(iter_checkpoint(Path(cfg.path)), cfg.quantization,
+                                    keep_integers=True)
     for hf_name, tensor in tensors:
         if _IGNORED.match(hf_name):
             continue
@@ -40,8 +42,13 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
         if target is None:
             raise CheckpointError(f"model: unexpected tensor {hf_name!r} in the checkpoint")
         name, kind, shard = target
-        tensor = tensor.to(device=device, dtype=cfg.dtype)
-        tensor = model.adapt_checkpoint_tensor(hf_name, tensor)
+        if isinstance(tensor, QuantizedWeight) and isinstance(modules.get(name), Linear):
+            tensor = tensor.map_rows(lambda t, n=hf_name: model.adapt_checkpoint_tensor(n, t))
+        else:
+            if isinstance(tensor, QuantizedWeight):
+                tensor = tensor.dequantize()
+            tensor = tensor.to(device=device, dtype=cfg.dtype)
+            tensor = model.adapt_checkpoint_tensor(hf_name, tensor)
         try:
             if name == "embed_tokens":
                 _copy_exact(model.embed_tokens, tensor)

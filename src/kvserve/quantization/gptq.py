@@ -11,6 +11,7 @@ first, their groups still given by `g_idx`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,11 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         return self.scales.t()[:, self.g_idx] * (self.intweight - self.zeros.t()[:, self.g_idx])
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
+        """The same layer with `fn`, a reordering of output rows, applied to every part."""
+        return QuantizedWeight(fn(self.intweight), fn(self.scales.t()).t(),
+                               fn(self.zeros.t()).t(), self.g_idx)
 
 
 def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:

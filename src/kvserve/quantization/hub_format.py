@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from kvserve.errors import CheckpointError
-from kvserve.quantization.packing import dequantize_awq, dequantize_gptq, unpack_rows
+from kvserve.quantization.gptq import QuantizedWeight
+from kvserve.quantization.packing import unpack_awq, unpack_gptq, unpack_rows
 from kvserve.quantization.squeezellm import dequantize_lut
 
 SUPPORTED_BITS = {"gptq": (2, 3, 4, 8), "awq": (4,), "squeezellm": (2, 3, 4, 8)}
@@ -74,19 +75,26 @@ class QuantConfig:
         return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size,
                 "desc_act": self.desc_act, "sym": self.sym, "checkpoint_format": "gptq"}
 
-    def dequantize(self, layer: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The float weight [out, in] of one quantized layer's tensors."""
+    def unpack(self, layer: str, parts: dict[str, torch.Tensor]
+               ) -> QuantizedWeight | torch.Tensor:
+        """One quantized layer's tensors as integers with their group scales and zeros
+        (GPTQ, AWQ), or as the float weight [out, in] they stand for (SqueezeLLM)."""
         try:
             if self.method == "squeezellm":
                 return dequantize_lut(unpack_rows(parts["qweight"], self.bits).t(),
                                       parts["lookup_table"], parts["sparse_rows"],
                                       parts["sparse_cols"], parts["sparse_values"])
             if self.method == "awq":
-                in_features = parts["qweight"].shape[0]
-                group = in_features if self.group_size == -1 else self.group_size
-                return dequantize_awq(parts["qweight"], parts["qzeros"], parts["scales"], group)
-            return dequantize_gptq(parts["qweight"], parts["qzeros"], parts["scales"],
-                                   parts["g_idx"], self.bits, self.zero_offset)
+                intweight, zeros = unpack_awq(parts["qweight"]).t(), unpack_awq(parts["qzeros"])
+                group = intweight.shape[1] if self.group_size == -1 else self.group_size
+                g_idx = torch.arange(intweight.shape[1]) // group
+            else:
+                intweight, zeros = unpack_gptq(parts["qweight"], parts["qzeros"], self.bits,
+                                               self.zero_offset)
+                g_idx = parts["g_idx"].long()
+            weight = QuantizedWeight(intweight, parts["scales"].float(), zeros, g_idx)
+            weight.dequantize()  # checks that the parts fit together
+            return weight
         except (IndexError, RuntimeError, ValueError) as e:
             shapes = {k: list(v.shape) for k, v in sorted(parts.items())}
             raise CheckpointError(f"model: quantized layer {layer!r} has inconsistent tensors "
@@ -94,9 +102,11 @@ class QuantConfig:
 
 
 def dequantize_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]],
-                          quant: QuantConfig | None) -> Iterator[tuple[str, torch.Tensor]]:
+                          quant: QuantConfig | None, keep_integers: bool = False
+                          ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """The checkpoint's tensors with each quantized layer's parts replaced, once all have
-    been read, by its dequantized `<layer>.weight`."""
+    been read, by its `<layer>.weight`: dequantized, or with `keep_integers` the unpacked
+    integers where the method has them."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         layer, _, part = name.rpartition(".")
@@ -109,7 +119,10 @@ def dequantize_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]],
         parts = pending.setdefault(layer, {})
         parts[part] = tensor
         if set(parts) >= PARTS[quant.method]:
-            yield f"{layer}.weight", quant.dequantize(layer, pending.pop(layer))
+            weight = quant.unpack(layer, pending.pop(layer))
+            if isinstance(weight, QuantizedWeight) and not keep_integers:
+                weight = weight.dequantize()
+            yield f"{layer}.weight", weight
     for layer, parts in pending.items():
         missing = sorted(PARTS[quant.method] - set(parts)) if quant else []
         raise CheckpointError(f"model: quantized layer {layer!r} lacks {', '.join(missing)}")

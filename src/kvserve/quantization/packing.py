@@ -54,15 +54,6 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, zero_off
     return unpack_rows(qweight, bits).t(), zeros
 
 
-def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                    g_idx: torch.Tensor, bits: int, zero_offset: int = 1) -> torch.Tensor:
-    """The float weight [out, in] a GPTQ layer stands for: scale * (q - zero) of each input
-    channel's group."""
-    intweight, zeros = unpack_gptq(qweight, qzeros, bits, zero_offset)
-    groups = g_idx.long()
-    return scales.float().t()[:, groups] * (intweight - zeros.t()[:, groups])
-
-
 def unpack_awq(words: torch.Tensor) -> torch.Tensor:
     """AWQ's [rows, out / 8] int32 of 4-bit values -> [rows, out] int64 in logical order."""
     unsigned = words.long() & 0xFFFFFFFF
@@ -76,12 +67,3 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
     rows = values.long().reshape(values.shape[0], -1, 8)[..., AWQ_ORDER]
     words = (rows << (4 * torch.arange(8))).sum(dim=-1)
     return (words - (words >= 2**31).long() * 2**32).to(torch.int32)
-
-
-def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                   group_size: int) -> torch.Tensor:
-    """The float weight [out, in] of an AWQ (gemm) layer."""
-    intweight = unpack_awq(qweight)  # [in, out]
-    zeros = unpack_awq(qzeros)  # [groups, out]
-    groups = torch.arange(intweight.shape[0]) // group_size
-    return (scales.float()[groups] * (intweight - zeros[groups])).t()
