@@ -18,12 +18,7 @@ from kvserve.benchmarks.device import synchronize
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.sampling_params import SamplingParams
-from kvserve.tools.corpus import corpus_tokens
-
-
-def heldout_windows(tokenizer: object, context: int, num_windows: int) -> list[list[int]]:
-    data = corpus_tokens(tokenizer, "heldout", context * num_windows)
-    return [data[i:i + context].tolist() for i in range(0, len(data) - context + 1, context)]
+from kvserve.tools.corpus import heldout_windows
 
 
 def engine_nll(llm, windows: list[list[int]]) -> float:  # noqa: ANN001 (kvserve.LLM)
@@ -55,7 +50,7 @@ def run(args: argparse.Namespace) -> None:
     if args.context > llm.engine.max_model_len:
         raise ValueError(f"--context ({args.context}) exceeds the model's max length "
                          f"({llm.engine.max_model_len})")
-    windows = heldout_windows(llm.get_tokenizer(), args.context, args.num_windows)
+    windows = heldout_windows(llm.get_tokenizer(), args.context, args.num_windows).tolist()
     num_scored = sum(len(w) - 1 for w in windows)
 
     def row(engine: str, nll: float, seconds: float) -> dict[str, object]:

@@ -73,22 +73,17 @@ def pack_int4(shards: list[QuantizedWeight]) -> Int4Weight | None:
                       scales_and_zeros.to(torch.bfloat16).contiguous(), group_size)
 
 
+_decisions: dict[tuple[object, ...], bool] = {}  # by (out, in, group size, dtype)
+
+
 def int4_is_faster(int4: Int4Weight, dense: Callable[[torch.Tensor], torch.Tensor],
                    in_features: int, dtype: torch.dtype) -> bool:
     """Whether the int4 kernel beats `dense` on one row of this shape (measured once per
     shape, the median of a few runs)."""
-    out_features = int4.scales_and_zeros.shape[1]
-    return _faster((out_features, in_features, int4.group_size, dtype), int4.matmul, dense)
-
-
-_decisions: dict[tuple[object, ...], bool] = {}  # by (out, in, group size, dtype)
-
-
-def _faster(key: tuple[object, ...], int4: Callable[[torch.Tensor], torch.Tensor],
-            dense: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    key = (int4.scales_and_zeros.shape[1], in_features, int4.group_size, dtype)
     if key not in _decisions:
-        x = torch.randn(1, key[1], dtype=key[3])  # type: ignore[call-overload]
-        _decisions[key] = _median_time(int4, x) < _median_time(dense, x)
+        x = torch.randn(1, in_features, dtype=dtype)
+        _decisions[key] = _median_time(int4.matmul, x) < _median_time(dense, x)
     return _decisions[key]
 
 

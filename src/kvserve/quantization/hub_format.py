@@ -3,8 +3,9 @@
 GPTQ (`quant_method: gptq`, 2/3/4/8 bits, `checkpoint_format` gptq or gptq_v2), AWQ
 (`quant_method: awq`, 4 bits, `version: gemm`) and SqueezeLLM (`quant_method: squeezellm`,
 the layout `kvserve quantize` writes: README) load as they are. Anything else is refused
-when the config is read, naming what is unsupported, never run with wrong weights. Quantized
-layers are dequantized to the model's dtype as they load.
+when the config is read, naming what is unsupported, never run with wrong weights. A
+quantized layer reaches the model as its unpacked integers (GPTQ, AWQ), for the linear layer
+to run on a kernel or dequantize, or as its float weight (SqueezeLLM).
 """
 
 from __future__ import annotations

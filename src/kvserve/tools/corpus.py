@@ -49,3 +49,11 @@ def corpus_tokens(tokenizer: Any, split: str, max_tokens: int) -> torch.Tensor:
     for encoded in tokenizer(texts, add_special_tokens=False)["input_ids"]:
         ids += encoded + [separator]
     return torch.tensor(ids[:max_tokens])
+
+
+def heldout_windows(tokenizer: Any, context: int, num_windows: int) -> torch.Tensor:
+    """The first `num_windows` (or as many as the split holds) non-overlapping windows of
+    `context` tokens of the held-out split: [windows, context]. What training reports and
+    `kvserve eval perplexity` scores."""
+    data = corpus_tokens(tokenizer, "heldout", context * num_windows)
+    return data[:len(data) // context * context].view(-1, context)

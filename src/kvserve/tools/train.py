@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from kvserve.tools.corpus import corpus_tokens
+from kvserve.tools.corpus import corpus_tokens, heldout_windows
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,6 @@ def heldout_loss(model: torch.nn.Module, tokenizer: Any, seq_len: int,
                  num_windows: int = 64) -> float:
     """Mean next-token loss on the first windows of the held-out split: the same windows as
     `kvserve eval perplexity` scores by default."""
-    data = corpus_tokens(tokenizer, "heldout", num_windows * seq_len)
-    windows = data[:len(data) // seq_len * seq_len].view(-1, seq_len)
+    windows = heldout_windows(tokenizer, seq_len, num_windows)
     model.eval()
     return float(model(input_ids=windows, labels=windows).loss)
