@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from kvserve import LLM, SamplingParams
 from kvserve.layers.linear import Linear
 from kvserve.models.loader import iter_checkpoint
+from kvserve.quantization.cpu_kernels import Int4Weight, Int8Weight
 from kvserve.quantization.gptq import rtn
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
 from kvserve.quantization.packing import pack_awq
@@ -44,8 +45,8 @@ def dequantized_copy(quantized: Path, out: Path) -> Path:
 
 @pytest.fixture(autouse=True)
 def dequantized_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Exact comparisons run the dequantized weights; the int4 kernel (bfloat16
-    activations) is compared within a tolerance below."""
+    """Exact comparisons run the dequantized weights; the integer kernels (bfloat16
+    activations) are compared within a tolerance below."""
     monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "dequantized")
 
 
@@ -62,9 +63,11 @@ def test_kvserve_quantize_output_serves_like_its_dequantized_weights(trained_tin
     out = quantize_model(trained_tiny, tmp_path / "q", method, bits, group_size=32,
                          act_order=act_order, num_samples=8, seq_len=64)
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert config == ({"quant_method": "squeezellm", "bits": bits} if method == "squeezellm"
-                      else {"quant_method": "gptq", "bits": bits, "group_size": 32,
-                            "desc_act": act_order, "sym": True, "checkpoint_format": "gptq"})
+    assert config == ({"quant_method": "squeezellm", "bits": bits, "lm_head": False}
+                      if method == "squeezellm" else
+                      {"quant_method": "gptq", "bits": bits, "group_size": 32,
+                       "desc_act": act_order, "sym": True, "lm_head": False,
+                       "checkpoint_format": "gptq"})
     tensors = load_file(str(out / "model.safetensors"))
     assert tensors["model.layers.0.mlp.down_proj.qweight"].shape == (128 * bits // 32, 64)
     assert "model.layers.0.mlp.down_proj.weight" not in tensors
@@ -114,22 +117,42 @@ def test_a_quantized_file_without_its_config_is_refused(trained_tiny, tmp_path):
         LLM(str(out))
 
 
-def test_cpu_int4_kernel_tracks_the_dequantized_weights(trained_tiny, tmp_path, monkeypatch):
-    out = quantize_model(trained_tiny, tmp_path / "q", "gptq", 4, group_size=32,
-                         num_samples=8, seq_len=64)
+@pytest.mark.parametrize("bits,group_size,act_order,lm_head,kernel", [
+    (4, 32, False, False, Int4Weight), (4, 32, True, False, Int4Weight),
+    (8, -1, False, True, Int8Weight)])
+def test_cpu_integer_kernels_track_the_dequantized_weights(trained_tiny, tmp_path, monkeypatch,
+                                                           bits, group_size, act_order,
+                                                           lm_head, kernel):
+    out = quantize_model(trained_tiny, tmp_path / "q", "gptq", bits, group_size=group_size,
+                         act_order=act_order, lm_head=lm_head, num_samples=8, seq_len=64)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 70], seed=8)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     dense = LLM(str(out))
-    monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "int4")
-    int4 = LLM(str(out))
-    linears = [m for m in int4.engine.core.runner.model.layers.modules()
-               if isinstance(m, Linear)]
-    assert linears and all(m.int4 is not None for m in linears)
-    dense_linears = [m for m in dense.engine.core.runner.model.layers.modules()
-                     if isinstance(m, Linear)]
-    assert sum(m.weight_bytes for m in linears) < sum(m.weight_bytes for m in dense_linears) / 4
+    monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")
+    integer = LLM(str(out))
+
+    def quantized_linears(llm: LLM) -> list[Linear]:
+        model = llm.engine.core.runner.model
+        return [m for m in model.layers.modules() if isinstance(m, Linear)] + \
+            ([model.lm_head] if lm_head else [])
+
+    assert all(isinstance(m.integer, kernel) for m in quantized_linears(integer))
+    assert sum(m.weight_bytes for m in quantized_linears(integer)) < \
+        sum(m.weight_bytes for m in quantized_linears(dense)) * bits / 16
     for a, b in zip(dense.generate(prompts, params, use_tqdm=False),
-                    int4.generate(prompts, params, use_tqdm=False), strict=True):
+                    integer.generate(prompts, params, use_tqdm=False), strict=True):
         for position, token in enumerate(a.prompt_token_ids[1:], start=1):
             want = a.prompt_logprobs[position][token].logprob
             assert abs(b.prompt_logprobs[position][token].logprob - want) < 0.05
+
+
+def test_a_quantized_lm_head_is_written_untied_and_serves_like_its_dequantized_weights(
+        trained_tiny, tmp_path):
+    out = quantize_model(trained_tiny, tmp_path / "q", "rtn", 8, lm_head=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["lm_head"] is True
+    assert config["quantization_config"]["group_size"] == -1  # the 8-bit default
+    tensors = load_file(str(out / "model.safetensors"))
+    assert "lm_head.qweight" in tensors and "model.embed_tokens.weight" in tensors
+    assert config["tie_word_embeddings"] is False
+    assert_serves_like_its_dequantized_weights(out, dequantized_copy(out, tmp_path / "float"))

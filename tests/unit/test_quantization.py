@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvserve.errors import CheckpointError
+from kvserve.quantization.cpu_kernels import Int4Weight, Int8Weight, pack_for_cpu
 from kvserve.quantization.gptq import gptq, rtn
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
 from kvserve.quantization.packing import (
@@ -72,11 +73,15 @@ def test_gptq_and_awq_layouts_round_trip():
     torch.testing.assert_close(got.dequantize(), expected)
 
 
+def _hessian(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x.t() @ x / x.shape[0]
+
+
 def correlated_layer():
     w = torch.randn(96, 256, generator=GEN) * 0.05
     x = torch.randn(2048, 256, generator=GEN) @ (torch.randn(256, 256, generator=GEN) * 0.2)
     x[:, :8] *= 10  # a few outlier input channels, as in real activations
-    return w, x, 2 * x.t() @ x / x.shape[0]
+    return w, x, _hessian(x)
 
 
 @pytest.mark.parametrize("bits,act_order", [(4, False), (3, False), (3, True)])
@@ -142,3 +147,41 @@ def test_squeezellm_keeps_sensitive_weights_closer_and_outliers_exact():
     assert abs(got[3, 7] - 25.0) < 0.02 and abs(got[20, 50] + 30.0) < 0.02
     assert weighted.sparse_cols.tolist() == [7, 50]
     assert weighted.lookup_table.shape == (40, 8) and int(weighted.indices.max()) < 8
+
+
+def _bf16_reference(x: torch.Tensor, q) -> torch.Tensor:  # noqa: ANN001
+    """What the kernels compute: bfloat16 activations times the dequantized weight."""
+    return x.bfloat16().float() @ q.dequantize().t()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_kernel_matches_the_dequantized_weight(act_order):
+    torch.manual_seed(0)
+    w, x = torch.randn(48, 128), torch.randn(5, 128)
+    q = gptq(w, _hessian(torch.randn(256, 128)), 4, 32, sym=False, act_order=act_order)
+    assert not act_order or not torch.equal(q.g_idx, torch.arange(128) // 32)
+    kernel = pack_for_cpu([q.map_rows(lambda t: t[:16]), q.map_rows(lambda t: t[16:])])
+    assert isinstance(kernel, Int4Weight) and (kernel.input_order is not None) == act_order
+    want = _bf16_reference(x, q)
+    assert (kernel.matmul(x) - want).abs().max() < 0.02 * want.abs().max()
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_int8_kernel_matches_the_dequantized_weight(sym):
+    torch.manual_seed(0)
+    w, x = torch.randn(40, 96), torch.randn(3, 96) + 1  # a mean, so zero points matter
+    q = rtn(w, 8, 96, sym=sym)
+    kernel = pack_for_cpu([q])
+    assert isinstance(kernel, Int8Weight) and (kernel.zero_terms is None) == sym
+    want = _bf16_reference(x, q)
+    assert (kernel.matmul(x) - want).abs().max() < 0.02 * want.abs().max()
+
+
+def test_layers_no_kernel_fits_stay_dense():
+    torch.manual_seed(0)
+    w = torch.randn(48, 128)
+    assert pack_for_cpu([rtn(w, 8, 32, sym=True)]) is None  # int8 takes one group per row
+    assert pack_for_cpu([rtn(w[:40], 4, 32, sym=True)]) is None  # 40 outputs: not 16-aligned
+    a, b = (gptq(w, _hessian(torch.randn(256, 128) * s), 4, 32, True, act_order=True)
+            for s in (torch.ones(128), torch.linspace(0.1, 2, 128)))
+    assert pack_for_cpu([a, b]) is None  # shards ordering their inputs differently

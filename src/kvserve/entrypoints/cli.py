@@ -57,7 +57,7 @@ def _quantize(args: argparse.Namespace) -> None:
     path = quantize_model(args.model, args.output, args.method, args.bits, args.group_size,
                           args.act_order, args.sym, args.calibration_samples,
                           args.calibration_len, args.seed, args.outlier_fraction,
-                          progress=True)
+                          args.lm_head, progress=True)
     print(f"wrote {path}")
 
 
@@ -114,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     qt.add_argument("--output", required=True)
     qt.add_argument("--method", choices=["rtn", "gptq", "squeezellm"], default="gptq")
     qt.add_argument("--bits", type=int, choices=[2, 3, 4, 8], default=4)
-    qt.add_argument("--group-size", type=int, default=128, help="-1: one group per row")
+    qt.add_argument("--group-size", type=int, default=None,
+                    help="input channels per scale; -1: one per row (default: 128, and -1 at "
+                         "8 bits, the layout the CPU int8 kernel runs)")
     qt.add_argument("--act-order", action="store_true",
                     help="GPTQ: quantize input channels by decreasing Hessian diagonal")
     qt.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
@@ -124,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     qt.add_argument("--seed", type=int, default=0)
     qt.add_argument("--outlier-fraction", type=float, default=0.005,
                     help="SqueezeLLM: the share of weights kept exactly, as a sparse matrix")
+    qt.add_argument("--lm-head", action="store_true",
+                    help="quantize the LM head too (untied from the embedding)")
     qt.set_defaults(func=_quantize)
 
     add_bench_parser(sub)

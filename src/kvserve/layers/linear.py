@@ -10,8 +10,9 @@ loading, `prepare()` picks the execution form:
 - elsewhere the contiguous transposed weight itself (`x @ W_t`), which on CPU is also up to 2x
   faster than `F.linear(x, W)` for 8-32 rows.
 Shards of GPTQ or AWQ checkpoints arrive as integers (`QuantizedWeight`). On CPU they run on
-the int4 kernel where it is faster on the layer's shape (`quantization/cpu_int4.py`);
-otherwise, and on other devices, they are dequantized into the dense weight.
+an int4 or int8 kernel where one fits them and is faster on the layer's shape
+(`quantization/cpu_kernels.py`); otherwise, and on other devices, they are dequantized into
+the dense weight.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.quantization.cpu_int4 import Int4Weight, int4_is_faster, kernel_choice, pack_int4
+from kvserve.quantization.cpu_kernels import (
+    IntegerWeight,
+    integer_is_faster,
+    kernel_choice,
+    pack_for_cpu,
+)
 from kvserve.quantization.gptq import QuantizedWeight
 
 
@@ -39,13 +45,13 @@ class Linear(nn.Module):
         self.weight = torch.empty(in_features, out, dtype=dtype)
         self.bias = torch.zeros(out, dtype=dtype) if bias else None
         self.quantized: dict[int, QuantizedWeight] = {}  # shards loaded as integers
-        self.int4: Int4Weight | None = None
-        # Until prepare(): "packed" (oneDNN), "out_major" (CUDA) or "int4" (CPU, quantized).
+        self.integer: IntegerWeight | None = None  # chosen by prepare(): CPU int4/int8
+        # Until prepare(): then "packed" (oneDNN) or "out_major" (CUDA).
         self.form = "transposed"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None:
-            out = self.int4.matmul(x)
+        if self.integer is not None:
+            out = self.integer.matmul(x)
             return out if self.bias is None else out + self.bias
         if self.form == "packed":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias,
@@ -58,8 +64,8 @@ class Linear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        if self.int4 is not None:
-            return self.int4.num_bytes
+        if self.integer is not None:
+            return self.integer.num_bytes
         return self.weight.numel() * self.weight.element_size()
 
     def checkpoint_parts(self) -> list[tuple[str, int]]:
@@ -87,7 +93,7 @@ class Linear(nn.Module):
 
     def prepare(self) -> None:
         """Switches to the fastest execution form for the weight's device (see module doc)."""
-        int4 = self._dequantize_shards()
+        integer = self._dequantize_shards()
         if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 and \
                 _onednn_available():
             self.weight = torch.ops.mkldnn._reorder_linear_weight(
@@ -97,13 +103,13 @@ class Linear(nn.Module):
             self.weight = self.weight.t().contiguous()
             self.form = "out_major"
 
-        if int4 is not None and (kernel_choice() == "int4" or int4_is_faster(
-                int4, self.forward, self.in_features, self.weight.dtype)):
-            self.int4, self.weight = int4, torch.empty(0)
+        if integer is not None and (kernel_choice() == "integer" or integer_is_faster(
+                integer, self.forward, self.in_features, self.weight.dtype)):
+            self.integer, self.weight = integer, torch.empty(0)
 
-    def _dequantize_shards(self) -> Int4Weight | None:
-        """Writes quantized shards into the dense weight; returns them packed for the CPU
-        int4 kernel when it can run them and may be chosen."""
+    def _dequantize_shards(self) -> IntegerWeight | None:
+        """Writes quantized shards into the dense weight; returns them packed for a CPU
+        integer kernel when one can run them and may be chosen."""
         if not self.quantized:
             return None
         shards = [self.quantized[i] for i in range(len(self.output_sizes))]
@@ -113,4 +119,4 @@ class Linear(nn.Module):
             self.weight[:, start:start + self.output_sizes[shard]].copy_(q.dequantize().t())
         if self.weight.device.type != "cpu" or kernel_choice() == "dequantized":
             return None
-        return pack_int4(shards)
+        return pack_for_cpu(shards)

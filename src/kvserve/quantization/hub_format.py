@@ -37,6 +37,7 @@ class QuantConfig:
     desc_act: bool = False
     sym: bool = True
     zero_offset: int = 1  # GPTQ v1 files store zero - 1
+    lm_head: bool = False  # the LM head is quantized too (it loads whatever the files hold)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> QuantConfig:
@@ -48,8 +49,9 @@ class QuantConfig:
         if bits not in SUPPORTED_BITS[method]:
             raise CheckpointError(f"model: {method} with bits={bits!r} is not supported "
                                   f"(supported: {SUPPORTED_BITS[method]})")
+        lm_head = bool(raw.get("lm_head", False))
         if method == "squeezellm":
-            return cls("squeezellm", bits, -1)
+            return cls("squeezellm", bits, -1, lm_head=lm_head)
         group_size = raw.get("group_size", raw.get("q_group_size", -1))
         if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
             raise CheckpointError(f"model: quantization_config.group_size must be -1 or a "
@@ -60,21 +62,22 @@ class QuantConfig:
                 raise CheckpointError(f"model: AWQ version {version!r} with zero_point="
                                       f"{raw.get('zero_point', True)!r} is not supported "
                                       "(supported: version gemm with zero points)")
-            return cls("awq", bits, group_size, zero_offset=0)
+            return cls("awq", bits, group_size, zero_offset=0, lm_head=lm_head)
         checkpoint_format = raw.get("checkpoint_format", "gptq")
         if checkpoint_format not in ("gptq", "gptq_v2"):
             raise CheckpointError(f"model: GPTQ checkpoint_format {checkpoint_format!r} is not "
                                   "supported (supported: gptq, gptq_v2)")
         return cls("gptq", bits, group_size, bool(raw.get("desc_act", False)),
-                   bool(raw.get("sym", True)), 1 if checkpoint_format == "gptq" else 0)
+                   bool(raw.get("sym", True)), 1 if checkpoint_format == "gptq" else 0, lm_head)
 
     def to_hf(self) -> dict[str, Any]:
         """The config.json entry (for GPTQ, as GPTQModel writes it)."""
         if self.method == "squeezellm":
-            return {"quant_method": "squeezellm", "bits": self.bits}
+            return {"quant_method": "squeezellm", "bits": self.bits, "lm_head": self.lm_head}
         assert self.method == "gptq"
         return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size,
-                "desc_act": self.desc_act, "sym": self.sym, "checkpoint_format": "gptq"}
+                "desc_act": self.desc_act, "sym": self.sym, "lm_head": self.lm_head,
+                "checkpoint_format": "gptq"}
 
     def unpack(self, layer: str, parts: dict[str, torch.Tensor]
                ) -> QuantizedWeight | torch.Tensor:

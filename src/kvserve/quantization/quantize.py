@@ -1,6 +1,7 @@
-"""`kvserve quantize`: every linear layer of the decoder quantized by RTN or GPTQ, written
-in GPTQ's hub format (`packing.py`) so that other tools read the files too, or by SqueezeLLM
-(`squeezellm.py`), written in the lookup-table layout the README documents.
+"""`kvserve quantize`: every linear layer of the decoder (and, with `lm_head`, the LM head)
+quantized by RTN or GPTQ, written in GPTQ's hub format (`packing.py`) so that other tools
+read the files too, or by SqueezeLLM (`squeezellm.py`), written in the lookup-table layout
+the README documents.
 
 GPTQ runs layer by layer: calibration windows from the training split of the local corpus
 go through the model, hooks sum each linear layer's input Hessian for one decoder layer at a
@@ -38,10 +39,13 @@ class _StopForward(Exception):
 
 
 def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits: int,
-                   group_size: int = 128, act_order: bool = False, sym: bool = True,
+                   group_size: int | None = None, act_order: bool = False, sym: bool = True,
                    num_samples: int = 128, seq_len: int = 256, seed: int = 0,
-                   outlier_fraction: float = 0.005, max_shard_bytes: int = 2 << 30,
-                   progress: bool = False) -> Path:
+                   outlier_fraction: float = 0.005, lm_head: bool = False,
+                   max_shard_bytes: int = 2 << 30, progress: bool = False) -> Path:
+    """`group_size` None: 128 below 8 bits, and at 8 bits -1 (a scale per output channel,
+    what the CPU int8 kernel runs). `lm_head` quantizes the LM head too, untied from the
+    embedding, as GPTQModel's option of that name does."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     if method not in METHODS:
@@ -50,14 +54,21 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
         raise ValueError(f"bits must be 2, 3, 4 or 8, got {bits}")
     if num_samples < 1 or seq_len < 2:
         raise ValueError("calibration needs at least 1 sample of at least 2 tokens")
+    if group_size is None:
+        group_size = -1 if bits == 8 else 128
     source, out = Path(model_dir), Path(output)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    layers = model.model.layers
-    linears = [{name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
-               for layer in layers]
+    stages = [(f"model.layers.{index}", layer, {name: m for name, m in layer.named_modules()
+                                                  if isinstance(m, nn.Linear)})
+              for index, layer in enumerate(model.model.layers)]
+    if lm_head:
+        if model.config.tie_word_embeddings:
+            model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+            model.config.tie_word_embeddings = False
+        stages.append(("", model.lm_head, {"lm_head": model.lm_head}))
     if method == "squeezellm":
         group_size = -1  # a lookup table per row: no groups
-    for name, m in linears[0].items():
+    for name, m in [*stages[0][2].items(), *stages[-1][2].items()]:
         _check_shape(name, m, bits, group_size)
     if not 0 <= outlier_fraction < 1:
         raise ValueError(f"outlier_fraction must be in [0, 1), got {outlier_fraction}")
@@ -65,13 +76,13 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
     if method != "rtn":
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
         calibration = _calibration(tokenizer, num_samples, seq_len, seed)
-    fisher = _fisher(model, calibration) if method == "squeezellm" else {}
+    fisher = _fisher(model, [m for *_, linears in stages for m in linears.values()],
+                     calibration) if method == "squeezellm" else {}
     quantized: dict[str, QuantizedWeight | LutWeight] = {}
-    for index in tqdm(range(len(layers)), desc=f"{method} {bits}-bit", unit=" layers",
-                      disable=not progress):
-        hessians = _hessians(model, layers[index], linears[index], calibration) \
-            if method == "gptq" else {}
-        for name, linear in linears[index].items():
+    for prefix, module, linears in tqdm(stages, desc=f"{method} {bits}-bit", unit=" layers",
+                                        disable=not progress):
+        hessians = _hessians(model, module, linears, calibration) if method == "gptq" else {}
+        for name, linear in linears.items():
             group = linear.in_features if group_size == -1 else group_size
             weight = linear.weight.data
             if method == "squeezellm":
@@ -82,9 +93,10 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
             else:
                 q = rtn(weight, bits, group, sym)
             linear.weight.data.copy_(q.dequantize())  # later layers see the quantized layer
-            quantized[f"model.layers.{index}.{name}"] = q
-    config = (QuantConfig("squeezellm", bits, -1) if method == "squeezellm" else
-              QuantConfig("gptq", bits, group_size, act_order and method == "gptq", sym))
+            quantized[f"{prefix}.{name}".lstrip(".")] = q
+    config = (QuantConfig("squeezellm", bits, -1, lm_head=lm_head) if method == "squeezellm"
+              else QuantConfig("gptq", bits, group_size, act_order and method == "gptq", sym,
+                               lm_head=lm_head))
     _write(model, source, out, quantized, config, max_shard_bytes)
     return out
 
@@ -107,9 +119,10 @@ def _calibration(tokenizer: object, num_samples: int, seq_len: int, seed: int) -
 
 
 @torch.inference_mode()
-def _hessians(model: nn.Module, layer: nn.Module, linears: dict[str, nn.Linear],
+def _hessians(model: nn.Module, stage: nn.Module, linears: dict[str, nn.Linear],
               calibration: torch.Tensor, batch_size: int = 8) -> dict[str, torch.Tensor]:
-    """2 X^T X / N of each linear layer's inputs X over all calibration tokens."""
+    """2 X^T X / N of each linear layer's inputs X over all calibration tokens, running
+    the model up to `stage` (a decoder layer, or the LM head itself)."""
     sums = {name: torch.zeros(m.in_features, m.in_features) for name, m in linears.items()}
     counts = dict.fromkeys(linears, 0)
 
@@ -124,7 +137,7 @@ def _hessians(model: nn.Module, layer: nn.Module, linears: dict[str, nn.Linear],
         raise _StopForward
 
     handles = [m.register_forward_hook(record(name)) for name, m in linears.items()]
-    handles.append(layer.register_forward_hook(stop))
+    handles.append(stage.register_forward_hook(stop))
     try:
         for start in range(0, len(calibration), batch_size):
             with contextlib.suppress(_StopForward):
@@ -135,10 +148,9 @@ def _hessians(model: nn.Module, layer: nn.Module, linears: dict[str, nn.Linear],
     return {name: 2 * sums[name] / counts[name] for name in linears}
 
 
-def _fisher(model: nn.Module, calibration: torch.Tensor, batch_size: int = 8
-            ) -> dict[nn.Module, torch.Tensor]:
-    """The mean squared gradient of the loss, per weight of every linear layer."""
-    linears = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)]
+def _fisher(model: nn.Module, linears: list[nn.Linear], calibration: torch.Tensor,
+            batch_size: int = 8) -> dict[nn.Module, torch.Tensor]:
+    """The mean squared gradient of the loss, per weight of each of `linears`."""
     sums = {m: torch.zeros_like(m.weight) for m in linears}
     num_batches = 0
     for start in range(0, len(calibration), batch_size):
@@ -177,6 +189,7 @@ def _write(model: nn.Module, source: Path, out: Path,
     write_weights(out, iter(tensors.items()), None, max_shard_bytes, progress=False)
     raw = json.loads((source / "config.json").read_text())
     raw["quantization_config"] = config.to_hf()
+    raw["tie_word_embeddings"] = tied
     write_json(out / "config.json", raw)
     for name in COPIED_FILES:
         if (source / name).is_file():
