@@ -117,30 +117,38 @@ def test_a_quantized_file_without_its_config_is_refused(trained_tiny, tmp_path):
         LLM(str(out))
 
 
-@pytest.mark.parametrize("bits,group_size,act_order,lm_head,kernel", [
-    (4, 32, False, False, Int4Weight), (4, 32, True, False, Int4Weight),
-    (8, -1, False, True, Int8Weight)])
-def test_cpu_integer_kernels_track_the_dequantized_weights(trained_tiny, tmp_path, monkeypatch,
-                                                           bits, group_size, act_order,
-                                                           lm_head, kernel):
-    out = quantize_model(trained_tiny, tmp_path / "q", "gptq", bits, group_size=group_size,
+@pytest.mark.parametrize("method,bits,group_size,act_order,lm_head,choice,kernel", [
+    ("gptq", 4, 32, False, False, "integer", Int4Weight),
+    ("gptq", 4, 32, True, False, "integer", Int4Weight),
+    ("gptq", 8, -1, False, True, "integer", Int8Weight),
+    ("gptq", 4, 32, True, True, "triton", "TritonQuantizedWeight"),
+    ("squeezellm", 3, -1, False, False, "triton", "TritonQuantizedWeight")])
+def test_quantized_kernels_track_the_dequantized_weights(trained_tiny, tmp_path, monkeypatch,
+                                                         method, bits, group_size, act_order,
+                                                         lm_head, choice, kernel):
+    """The CPU int4/int8 kernels, and the Triton kernel (here in Triton's interpreter), give
+    the dequantized model's log-probabilities within bfloat16 noise."""
+    if choice == "triton":
+        kernel = getattr(pytest.importorskip("kvserve.quantization.triton_gemm"), kernel)
+    out = quantize_model(trained_tiny, tmp_path / "q", method, bits, group_size=group_size,
                          act_order=act_order, lm_head=lm_head, num_samples=8, seq_len=64)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 70], seed=8)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     dense = LLM(str(out))
-    monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")
-    integer = LLM(str(out))
+    monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", choice)
+    quantized = LLM(str(out))
 
     def quantized_linears(llm: LLM) -> list[Linear]:
         model = llm.engine.core.runner.model
         return [m for m in model.layers.modules() if isinstance(m, Linear)] + \
             ([model.lm_head] if lm_head else [])
 
-    assert all(isinstance(m.integer, kernel) for m in quantized_linears(integer))
-    assert sum(m.weight_bytes for m in quantized_linears(integer)) < \
-        sum(m.weight_bytes for m in quantized_linears(dense)) * bits / 16
+    assert all(isinstance(m.kernel, kernel) for m in quantized_linears(quantized))
+    if method != "squeezellm":  # whose tables outweigh the tiny model's rows
+        assert sum(m.weight_bytes for m in quantized_linears(quantized)) < \
+            sum(m.weight_bytes for m in quantized_linears(dense)) * bits / 16
     for a, b in zip(dense.generate(prompts, params, use_tqdm=False),
-                    integer.generate(prompts, params, use_tqdm=False), strict=True):
+                    quantized.generate(prompts, params, use_tqdm=False), strict=True):
         for position, token in enumerate(a.prompt_token_ids[1:], start=1):
             want = a.prompt_logprobs[position][token].logprob
             assert abs(b.prompt_logprobs[position][token].logprob - want) < 0.05

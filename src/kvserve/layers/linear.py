@@ -9,10 +9,9 @@ loading, `prepare()` picks the execution form:
   tuned for;
 - elsewhere the contiguous transposed weight itself (`x @ W_t`), which on CPU is also up to 2x
   faster than `F.linear(x, W)` for 8-32 rows.
-Shards of GPTQ or AWQ checkpoints arrive as integers (`QuantizedWeight`). On CPU they run on
-an int4 or int8 kernel where one fits them and is faster on the layer's shape
-(`quantization/cpu_kernels.py`); otherwise, and on other devices, they are dequantized into
-the dense weight.
+Shards of quantized checkpoints arrive as integers (`QuantizedWeight`: GPTQ, AWQ) or table
+indices (`LutWeight`: SqueezeLLM) and run on the quantized kernel `quantization/kernels.py`
+picks for the device, or, where none fits, as the dense weight they dequantize to.
 """
 
 from __future__ import annotations
@@ -21,13 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.quantization.cpu_kernels import (
-    IntegerWeight,
-    integer_is_faster,
-    kernel_choice,
-    pack_for_cpu,
-)
 from kvserve.quantization.gptq import QuantizedWeight
+from kvserve.quantization.kernels import QuantizedKernel, choose_kernel
+from kvserve.quantization.squeezellm import LutWeight
 
 
 def _onednn_available() -> bool:
@@ -44,14 +39,14 @@ class Linear(nn.Module):
         out = sum(output_sizes)
         self.weight = torch.empty(in_features, out, dtype=dtype)
         self.bias = torch.zeros(out, dtype=dtype) if bias else None
-        self.quantized: dict[int, QuantizedWeight] = {}  # shards loaded as integers
-        self.integer: IntegerWeight | None = None  # chosen by prepare(): CPU int4/int8
+        self.quantized: dict[int, QuantizedWeight | LutWeight] = {}  # shards as loaded
+        self.kernel: QuantizedKernel | None = None  # chosen by prepare() for those shards
         # Until prepare(): then "packed" (oneDNN) or "out_major" (CUDA).
         self.form = "transposed"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.integer is not None:
-            out = self.integer.matmul(x)
+        if self.kernel is not None:
+            out = self.kernel.matmul(x)
             return out if self.bias is None else out + self.bias
         if self.form == "packed":
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias,
@@ -64,8 +59,8 @@ class Linear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        if self.integer is not None:
-            return self.integer.num_bytes
+        if self.kernel is not None:
+            return self.kernel.num_bytes
         return self.weight.numel() * self.weight.element_size()
 
     def checkpoint_parts(self) -> list[tuple[str, int]]:
@@ -73,7 +68,8 @@ class Linear(nn.Module):
         kinds = ["weight"] + (["bias"] if self.bias is not None else [])
         return [(kind, shard) for kind in kinds for shard in range(len(self.output_sizes))]
 
-    def load(self, kind: str, shard: int, tensor: torch.Tensor | QuantizedWeight) -> None:
+    def load(self, kind: str, shard: int,
+             tensor: torch.Tensor | QuantizedWeight | LutWeight) -> None:
         """Copies a checkpoint tensor (`[out, in]` weight, quantized or not, or `[out]` bias)
         into its shard."""
         assert self.form == "transposed", "load() after prepare()"
@@ -81,10 +77,9 @@ class Linear(nn.Module):
         size = self.output_sizes[shard]
         expected = (size, self.in_features) if kind == "weight" else (size,)
         bias = self.bias
-        shape = tensor.intweight.shape if isinstance(tensor, QuantizedWeight) else tensor.shape
-        if tuple(shape) != expected or (kind == "bias" and bias is None):
-            raise ValueError(f"expected shape {list(expected)}, got {list(shape)}")
-        if isinstance(tensor, QuantizedWeight):
+        if tuple(tensor.shape) != expected or (kind == "bias" and bias is None):
+            raise ValueError(f"expected shape {list(expected)}, got {list(tensor.shape)}")
+        if isinstance(tensor, QuantizedWeight | LutWeight):
             self.quantized[shard] = tensor
         elif kind == "weight":
             self.weight[:, start:start + size].copy_(tensor.t())
@@ -93,7 +88,7 @@ class Linear(nn.Module):
 
     def prepare(self) -> None:
         """Switches to the fastest execution form for the weight's device (see module doc)."""
-        integer = self._dequantize_shards()
+        shards = self._dequantize_shards()
         if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32 and \
                 _onednn_available():
             self.weight = torch.ops.mkldnn._reorder_linear_weight(
@@ -102,21 +97,23 @@ class Linear(nn.Module):
         elif self.weight.device.type == "cuda":
             self.weight = self.weight.t().contiguous()
             self.form = "out_major"
+        if shards:
+            self.kernel = choose_kernel(shards, self.forward, self.in_features,
+                                        self.weight.dtype, self.weight.device)
+            if self.kernel is not None:
+                self.weight = torch.empty(0, device=self.weight.device)
 
-        if integer is not None and (kernel_choice() == "integer" or integer_is_faster(
-                integer, self.forward, self.in_features, self.weight.dtype)):
-            self.integer, self.weight = integer, torch.empty(0)
-
-    def _dequantize_shards(self) -> IntegerWeight | None:
-        """Writes quantized shards into the dense weight; returns them packed for a CPU
-        integer kernel when one can run them and may be chosen."""
+    def _dequantize_shards(self) -> list[QuantizedWeight] | list[LutWeight]:
+        """Writes quantized shards into the dense weight, which runs them where no kernel
+        does; returns them in output order."""
         if not self.quantized:
-            return None
+            return []
+        if len(self.quantized) != len(self.output_sizes):
+            raise ValueError("a fused layer mixes quantized and float shards")
         shards = [self.quantized[i] for i in range(len(self.output_sizes))]
         self.quantized = {}
         for shard, q in enumerate(shards):
             start = sum(self.output_sizes[:shard])
-            self.weight[:, start:start + self.output_sizes[shard]].copy_(q.dequantize().t())
-        if self.weight.device.type != "cpu" or kernel_choice() == "dequantized":
-            return None
-        return pack_for_cpu(shards)
+            weight = q.dequantize().t().to(self.weight.device, self.weight.dtype)
+            self.weight[:, start:start + self.output_sizes[shard]].copy_(weight)
+        return shards

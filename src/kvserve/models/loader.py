@@ -1,5 +1,5 @@
 """Builds a model from a HF checkpoint folder: safetensors only, never pickle, never remote code.
-Quantized checkpoints (GPTQ, AWQ) load through `quantization/hub_format.py`."""
+Quantized checkpoints (GPTQ, AWQ, SqueezeLLM) load through `quantization/hub_format.py`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from kvserve.layers.linear import Linear
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.quantization.gptq import QuantizedWeight
 from kvserve.quantization.hub_format import dequantize_checkpoint
+from kvserve.quantization.squeezellm import LutWeight
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -42,10 +43,11 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
         if target is None:
             raise CheckpointError(f"model: unexpected tensor {hf_name!r} in the checkpoint")
         name, kind, shard = target
-        if isinstance(tensor, QuantizedWeight) and isinstance(modules.get(name), Linear):
+        quantized = isinstance(tensor, QuantizedWeight | LutWeight)
+        if quantized and isinstance(modules.get(name), Linear):
             tensor = tensor.map_rows(lambda t, n=hf_name: model.adapt_checkpoint_tensor(n, t))
         else:
-            if isinstance(tensor, QuantizedWeight):
+            if quantized:
                 tensor = tensor.dequantize()
             tensor = tensor.to(device=device, dtype=cfg.dtype)
             tensor = model.adapt_checkpoint_tensor(hf_name, tensor)

@@ -11,13 +11,12 @@ AWQ layers:
 Both take bfloat16 activations and stream a quarter (int8) or an eighth (int4) of the
 float32 weight bytes. Whether that beats the dense float32 GEMM depends on the CPU
 (bfloat16 support) and the shape, so the engine times both on each layer shape at load
-(`KVSERVE_QUANTIZED_KERNEL=auto`, the default) and keeps the faster for one-row steps, the
-case quantized models are served for; `integer` or `dequantized` forces one.
+and keeps the faster for one-row steps, the
+case quantized models are served for (`kernels.py` makes the choice).
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -28,7 +27,6 @@ import torch
 from kvserve.quantization.gptq import QuantizedWeight
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
-KERNEL_CHOICES = ("auto", "integer", "dequantized")
 
 
 @dataclass(frozen=True)
@@ -70,14 +68,6 @@ class Int8Weight:
 
 
 IntegerWeight = Int4Weight | Int8Weight
-
-
-def kernel_choice() -> str:
-    choice = os.environ.get("KVSERVE_QUANTIZED_KERNEL", "auto")
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"KVSERVE_QUANTIZED_KERNEL must be one of {', '.join(KERNEL_CHOICES)}, "
-                         f"got {choice!r}")
-    return choice
 
 
 def pack_for_cpu(shards: list[QuantizedWeight]) -> IntegerWeight | None:

@@ -26,6 +26,10 @@ class QuantizedWeight:
     zeros: torch.Tensor  # [groups, out] int64
     g_idx: torch.Tensor  # [in] int64
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.intweight.shape
+
     def dequantize(self) -> torch.Tensor:
         return self.scales.t()[:, self.g_idx] * (self.intweight - self.zeros.t()[:, self.g_idx])
 

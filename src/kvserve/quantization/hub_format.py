@@ -5,7 +5,7 @@ GPTQ (`quant_method: gptq`, 2/3/4/8 bits, `checkpoint_format` gptq or gptq_v2), 
 the layout `kvserve quantize` writes: README) load as they are. Anything else is refused
 when the config is read, naming what is unsupported, never run with wrong weights. A
 quantized layer reaches the model as its unpacked integers (GPTQ, AWQ), for the linear layer
-to run on a kernel or dequantize, or as its float weight (SqueezeLLM).
+to run on a kernel or dequantize, or as its table indices (SqueezeLLM).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from kvserve.errors import CheckpointError
 from kvserve.quantization.gptq import QuantizedWeight
 from kvserve.quantization.packing import unpack_awq, unpack_gptq, unpack_rows
-from kvserve.quantization.squeezellm import dequantize_lut
+from kvserve.quantization.squeezellm import LutWeight
 
 SUPPORTED_BITS = {"gptq": (2, 3, 4, 8), "awq": (4,), "squeezellm": (2, 3, 4, 8)}
 PARTS = {"gptq": frozenset({"qweight", "qzeros", "scales", "g_idx"}),
@@ -80,14 +80,16 @@ class QuantConfig:
                 "checkpoint_format": "gptq"}
 
     def unpack(self, layer: str, parts: dict[str, torch.Tensor]
-               ) -> QuantizedWeight | torch.Tensor:
+               ) -> QuantizedWeight | LutWeight:
         """One quantized layer's tensors as integers with their group scales and zeros
-        (GPTQ, AWQ), or as the float weight [out, in] they stand for (SqueezeLLM)."""
+        (GPTQ, AWQ), or as table indices with their tables and outliers (SqueezeLLM)."""
         try:
             if self.method == "squeezellm":
-                return dequantize_lut(unpack_rows(parts["qweight"], self.bits).t(),
-                                      parts["lookup_table"], parts["sparse_rows"],
-                                      parts["sparse_cols"], parts["sparse_values"])
+                lut = LutWeight(unpack_rows(parts["qweight"], self.bits).t(),
+                                parts["lookup_table"].float(), parts["sparse_rows"].long(),
+                                parts["sparse_cols"].long(), parts["sparse_values"].float())
+                lut.dequantize()  # checks that the parts fit together
+                return lut
             if self.method == "awq":
                 intweight, zeros = unpack_awq(parts["qweight"]).t(), unpack_awq(parts["qzeros"])
                 group = intweight.shape[1] if self.group_size == -1 else self.group_size
@@ -107,10 +109,10 @@ class QuantConfig:
 
 def dequantize_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]],
                           quant: QuantConfig | None, keep_integers: bool = False
-                          ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+                          ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight | LutWeight]]:
     """The checkpoint's tensors with each quantized layer's parts replaced, once all have
-    been read, by its `<layer>.weight`: dequantized, or with `keep_integers` the unpacked
-    integers where the method has them."""
+    been read, by its `<layer>.weight`: dequantized, or with `keep_integers` unpacked
+    (`QuantizedWeight`, `LutWeight`)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         layer, _, part = name.rpartition(".")
@@ -124,9 +126,7 @@ def dequantize_checkpoint(tensors: Iterator[tuple[str, torch.Tensor]],
         parts[part] = tensor
         if set(parts) >= PARTS[quant.method]:
             weight = quant.unpack(layer, pending.pop(layer))
-            if isinstance(weight, QuantizedWeight) and not keep_integers:
-                weight = weight.dequantize()
-            yield f"{layer}.weight", weight
+            yield f"{layer}.weight", weight if keep_integers else weight.dequantize()
     for layer, parts in pending.items():
         missing = sorted(PARTS[quant.method] - set(parts)) if quant else []
         raise CheckpointError(f"model: quantized layer {layer!r} lacks {', '.join(missing)}")

@@ -25,6 +25,11 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     n, m = values.shape
     if (n * bits) % 32:
         raise ValueError(f"{n} values of {bits} bits do not fill whole 32-bit words")
+    if 32 % bits == 0:  # no value straddles two words: shift whole rows, without a bit stream
+        per_word = 32 // bits
+        shifts = (torch.arange(per_word, device=values.device) * bits).view(1, per_word, 1)
+        words = (values.long().reshape(-1, per_word, m) << shifts).sum(dim=1)
+        return (words - (words >= 2**31).long() * 2**32).to(torch.int32)
     shifts = torch.arange(bits)
     stream = ((values.long().unsqueeze(1) >> shifts.view(1, bits, 1)) & 1).reshape(-1, 32, m)
     words = (stream << torch.arange(32).view(1, 32, 1)).sum(dim=1)

@@ -11,6 +11,7 @@ W = lookup_table[row, index] + sparse.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,18 +27,47 @@ class LutWeight:
     sparse_cols: torch.Tensor  # [nnz] int64
     sparse_values: torch.Tensor  # [nnz] float32, float16-exact: weight - its centroid
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.indices.shape
+
     def dequantize(self) -> torch.Tensor:
         return dequantize_lut(self.indices, self.lookup_table, self.sparse_rows,
                               self.sparse_cols, self.sparse_values)
+
+    def sparse_matrix(self) -> torch.Tensor:
+        """The outliers' part as a sparse COO tensor [out, in] of float32."""
+        return torch.sparse_coo_tensor(
+            torch.stack([_row_of(self.sparse_rows), self.sparse_cols.long()]),
+            self.sparse_values.float(), tuple(self.indices.shape), is_coalesced=True,
+            check_invariants=False)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> LutWeight:
+        """The layer with `fn`, a selection or reordering of output rows, applied to every
+        part."""
+        kept = fn(torch.arange(self.indices.shape[0]).unsqueeze(1))[:, 0]
+        new_row = torch.full((self.indices.shape[0],), -1, dtype=torch.long)
+        new_row[kept] = torch.arange(len(kept))
+        rows = new_row[_row_of(self.sparse_rows)]
+        order = torch.argsort(rows * self.indices.shape[1] + self.sparse_cols.long())
+        order = order[rows[order] >= 0]
+        pointers = torch.zeros(len(kept) + 1, dtype=self.sparse_rows.dtype)
+        pointers[1:] = torch.bincount(rows[order], minlength=len(kept)).cumsum(0)
+        return LutWeight(fn(self.indices), fn(self.lookup_table), pointers,
+                         self.sparse_cols[order], self.sparse_values[order])
 
 
 def dequantize_lut(indices: torch.Tensor, lookup_table: torch.Tensor, rows: torch.Tensor,
                    cols: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     dense = lookup_table.float().gather(1, indices.long())
-    counts = rows.long().diff()
-    row_of = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    dense[row_of, cols.long()] += values.float()
+    dense[_row_of(rows), cols.long()] += values.float()
     return dense
+
+
+def _row_of(pointers: torch.Tensor) -> torch.Tensor:
+    """Each stored value's row, from CSR row pointers."""
+    counts = pointers.long().diff()
+    return torch.repeat_interleave(torch.arange(len(counts)), counts)
 
 
 def squeezellm(weight: torch.Tensor, fisher: torch.Tensor, bits: int,

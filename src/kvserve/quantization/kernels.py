@@ -1,0 +1,80 @@
+"""The one interface a linear layer runs quantized weights through: a kernel with
+`matmul(x)` and `num_bytes`, chosen at load for the layer's shards and device.
+
+- CUDA: the Triton weight-only GEMM (`triton_gemm.py`) for GPTQ, AWQ and SqueezeLLM layers.
+- CPU: PyTorch's int4 or int8 kernel (`cpu_kernels.py`) for GPTQ and AWQ layers, where it
+  beats the dense GEMM on the layer's shape.
+- Anything else runs the dequantized dense weight.
+
+`KVSERVE_QUANTIZED_KERNEL` overrides the choice: `auto` (the default), `integer` (the CPU
+kernels without timing them), `triton` (the Triton kernel on any device: on a CPU only
+under Triton's interpreter, for tests) or `dequantized`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from kvserve.quantization.cpu_kernels import integer_is_faster, pack_for_cpu
+from kvserve.quantization.gptq import QuantizedWeight
+from kvserve.quantization.squeezellm import LutWeight
+
+logger = logging.getLogger(__name__)
+KERNEL_CHOICES = ("auto", "integer", "triton", "dequantized")
+
+
+class QuantizedKernel(Protocol):
+    @property
+    def num_bytes(self) -> int: ...
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def kernel_choice() -> str:
+    choice = os.environ.get("KVSERVE_QUANTIZED_KERNEL", "auto")
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"KVSERVE_QUANTIZED_KERNEL must be one of {', '.join(KERNEL_CHOICES)}, "
+                         f"got {choice!r}")
+    return choice
+
+
+def choose_kernel(shards: list[QuantizedWeight] | list[LutWeight],
+                  dense: Callable[[torch.Tensor], torch.Tensor], in_features: int,
+                  dtype: torch.dtype, device: torch.device) -> QuantizedKernel | None:
+    """The kernel for a layer's quantized shards (in output order), or None to run `dense`,
+    the layer's dequantized weight."""
+    choice = kernel_choice()
+    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
+        triton_gemm = _triton_gemm()
+        return None if triton_gemm is None else triton_gemm.pack_for_triton(
+            shards, dtype, device, _num_programs(device))
+    if choice == "dequantized" or device.type != "cpu" or isinstance(shards[0], LutWeight):
+        return None
+    kernel = pack_for_cpu(shards)
+    if kernel is not None and (choice == "integer"
+                               or integer_is_faster(kernel, dense, in_features, dtype)):
+        return kernel
+    return None
+
+
+@functools.cache
+def _triton_gemm():  # noqa: ANN202 (a module, or None)
+    try:
+        from kvserve.quantization import triton_gemm
+    except ImportError as e:
+        logger.warning("Triton is unavailable (%s): quantized layers run dequantized", e)
+        return None
+    return triton_gemm
+
+
+def _num_programs(device: torch.device) -> int:
+    """Enough programs to fill the GPU twice over; a few under the interpreter."""
+    if device.type != "cuda":
+        return 8
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,172 @@
+"""Weight-only quantized GEMM in Triton for CUDA: the MARLIN idea of streaming packed integer
+weights and dequantizing them in registers, next to the tensor-core multiply.
+
+One kernel serves two weight kinds, which differ only in how a tile is dequantized:
+- integers with a scale and zero per group of input channels (GPTQ, AWQ; W4A16, W8A16):
+  w = (q - zero[group]) * scale[group];
+- indices into a per-output-channel lookup table (SqueezeLLM): w = table[row, q], plus the
+  sparse outliers, added by a sparse matmul.
+
+Weights are repacked at load into the kernel's layout: int32 words along the input dimension
+holding 8 values of 4 bits (2- and 3-bit values widened to 4) or 4 of 8 bits. Act-order
+layers have their input channels sorted by group and gather each input into that order, so
+a tile of the input dimension always falls in one group. For few rows (decode), the input
+dimension is split over several programs (split-K) whose partial sums are added after.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.quantization.gptq import QuantizedWeight
+from kvserve.quantization.packing import pack_rows
+from kvserve.quantization.squeezellm import LutWeight
+
+MIN_BLOCK_K = 32  # a group must hold whole tiles of the input dimension
+
+
+@triton.jit
+def _weight_only_gemm_kernel(x_ptr, words_ptr, scales_ptr, zeros_ptr, table_ptr, out_ptr,
+                             M, N, K, group_size, k_per_split,
+                             BITS: tl.constexpr, LUT: tl.constexpr, PRECISION: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    PER_WORD: tl.constexpr = 32 // BITS
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_end
+        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        tile_ok = k_ok[:, None] & col_ok[None, :]
+        words = tl.load(words_ptr + (ks // PER_WORD)[:, None] * N + cols[None, :],
+                        mask=tile_ok, other=0)
+        q = (words >> ((ks % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
+        if LUT:
+            w = tl.load(table_ptr + cols[None, :] * (1 << BITS) + q, mask=tile_ok, other=0.0)
+        else:
+            group = k0 // group_size  # the whole tile lies in one group
+            scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0)
+            zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0)
+            w = (q.to(tl.float32) - zero.to(tl.float32)[None, :]) * \
+                scale.to(tl.float32)[None, :]
+        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+    out = out_ptr + split * M * N + rows[:, None] * N + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@dataclass(frozen=True)
+class TritonQuantizedWeight:
+    words: torch.Tensor  # [in * BITS / 32, out] int32, input channels in group order
+    bits: int  # 4 or 8: the kernel's width per value
+    group_size: int  # input channels per scale (the whole input: one group)
+    scales: torch.Tensor | None  # [groups, out] in the activations' dtype
+    zeros: torch.Tensor | None  # [groups, out], the same dtype
+    table: torch.Tensor | None  # [out, 2^bits] lookup table, the activations' dtype
+    outliers: torch.Tensor | None  # [out, in] sparse CSR float32
+    input_order: torch.Tensor | None  # act-order: the input channels sorted by group
+    num_programs: int  # split-K aims to start this many programs
+
+    @property
+    def num_bytes(self) -> int:
+        parts = [self.words, self.scales, self.zeros, self.table]
+        total = sum(t.numel() * t.element_size() for t in parts if t is not None)
+        if self.outliers is not None:
+            total += sum(t.numel() * t.element_size() for t in (
+                self.outliers.crow_indices(), self.outliers.col_indices(),
+                self.outliers.values()))
+        return total
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self.input_order is not None:
+            rows = rows.index_select(1, self.input_order)
+        rows = rows.contiguous()
+        m, k = rows.shape
+        n = self.words.shape[1]
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        block_n = 64 if m <= 32 else 128
+        block_k = 64 if self.group_size % 64 == 0 else MIN_BLOCK_K
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        splits = max(1, min(-(-self.num_programs // tiles), k // (4 * block_k)))
+        k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+        splits = triton.cdiv(k, k_per_split)
+        out = torch.empty(splits, m, n, device=x.device,
+                          dtype=x.dtype if splits == 1 else torch.float32)
+        lut = self.table is not None
+        _weight_only_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
+            rows, self.words, self.scales if not lut else self.table,
+            self.zeros if not lut else self.table, self.table if lut else self.words, out,
+            m, n, k, self.group_size, k_per_split,
+            BITS=self.bits, LUT=lut,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        result = out[0] if splits == 1 else out.sum(0).to(x.dtype)
+        if self.outliers is not None:
+            result = result + torch.sparse.mm(self.outliers, rows.t().float()).t().to(x.dtype)
+        return result.reshape(*x.shape[:-1], n)
+
+
+def pack_for_triton(shards: list[QuantizedWeight] | list[LutWeight], dtype: torch.dtype,
+                    device: torch.device, num_programs: int) -> TritonQuantizedWeight | None:
+    """The shards (a fused layer's, in output order) in the kernel's layout on `device`, or
+    None where it cannot run them: groups not a multiple of 32 input channels, shards
+    ordering their inputs differently, or tables of more than 256 entries."""
+    parts = _lut_parts(shards, dtype) if isinstance(shards[0], LutWeight) \
+        else _integer_parts(shards, dtype)
+    if parts is None:
+        return None
+    return TritonQuantizedWeight(**{
+        name: value.to(device) if isinstance(value, torch.Tensor) else value
+        for name, value in parts.items()}, num_programs=num_programs)
+
+
+def _integer_parts(shards: list[QuantizedWeight], dtype: torch.dtype) -> dict | None:
+    g_idx = shards[0].g_idx
+    in_features = g_idx.shape[0]
+    groups = shards[0].scales.shape[0]
+    group_size = in_features // groups
+    order = torch.argsort(g_idx, stable=True)
+    max_value = max(int(s.intweight.max()) for s in shards)
+    if (group_size * groups != in_features or group_size % MIN_BLOCK_K or max_value > 255
+            or not torch.equal(g_idx[order], torch.arange(in_features) // group_size)
+            or any(not torch.equal(s.g_idx, g_idx) for s in shards)):
+        return None
+    bits = 4 if max_value <= 15 else 8
+    intweight = torch.cat([s.intweight for s in shards])
+    in_order = torch.equal(order, torch.arange(in_features))
+    if not in_order:
+        intweight = intweight[:, order]
+    return {"words": pack_rows(intweight.t(), bits), "bits": bits, "group_size": group_size,
+            "scales": torch.cat([s.scales for s in shards], dim=1).to(dtype).contiguous(),
+            "zeros": torch.cat([s.zeros for s in shards], dim=1).to(dtype).contiguous(),
+            "table": None, "outliers": None, "input_order": None if in_order else order}
+
+
+def _lut_parts(shards: list[LutWeight], dtype: torch.dtype) -> dict | None:
+    levels = shards[0].lookup_table.shape[1]
+    if levels > 256 or any(s.lookup_table.shape[1] != levels for s in shards):
+        return None
+    bits = 4 if levels <= 16 else 8
+    indices = torch.cat([s.indices for s in shards])
+    table = torch.cat([s.lookup_table for s in shards]).to(dtype)
+    outliers = None
+    if any(len(s.sparse_values) for s in shards):
+        with warnings.catch_warnings():  # "sparse CSR support is in beta"
+            warnings.simplefilter("ignore", UserWarning)
+            outliers = torch.cat([s.sparse_matrix() for s in shards]).to_sparse_csr()
+    return {"words": pack_rows(indices.t(), bits), "bits": bits,
+            "group_size": indices.shape[1], "scales": None, "zeros": None,
+            "table": torch.nn.functional.pad(table, (0, 2**bits - levels)).contiguous(),
+            "outliers": outliers, "input_order": None}

@@ -1,0 +1,82 @@
+"""The Triton weight-only GEMM against dequantize-then-matmul: GPTQ/AWQ integers (4 and 8
+bits, groups, act-order, zero points) and SqueezeLLM lookup tables with outliers. On the CPU
+it runs in Triton's interpreter, in float32 (the interpreter gets bfloat16 dots wrong)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.quantization.gptq import gptq, rtn  # noqa: E402
+from kvserve.quantization.squeezellm import squeezellm  # noqa: E402
+from kvserve.quantization.triton_gemm import pack_for_triton  # noqa: E402
+from tests.kernels.test_triton_attention import DEVICE  # noqa: E402
+
+DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" else [])
+IN, OUT = 256, 96
+
+
+def layer(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(512, IN, generator=gen) * torch.linspace(0.2, 3, IN)
+    return torch.randn(OUT, IN, generator=gen) * 0.05, 2 * x.t() @ x / len(x)
+
+
+def check(shards, rows: int, dtype: torch.dtype, num_programs: int = 8) -> None:  # noqa: ANN001
+    kernel = pack_for_triton(shards, dtype, torch.device(DEVICE), num_programs)
+    assert kernel is not None
+    x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
+    weight = torch.cat([s.dequantize() for s in shards])
+    want = x.to(dtype).float() @ weight.to(dtype).float().t()
+    got = kernel.matmul(x.to(DEVICE, dtype)).float().cpu()
+    assert got.shape == want.shape
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    assert (got - want).abs().max() <= tolerance * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 33, 70])
+@pytest.mark.parametrize("bits,group_size,sym", [(4, 32, True), (4, 128, False), (8, -1, False),
+                                                 (8, 64, True), (3, 64, True)])
+def test_integer_weights_match_their_dequantized_matmul(dtype, rows, bits, group_size, sym):
+    w, _ = layer()
+    q = rtn(w, bits, IN if group_size == -1 else group_size, sym)
+    halves = [q.map_rows(lambda t: t[:64]), q.map_rows(lambda t: t[64:])]  # a fused layer
+    check(halves, rows, dtype)
+
+
+@pytest.mark.parametrize("num_programs", [1, 64])  # one split, and as many as the input allows
+def test_act_order_weights_gather_their_inputs(num_programs):
+    w, hessian = layer()
+    q = gptq(w, hessian, 4, 64, sym=True, act_order=True)
+    assert not torch.equal(q.g_idx, torch.arange(IN) // 64)
+    check([q], 3, torch.float32, num_programs)
+
+
+@pytest.mark.parametrize("bits,outlier_fraction", [(3, 0.01), (4, 0.0)])
+def test_lookup_tables_with_outliers_match_their_dequantized_matmul(bits, outlier_fraction):
+    w, _ = layer()
+    fisher = torch.rand(w.shape, generator=torch.Generator().manual_seed(2))
+    lut = squeezellm(w, fisher, bits, outlier_fraction)
+    kernel = pack_for_triton([lut], torch.float32, torch.device(DEVICE), 8)
+    assert (kernel.outliers is not None) == (outlier_fraction > 0)
+    for rows in (1, 20):
+        check([lut.map_rows(lambda t: t[:32]), lut.map_rows(lambda t: t[32:])], rows,
+              torch.float32)
+
+
+def test_lookup_table_rows_reorder_with_their_outliers():
+    w, _ = layer()
+    lut = squeezellm(w, torch.rand(w.shape), 3, 0.02)
+    order = torch.randperm(OUT, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(lut.map_rows(lambda t: t[order]).dequantize(), lut.dequantize()[order])
+
+
+def test_layers_the_kernel_cannot_run_are_left_to_dequantize():
+    w, _ = layer()
+    device = torch.device(DEVICE)
+    assert pack_for_triton([rtn(w, 4, 16, True)], torch.float32, device, 8) is None  # groups
+    a, b = (gptq(w, layer(seed)[1], 4, 64, True, act_order=True) for seed in (0, 1))
+    assert pack_for_triton([a, b], torch.float32, device, 8) is None  # different orders
