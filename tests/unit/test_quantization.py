@@ -52,7 +52,8 @@ def test_bit_streams_round_trip_and_match_autogptq_words(bits):
     values = torch.randint(0, 2**bits, (64, 5), generator=GEN)
     packed = pack_rows(values, bits)
     assert packed.dtype == torch.int32 and packed.shape == (64 * bits // 32, 5)
-    assert torch.equal(unpack_rows(packed, bits), values)
+    unpacked = unpack_rows(packed, bits)
+    assert unpacked.dtype == torch.uint8 and torch.equal(unpacked.long(), values)
     assert torch.equal(packed, reference_pack(values, bits))
 
 

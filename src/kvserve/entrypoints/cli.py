@@ -57,7 +57,7 @@ def _quantize(args: argparse.Namespace) -> None:
     path = quantize_model(args.model, args.output, args.method, args.bits, args.group_size,
                           args.act_order, args.sym, args.calibration_samples,
                           args.calibration_len, args.seed, args.outlier_fraction,
-                          args.lm_head, progress=True)
+                          args.sensitive_fraction, args.lm_head, progress=True)
     print(f"wrote {path}")
 
 
@@ -125,7 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     qt.add_argument("--calibration-len", type=int, default=256, help="tokens per sample")
     qt.add_argument("--seed", type=int, default=0)
     qt.add_argument("--outlier-fraction", type=float, default=0.005,
-                    help="SqueezeLLM: the share of weights kept exactly, as a sparse matrix")
+                    help="SqueezeLLM: the share of largest weights kept exactly, in a sparse "
+                         "matrix")
+    qt.add_argument("--sensitive-fraction", type=float, default=0.0,
+                    help="SqueezeLLM: the share of most sensitive weights (Fisher) kept in "
+                         "the sparse matrix too")
     qt.add_argument("--lm-head", action="store_true",
                     help="quantize the LM head too (untied from the embedding)")
     qt.set_defaults(func=_quantize)

@@ -109,7 +109,7 @@ def _pack_int8(shards: list[QuantizedWeight]) -> Int8Weight | None:
     if not hasattr(torch, "_weight_int8pack_mm") or any(
             s.scales.shape[0] != 1 or int(s.intweight.max()) > 255 for s in shards):
         return None
-    weight = (torch.cat([s.intweight for s in shards]) - 128).to(torch.int8)
+    weight = (torch.cat([s.intweight for s in shards]).to(torch.int16) - 128).to(torch.int8)
     scales = torch.cat([s.scales[0] for s in shards]).bfloat16()
     zeros = torch.cat([s.zeros[0] for s in shards])
     # The output's scale is the bfloat16 one the kernel applies.

@@ -21,7 +21,7 @@ import torch
 class QuantizedWeight:
     """w[:, i] ~ scales[g_idx[i]] * (intweight[:, i] - zeros[g_idx[i]])."""
 
-    intweight: torch.Tensor  # [out, in] int64 in [0, 2^bits)
+    intweight: torch.Tensor  # [out, in] integers in [0, 2^bits): int64, or uint8 as loaded
     scales: torch.Tensor  # [groups, out] float32
     zeros: torch.Tensor  # [groups, out] int64
     g_idx: torch.Tensor  # [in] int64
@@ -31,7 +31,11 @@ class QuantizedWeight:
         return self.intweight.shape
 
     def dequantize(self) -> torch.Tensor:
-        return self.scales.t()[:, self.g_idx] * (self.intweight - self.zeros.t()[:, self.g_idx])
+        """The float32 weight [out, in], built in place to bound the memory of large layers."""
+        weight = self.intweight.float()
+        weight -= self.zeros.t().float()[:, self.g_idx]
+        weight *= self.scales.t().float()[:, self.g_idx]
+        return weight
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
         """The same layer with `fn`, a reordering of output rows, applied to every part."""

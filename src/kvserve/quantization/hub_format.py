@@ -91,7 +91,8 @@ class QuantConfig:
                 lut.dequantize()  # checks that the parts fit together
                 return lut
             if self.method == "awq":
-                intweight, zeros = unpack_awq(parts["qweight"]).t(), unpack_awq(parts["qzeros"])
+                intweight = unpack_awq(parts["qweight"]).t()
+                zeros = unpack_awq(parts["qzeros"]).long()
                 group = intweight.shape[1] if self.group_size == -1 else self.group_size
                 g_idx = torch.arange(intweight.shape[1]) // group
             else:

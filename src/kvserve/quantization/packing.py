@@ -37,12 +37,18 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of `pack_rows`: [w, m] int32 -> [w * 32 / bits, m] int64."""
+    """The inverse of `pack_rows`: [w, m] int32 -> [w * 32 / bits, m] uint8 (bits <= 8, as
+    all quantized weights are: a quarter of the memory of int32 for a large LM head)."""
     w, m = words.shape
+    if 32 % bits == 0:  # whole values per word: shift rows out, never a bit per element
+        per_word = 32 // bits
+        shifts = (torch.arange(per_word, dtype=torch.int32) * bits).view(1, per_word, 1)
+        values = (words.unsqueeze(1) >> shifts) & (2**bits - 1)
+        return values.reshape(w * per_word, m).to(torch.uint8)
     unsigned = words.long() & 0xFFFFFFFF
     stream = (unsigned.unsqueeze(1) >> torch.arange(32).view(1, 32, 1)) & 1
     stream = stream.reshape(-1, bits, m)
-    return (stream << torch.arange(bits).view(1, bits, 1)).sum(dim=1)
+    return (stream << torch.arange(bits).view(1, bits, 1)).sum(dim=1).to(torch.uint8)
 
 
 def pack_gptq(intweight: torch.Tensor, zeros: torch.Tensor, bits: int
@@ -55,16 +61,15 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, zero_off
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(qweight, qzeros) -> intweight [out, in] and zeros [groups, out]; `zero_offset` is 1
     for files that store zero - 1 (checkpoint_format gptq), 0 for gptq_v2."""
-    zeros = unpack_rows(qzeros.t().contiguous(), bits).t() + zero_offset
+    zeros = unpack_rows(qzeros.t().contiguous(), bits).t().long() + zero_offset
     return unpack_rows(qweight, bits).t(), zeros
 
 
 def unpack_awq(words: torch.Tensor) -> torch.Tensor:
-    """AWQ's [rows, out / 8] int32 of 4-bit values -> [rows, out] int64 in logical order."""
-    unsigned = words.long() & 0xFFFFFFFF
-    nibbles = (unsigned.unsqueeze(-1) >> (4 * torch.arange(8))) & 0xF  # nibble k of word
-    logical = nibbles[..., [AWQ_ORDER.index(i) for i in range(8)]]
-    return logical.reshape(words.shape[0], -1)
+    """AWQ's [rows, out / 8] int32 of 4-bit values -> [rows, out] uint8 in logical order."""
+    shifts = 4 * torch.tensor([AWQ_ORDER.index(i) for i in range(8)], dtype=torch.int32)
+    logical = (words.unsqueeze(-1) >> shifts) & 0xF  # logical value i from its nibble
+    return logical.reshape(words.shape[0], -1).to(torch.uint8)
 
 
 def pack_awq(values: torch.Tensor) -> torch.Tensor:

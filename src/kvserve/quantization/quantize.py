@@ -41,7 +41,8 @@ class _StopForward(Exception):
 def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits: int,
                    group_size: int | None = None, act_order: bool = False, sym: bool = True,
                    num_samples: int = 128, seq_len: int = 256, seed: int = 0,
-                   outlier_fraction: float = 0.005, lm_head: bool = False,
+                   outlier_fraction: float = 0.005, sensitive_fraction: float = 0.0,
+                   lm_head: bool = False,
                    max_shard_bytes: int = 2 << 30, progress: bool = False) -> Path:
     """`group_size` None: 128 below 8 bits, and at 8 bits -1 (a scale per output channel,
     what the CPU int8 kernel runs). `lm_head` quantizes the LM head too, untied from the
@@ -70,8 +71,10 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
         group_size = -1  # a lookup table per row: no groups
     for name, m in [*stages[0][2].items(), *stages[-1][2].items()]:
         _check_shape(name, m, bits, group_size)
-    if not 0 <= outlier_fraction < 1:
-        raise ValueError(f"outlier_fraction must be in [0, 1), got {outlier_fraction}")
+    for name, fraction in (("outlier_fraction", outlier_fraction),
+                           ("sensitive_fraction", sensitive_fraction)):
+        if not 0 <= fraction < 1:
+            raise ValueError(f"{name} must be in [0, 1), got {fraction}")
     calibration = None
     if method != "rtn":
         tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
@@ -86,8 +89,8 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
             group = linear.in_features if group_size == -1 else group_size
             weight = linear.weight.data
             if method == "squeezellm":
-                q: QuantizedWeight | LutWeight = squeezellm(weight, fisher[linear], bits,
-                                                            outlier_fraction)
+                q: QuantizedWeight | LutWeight = squeezellm(
+                    weight, fisher[linear], bits, outlier_fraction, sensitive_fraction)
             elif method == "gptq":
                 q = gptq(weight, hessians[name], bits, group, sym, act_order)
             else:

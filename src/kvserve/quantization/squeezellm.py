@@ -71,14 +71,20 @@ def _row_of(pointers: torch.Tensor) -> torch.Tensor:
 
 
 def squeezellm(weight: torch.Tensor, fisher: torch.Tensor, bits: int,
-               outlier_fraction: float = 0.005, iterations: int = 25) -> LutWeight:
-    """SqueezeLLM of weight [out, in], given the Fisher diagonal of the same shape."""
+               outlier_fraction: float = 0.005, sensitive_fraction: float = 0.0,
+               iterations: int = 25) -> LutWeight:
+    """SqueezeLLM of weight [out, in], given the Fisher diagonal of the same shape. The sparse
+    part keeps the `outlier_fraction` of largest magnitude and, beyond those, the
+    `sensitive_fraction` with the largest Fisher information."""
     w = weight.float()
-    num_outliers = int(outlier_fraction * w.numel())
     outlier = torch.zeros_like(w, dtype=torch.bool)
+    num_outliers = int(outlier_fraction * w.numel())
     if num_outliers:
-        top = torch.topk(w.abs().flatten(), num_outliers).indices
-        outlier.view(-1)[top] = True
+        outlier.view(-1)[torch.topk(w.abs().flatten(), num_outliers).indices] = True
+    num_sensitive = int(sensitive_fraction * w.numel())
+    if num_sensitive:
+        ranked = fisher.float().masked_fill(outlier, -1.0).flatten()
+        outlier.view(-1)[torch.topk(ranked, num_sensitive).indices] = True
     # Every weight counts a little, so rows whose gradients vanished still cluster.
     sensitivity = (fisher.float() + 1e-12 * fisher.float().mean().clamp(min=1e-30))
     sensitivity = sensitivity.masked_fill(outlier, 0.0)

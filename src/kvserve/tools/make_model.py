@@ -47,6 +47,13 @@ PRESETS = {
     # Qwen3-0.6B's shapes: the model of nano-vllm's benchmark.
     "qwen3-0.6b": Preset("qwen3", 1024, 3072, 28, 16, 8, 151936, 40960, rope_theta=1e6,
                          head_dim=128, dtype="bfloat16"),
+    # Llama-3.2-1B's shapes: a model people run on laptop CPUs, big enough for weight bytes to
+    # dominate a decode step there.
+    "llama3.2-1b": Preset("llama", 2048, 8192, 16, 32, 8, 128256, 131072, rope_theta=500000.0,
+                          rope_scaling={"rope_type": "llama3", "factor": 32.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192},
+                          dtype="bfloat16"),
     "llama3-8b": Preset("llama", 4096, 14336, 32, 32, 8, 128256, 131072, rope_theta=500000.0,
                         rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -1,0 +1,98 @@
+"""`kvserve bench quantized`: weight-only quantized GEMMs against the dense layer the engine
+would run instead, on one model's linear shapes (llama3-8b's by default).
+
+For each shape and number of rows, the dense layer (oneDNN float32 on CPU, cuBLAS in the
+model dtype on CUDA) is the baseline; each quantized kernel the device has (CPU: int4 and
+int8; CUDA: the Triton W4A16 and W8A16 GEMMs) is timed on the same random weight, RTN
+quantized, with its speed-up over dense and its time over its own floor: its weight bytes at
+the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from kvserve.benchmarks.device import memory_bandwidth, timed
+from kvserve.benchmarks.report import print_table, save_json
+from kvserve.config import resolve_dtype
+from kvserve.layers.linear import Linear
+from kvserve.quantization.cpu_kernels import pack_for_cpu
+from kvserve.quantization.gptq import QuantizedWeight, rtn
+
+LLAMA3_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+             "down": (14336, 4096)}
+
+
+def _kernels(weight: torch.Tensor, args: argparse.Namespace, dtype: torch.dtype
+             ) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+    """name -> (matmul, weight bytes) for the dense layer and every quantized kernel."""
+    out_features, in_features = weight.shape
+    dense = Linear(in_features, [out_features], False, dtype).to(args.device)
+    dense.load("weight", 0, weight.to(args.device, dtype))
+    dense.prepare()
+    kernels = {"dense": (dense.forward, dense.weight_bytes)}
+    quantized: dict[str, QuantizedWeight] = {
+        f"int4 g{args.group_size}": rtn(weight, 4, args.group_size, sym=True),
+        "int8 per-channel": rtn(weight, 8, in_features, sym=True)}
+    for name, q in quantized.items():
+        if torch.device(args.device).type == "cuda":
+            from kvserve.quantization.triton_gemm import pack_for_triton
+
+            sms = torch.cuda.get_device_properties(args.device).multi_processor_count
+            kernel = pack_for_triton([q], dtype, torch.device(args.device), 2 * sms)
+            name = f"triton {name}"
+        else:
+            kernel = pack_for_cpu([q])
+        if kernel is not None:
+            kernels[name] = (kernel.matmul, kernel.num_bytes)
+    return kernels
+
+
+def run(args: argparse.Namespace) -> None:
+    dtype = resolve_dtype(args.dtype, {}, args.device)
+    bandwidth = memory_bandwidth(args.device)[0]
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict[str, object]] = []
+    for layer, (in_features, out_features) in LLAMA3_8B.items():
+        if args.layers and layer not in args.layers:
+            continue
+        weight = torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5
+        kernels = _kernels(weight, args, dtype)
+        for batch in args.batches:
+            x = torch.randn(batch, in_features, generator=gen).to(args.device, dtype)
+            dense_seconds = 0.0
+            for name, (matmul, num_bytes) in kernels.items():
+                matmul(x)  # compile, pack, allocate
+                seconds = statistics.median(timed(functools.partial(matmul, x), args.device)
+                                            for _ in range(args.repeats))
+                dense_seconds = dense_seconds or seconds
+                rows.append({"layer": f"{layer} {in_features}->{out_features}", "rows": batch,
+                             "kernel": name, "ms": round(seconds * 1e3, 3),
+                             "speed-up vs dense": round(dense_seconds / seconds, 2),
+                             "time / own floor": round(seconds * bandwidth / num_bytes, 2)})
+            print_table(rows[-len(kernels):])
+    print_table(rows, title=(
+        f"weight-only quantized GEMMs, {args.device}, activations {dtype}, llama3-8b shapes, "
+        f"medians of {args.repeats}; floor = the kernel's weight bytes at "
+        f"{bandwidth / 1e9:.1f} GB/s copy bandwidth"))
+    save_json(args.json, {"benchmark": "quantized", "device": args.device,
+                          "dtype": str(dtype), "copy_bandwidth": bandwidth, "rows": rows})
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantized", help="quantized GEMM kernels against the dense layer")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                       "float16"],
+                   help="the dense layer's dtype (auto: bfloat16 on CUDA, float32 elsewhere)")
+    p.add_argument("--layers", nargs="+", choices=sorted(LLAMA3_8B), default=None)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 128])
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=run)
