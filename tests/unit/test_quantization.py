@@ -139,8 +139,9 @@ def test_squeezellm_keeps_sensitive_weights_closer_and_outliers_exact():
     w = torch.randn(40, 96, generator=GEN)
     w[3, 7], w[20, 50] = 25.0, -30.0  # outliers far outside every row's range
     fisher = torch.rand(40, 96, generator=GEN) ** 8  # a few weights matter much more
-    weighted = squeezellm(w, fisher, 3, outlier_fraction=2 / w.numel())
-    flat = squeezellm(w, torch.ones_like(w), 3, outlier_fraction=2 / w.numel())
+    weighted = squeezellm(w, fisher, 3, outlier_fraction=2 / w.numel(), sensitive_fraction=0)
+    flat = squeezellm(w, torch.ones_like(w), 3, outlier_fraction=2 / w.numel(),
+                      sensitive_fraction=0)
     error = {name: float((fisher * (q.dequantize() - w) ** 2).sum())
              for name, q in (("weighted", weighted), ("flat", flat))}
     assert error["weighted"] < 0.8 * error["flat"]
@@ -148,6 +149,13 @@ def test_squeezellm_keeps_sensitive_weights_closer_and_outliers_exact():
     assert abs(got[3, 7] - 25.0) < 0.02 and abs(got[20, 50] + 30.0) < 0.02
     assert weighted.sparse_cols.tolist() == [7, 50]
     assert weighted.lookup_table.shape == (40, 8) and int(weighted.indices.max()) < 8
+    # The most sensitive weight beyond the outliers joins the sparse part, exactly.
+    both = squeezellm(w, fisher, 3, outlier_fraction=2 / w.numel(),
+                      sensitive_fraction=1 / w.numel())
+    fisher[3, 7] = fisher[20, 50] = 0
+    row, col = divmod(int(fisher.argmax()), w.shape[1])
+    assert int(both.sparse_rows[-1]) == 3
+    assert abs(both.dequantize()[row, col] - w[row, col]) < 2e-3
 
 
 def _bf16_reference(x: torch.Tensor, q) -> torch.Tensor:  # noqa: ANN001

@@ -124,10 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     qt.add_argument("--calibration-samples", type=int, default=128)
     qt.add_argument("--calibration-len", type=int, default=256, help="tokens per sample")
     qt.add_argument("--seed", type=int, default=0)
-    qt.add_argument("--outlier-fraction", type=float, default=0.005,
+    qt.add_argument("--outlier-fraction", type=float, default=0.0045,
                     help="SqueezeLLM: the share of largest weights kept exactly, in a sparse "
                          "matrix")
-    qt.add_argument("--sensitive-fraction", type=float, default=0.0,
+    qt.add_argument("--sensitive-fraction", type=float, default=0.0005,
                     help="SqueezeLLM: the share of most sensitive weights (Fisher) kept in "
                          "the sparse matrix too")
     qt.add_argument("--lm-head", action="store_true",
