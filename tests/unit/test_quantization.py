@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve.errors import CheckpointError
-from kvserve.quantization.cpu_kernels import Int4Weight, Int8Weight, pack_for_cpu
+from kvserve.quantization.cpu_kernels import Int4Weight, Int8Weight, W4A8Weight, cpu_candidates
 from kvserve.quantization.gptq import gptq, rtn
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
 from kvserve.quantization.packing import (
@@ -164,15 +164,19 @@ def _bf16_reference(x: torch.Tensor, q) -> torch.Tensor:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("act_order", [False, True])
-def test_int4_kernel_matches_the_dequantized_weight(act_order):
+@pytest.mark.parametrize("rows", [1, 6])  # W4A8 serves up to 4 rows per pass
+def test_4bit_kernels_match_the_dequantized_weight(act_order, rows):
     torch.manual_seed(0)
-    w, x = torch.randn(48, 128), torch.randn(5, 128)
-    q = gptq(w, _hessian(torch.randn(256, 128)), 4, 32, sym=False, act_order=act_order)
-    assert not act_order or not torch.equal(q.g_idx, torch.arange(128) // 32)
-    kernel = pack_for_cpu([q.map_rows(lambda t: t[:16]), q.map_rows(lambda t: t[16:])])
-    assert isinstance(kernel, Int4Weight) and (kernel.input_order is not None) == act_order
+    w, x = torch.randn(48, 128), torch.randn(rows, 128)
+    q = gptq(w, _hessian(torch.randn(256, 128)), 4, 64, sym=False, act_order=act_order)
+    assert not act_order or not torch.equal(q.g_idx, torch.arange(128) // 64)
+    kernels = cpu_candidates([q.map_rows(lambda t: t[:16]), q.map_rows(lambda t: t[16:])])
+    assert {type(k) for k in kernels} == {Int4Weight, W4A8Weight}
     want = _bf16_reference(x, q)
-    assert (kernel.matmul(x) - want).abs().max() < 0.02 * want.abs().max()
+    for kernel in kernels:
+        assert (kernel.input_order is not None) == act_order
+        # bfloat16 activations, or int8 ones with a scale per row and group of 64
+        assert (kernel.matmul(x) - want).abs().max() < 0.02 * want.abs().max()
 
 
 @pytest.mark.parametrize("sym", [True, False])
@@ -180,7 +184,7 @@ def test_int8_kernel_matches_the_dequantized_weight(sym):
     torch.manual_seed(0)
     w, x = torch.randn(40, 96), torch.randn(3, 96) + 1  # a mean, so zero points matter
     q = rtn(w, 8, 96, sym=sym)
-    kernel = pack_for_cpu([q])
+    [kernel] = cpu_candidates([q])
     assert isinstance(kernel, Int8Weight) and (kernel.zero_terms is None) == sym
     want = _bf16_reference(x, q)
     assert (kernel.matmul(x) - want).abs().max() < 0.02 * want.abs().max()
@@ -189,8 +193,9 @@ def test_int8_kernel_matches_the_dequantized_weight(sym):
 def test_layers_no_kernel_fits_stay_dense():
     torch.manual_seed(0)
     w = torch.randn(48, 128)
-    assert pack_for_cpu([rtn(w, 8, 32, sym=True)]) is None  # int8 takes one group per row
-    assert pack_for_cpu([rtn(w[:40], 4, 32, sym=True)]) is None  # 40 outputs: not 16-aligned
+    assert cpu_candidates([rtn(w, 8, 32, sym=True)]) == []  # int8 takes one group per row
+    # 40 outputs (not 16-aligned for int4) in groups of 32 (W4A8 takes multiples of 64)
+    assert cpu_candidates([rtn(w[:40], 4, 32, sym=True)]) == []
     a, b = (gptq(w, _hessian(torch.randn(256, 128) * s), 4, 32, True, act_order=True)
             for s in (torch.ones(128), torch.linspace(0.1, 2, 128)))
-    assert pack_for_cpu([a, b]) is None  # shards ordering their inputs differently
+    assert cpu_candidates([a, b]) == []  # shards ordering their inputs differently

@@ -9,8 +9,6 @@ sizes it does not cover, the plain-torch path runs instead.
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
@@ -18,25 +16,13 @@ import torch
 
 from kvserve.attention.backend import AttentionMetadata
 from kvserve.attention.torch_ref import TorchPagedAttention
-
-logger = logging.getLogger(__name__)
+from kvserve.cpp_extension import build
 
 
 @functools.cache
 def load_kernel() -> ModuleType | None:
-    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        source = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-        logger.info("loading the CPU attention kernel (compiled on first use, about a minute)")
-        return load(name="kvserve_paged_decode", sources=[str(source)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # noqa: BLE001 (any build failure means: use the torch path)
-        logger.warning("kvserve: CPU attention kernel unavailable (%s); using plain torch", e)
-        return None
+    return build("kvserve_paged_decode", Path(__file__).parent / "csrc" / "paged_decode.cpp",
+                 "CPU attention kernel")
 
 
 class CpuPagedAttention(TorchPagedAttention):

@@ -2,10 +2,10 @@
 would run instead, on one model's linear shapes (llama3-8b's by default).
 
 For each shape and number of rows, the dense layer (oneDNN float32 on CPU, cuBLAS in the
-model dtype on CUDA) is the baseline; each quantized kernel the device has (CPU: int4 and
-int8; CUDA: the Triton W4A16 and W8A16 GEMMs) is timed on the same random weight, RTN
-quantized, with its speed-up over dense and its time over its own floor: its weight bytes at
-the copy bandwidth measured in the same run.
+model dtype on CUDA) is the baseline; each quantized kernel the device has (CPU: PyTorch's
+int4 and int8 and our W4A8; CUDA: the Triton W4A16 and W8A16 GEMMs) is timed on the same
+random weight, RTN quantized, with its speed-up over dense and its time over its own floor:
+its weight bytes at the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kvserve.benchmarks.device import memory_bandwidth, timed
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.config import resolve_dtype
 from kvserve.layers.linear import Linear
-from kvserve.quantization.cpu_kernels import pack_for_cpu
+from kvserve.quantization.cpu_kernels import cpu_candidates
 from kvserve.quantization.gptq import QuantizedWeight, rtn
 
 LLAMA3_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
@@ -44,12 +44,12 @@ def _kernels(weight: torch.Tensor, args: argparse.Namespace, dtype: torch.dtype
             from kvserve.quantization.triton_gemm import pack_for_triton
 
             sms = torch.cuda.get_device_properties(args.device).multi_processor_count
-            kernel = pack_for_triton([q], dtype, torch.device(args.device), 2 * sms)
-            name = f"triton {name}"
+            candidates = [pack_for_triton([q], dtype, torch.device(args.device), 2 * sms)]
         else:
-            kernel = pack_for_cpu([q])
-        if kernel is not None:
-            kernels[name] = (kernel.matmul, kernel.num_bytes)
+            candidates = cpu_candidates([q])
+        for kernel in candidates:
+            if kernel is not None:
+                kernels[f"{name} ({type(kernel).__name__})"] = (kernel.matmul, kernel.num_bytes)
     return kernels
 
 

@@ -1,9 +1,12 @@
-"""Weight-only quantized matmuls on CPU through PyTorch's packed integer kernels, for GPTQ and
-AWQ layers:
+"""Quantized matmuls on CPU for GPTQ and AWQ layers, through PyTorch's packed integer kernels
+and one of ours:
 - int4 (`_weight_int4pack_mm_for_cpu`): values of at most 4 bits (3-bit ones too), with a
-  scale and zero per group of 32-256 input channels. Act-order layers, whose groups are
-  scattered over the input channels, run with the channels sorted by group and each input
-  gathered into that order.
+  scale and zero per group of 32-256 input channels.
+- W4A8 (`csrc/int4_w4a8.cpp`): the same 4-bit layers with groups of a multiple of 64
+  channels; each row's activations are quantized to int8 per group and the group's integer
+  dot products run on VNNI (AVX2's maddubs without it), as llama.cpp's Q4 x Q8 path does.
+- Act-order layers of either, whose groups are scattered over the input channels, run with
+  the channels sorted by group and each input gathered into that order.
 - int8 (`_weight_int8pack_mm`): values of up to 8 bits with one scale per output channel
   (group size -1). The kernel has no zero points, so the integers are stored offset by 128
   and the zero's share, `scale * (zero - 128) * sum(x)`, is subtracted from the output.
@@ -17,13 +20,17 @@ case quantized models are served for (`kernels.py` makes the choice).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
+from kvserve.cpp_extension import build
 from kvserve.quantization.gptq import QuantizedWeight
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -67,41 +74,81 @@ class Int8Weight:
         return out.reshape(*x.shape[:-1], -1)
 
 
-IntegerWeight = Int4Weight | Int8Weight
+@dataclass(frozen=True)
+class W4A8Weight:
+    packed: torch.Tensor  # [out, in / 2] uint8: per 64 channels, j low and j + 32 high
+    scales: torch.Tensor  # [out, groups] float32
+    scaled_zeros: torch.Tensor  # [out, groups] float32: zero * scale
+    group_size: int
+    input_order: torch.Tensor | None  # act-order: the input channels sorted by group
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.packed, self.scales, self.scaled_zeros))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        if self.input_order is not None:
+            rows = rows.index_select(1, self.input_order)
+        out = load_w4a8().int4_w4a8_matmul(rows.contiguous(), self.packed, self.scales,
+                                           self.scaled_zeros, self.group_size)
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-def pack_for_cpu(shards: list[QuantizedWeight]) -> IntegerWeight | None:
-    """The shards (a fused layer's, in output order) packed for the int4 or the int8 kernel,
-    or None where neither can run them."""
-    if max(int(s.intweight.max()) for s in shards) <= 15:
-        return _pack_int4(shards)
-    return _pack_int8(shards)
+IntegerWeight = Int4Weight | Int8Weight | W4A8Weight
 
 
-def _pack_int4(shards: list[QuantizedWeight]) -> Int4Weight | None:
-    """None where the groups have an unsupported size, where the shards order their input
-    channels differently, or where the output width is not a multiple of 16."""
-    if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
-        return None
+@functools.cache
+def load_w4a8() -> ModuleType | None:
+    return build("kvserve_int4_w4a8", Path(__file__).parent / "csrc" / "int4_w4a8.cpp",
+                 "CPU W4A8 kernel")
+
+
+def cpu_candidates(shards: list[QuantizedWeight]) -> list[IntegerWeight]:
+    """The shards (a fused layer's, in output order) packed for every CPU kernel that can run
+    them."""
+    if max(int(s.intweight.max()) for s in shards) > 15:
+        int8 = _pack_int8(shards)
+        return [] if int8 is None else [int8]
+    grouped = _groups_in_order(shards)
+    if grouped is None:
+        return []
+    intweight, order, group_size = grouped
+    scales = torch.cat([s.scales for s in shards], dim=1)
+    zeros = torch.cat([s.zeros for s in shards], dim=1).float()
+    candidates: list[IntegerWeight] = []
+    if (hasattr(torch, "_weight_int4pack_mm_for_cpu") and group_size in INT4_GROUP_SIZES
+            and intweight.shape[0] % 16 == 0):
+        scales_and_zeros = torch.stack([scales, (8 - zeros) * scales], dim=-1)
+        candidates.append(Int4Weight(
+            torch._convert_weight_to_int4pack_for_cpu(intweight.to(torch.int32), 1),
+            scales_and_zeros.to(torch.bfloat16).contiguous(), group_size, order))
+    if group_size % 64 == 0 and load_w4a8() is not None:
+        blocks = intweight.to(torch.uint8).reshape(intweight.shape[0], -1, 2, 32)
+        packed = blocks[:, :, 0] | (blocks[:, :, 1] << 4)
+        candidates.append(W4A8Weight(packed.reshape(intweight.shape[0], -1).contiguous(),
+                                     scales.t().contiguous(),
+                                     (zeros * scales).t().contiguous(), group_size, order))
+    return candidates
+
+
+def _groups_in_order(shards: list[QuantizedWeight]
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """The shards' integers [out, in] with the input channels sorted by group, the order
+    that sorts them (None: already sorted) and the group size; None where the groups differ
+    in size or the shards order their input channels differently."""
     g_idx = shards[0].g_idx
     in_features = g_idx.shape[0]
     group_size = in_features // shards[0].scales.shape[0]
     order = torch.argsort(g_idx, stable=True)
-    out_features = sum(s.intweight.shape[0] for s in shards)
-    if (group_size not in INT4_GROUP_SIZES or out_features % 16
-            or not torch.equal(g_idx[order], torch.arange(in_features) // group_size)
+    if (not torch.equal(g_idx[order], torch.arange(in_features) // group_size)
             or any(not torch.equal(s.g_idx, g_idx) for s in shards)):
         return None
-    in_order = torch.equal(order, torch.arange(in_features))
-    intweight = torch.cat([s.intweight for s in shards]).to(torch.int32)
-    if not in_order:
-        intweight = intweight[:, order].contiguous()
-    scales = torch.cat([s.scales for s in shards], dim=1)
-    zeros = torch.cat([s.zeros for s in shards], dim=1).float()
-    scales_and_zeros = torch.stack([scales, (8 - zeros) * scales], dim=-1)
-    return Int4Weight(torch._convert_weight_to_int4pack_for_cpu(intweight, 1),
-                      scales_and_zeros.to(torch.bfloat16).contiguous(), group_size,
-                      None if in_order else order)
+    intweight = torch.cat([s.intweight for s in shards])
+    if torch.equal(order, torch.arange(in_features)):
+        return intweight, None, group_size
+    return intweight[:, order].contiguous(), order, group_size
 
 
 def _pack_int8(shards: list[QuantizedWeight]) -> Int8Weight | None:
@@ -118,23 +165,32 @@ def _pack_int8(shards: list[QuantizedWeight]) -> Int8Weight | None:
                       None if bool((zeros == 128).all()) else zero_terms)
 
 
-_decisions: dict[tuple[object, ...], bool] = {}  # by kernel, shape, layout and dtype
+_decisions: dict[tuple[object, ...], int] = {}  # by kernels, shape, layout and dtype
 
 
-def integer_is_faster(kernel: IntegerWeight, dense: Callable[[torch.Tensor], torch.Tensor],
-                      in_features: int, dtype: torch.dtype) -> bool:
-    """Whether `kernel` beats `dense` on one row of this shape (measured once per shape,
-    the median of a few runs)."""
-    if isinstance(kernel, Int4Weight):
-        layout = (kernel.scales_and_zeros.shape[1], kernel.group_size,
-                  kernel.input_order is not None)
-    else:
-        layout = (kernel.scales.shape[0],)
-    key = (type(kernel), in_features, *layout, dtype)
+def fastest(candidates: list[IntegerWeight],
+            dense: Callable[[torch.Tensor], torch.Tensor] | None, in_features: int,
+            dtype: torch.dtype) -> IntegerWeight | None:
+    """The candidate fastest on one row of this shape, or None where `dense` (if given) beats
+    them all; measured once per shape, the median of a few runs each."""
+    key = (in_features, dense is None, dtype, *(
+        (type(c).__name__, _layout(c)) for c in candidates))
     if key not in _decisions:
         x = torch.randn(1, in_features, dtype=dtype)
-        _decisions[key] = _median_time(kernel.matmul, x) < _median_time(dense, x)
-    return _decisions[key]
+        times = [_median_time(c.matmul, x) for c in candidates]
+        if dense is not None:
+            times.append(_median_time(dense, x))
+        _decisions[key] = min(range(len(times)), key=times.__getitem__)
+    index = _decisions[key]
+    return candidates[index] if index < len(candidates) else None
+
+
+def _layout(kernel: IntegerWeight) -> tuple[object, ...]:
+    if isinstance(kernel, Int8Weight):
+        return (kernel.scales.shape[0],)
+    out_features = kernel.packed.shape[0] if isinstance(kernel, W4A8Weight) \
+        else kernel.scales_and_zeros.shape[1]
+    return (out_features, kernel.group_size, kernel.input_order is not None)
 
 
 def _median_time(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,

@@ -2,13 +2,13 @@
 `matmul(x)` and `num_bytes`, chosen at load for the layer's shards and device.
 
 - CUDA: the Triton weight-only GEMM (`triton_gemm.py`) for GPTQ, AWQ and SqueezeLLM layers.
-- CPU: PyTorch's int4 or int8 kernel (`cpu_kernels.py`) for GPTQ and AWQ layers, where it
-  beats the dense GEMM on the layer's shape.
+- CPU: the fastest of PyTorch's int4 or int8 kernel and our W4A8 kernel (`cpu_kernels.py`)
+  for GPTQ and AWQ layers, where it beats the dense GEMM on the layer's shape.
 - Anything else runs the dequantized dense weight.
 
-`KVSERVE_QUANTIZED_KERNEL` overrides the choice: `auto` (the default), `integer` (the CPU
-kernels without timing them), `triton` (the Triton kernel on any device: on a CPU only
-under Triton's interpreter, for tests) or `dequantized`.
+`KVSERVE_QUANTIZED_KERNEL` overrides the choice: `auto` (the default), `integer` (the
+fastest CPU kernel even where the dense GEMM is faster), `triton` (the Triton kernel on any
+device: on a CPU only under Triton's interpreter, for tests) or `dequantized`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from kvserve.quantization.cpu_kernels import integer_is_faster, pack_for_cpu
+from kvserve.quantization.cpu_kernels import cpu_candidates, fastest
 from kvserve.quantization.gptq import QuantizedWeight
 from kvserve.quantization.squeezellm import LutWeight
 
@@ -56,11 +56,10 @@ def choose_kernel(shards: list[QuantizedWeight] | list[LutWeight],
             shards, dtype, device, _num_programs(device))
     if choice == "dequantized" or device.type != "cpu" or isinstance(shards[0], LutWeight):
         return None
-    kernel = pack_for_cpu(shards)
-    if kernel is not None and (choice == "integer"
-                               or integer_is_faster(kernel, dense, in_features, dtype)):
-        return kernel
-    return None
+    candidates = cpu_candidates(shards)
+    if not candidates:
+        return None
+    return fastest(candidates, dense if choice == "auto" else None, in_features, dtype)
 
 
 @functools.cache

@@ -1,0 +1,27 @@
+"""Builds the project's C++ CPU kernels on first use (cached under ~/.cache/torch_extensions),
+for the machine's own instruction set. A kernel that fails to build is reported once and
+left out, and the plain-torch path runs instead; `KVSERVE_CPU_KERNELS=0` leaves all out."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+
+def build(name: str, source: Path, what: str) -> ModuleType | None:
+    if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        logger.info("loading the %s (compiled on first use, about a minute)", what)
+        return load(name=name, sources=[str(source)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # noqa: BLE001 (any build failure means: use the torch path)
+        logger.warning("kvserve: %s unavailable (%s); using plain torch", what, e)
+        return None
