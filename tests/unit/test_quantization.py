@@ -10,9 +10,9 @@ from kvserve.errors import CheckpointError
 from kvserve.quantization.cpu_kernels import (
     Int4Weight,
     Int8Weight,
-    W4A8Weight,
+    WxA8Weight,
     cpu_candidates,
-    load_w4a8,
+    load_wxa8,
 )
 from kvserve.quantization.gptq import gptq, rtn
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
@@ -170,14 +170,14 @@ def _bf16_reference(x: torch.Tensor, q) -> torch.Tensor:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("act_order", [False, True])
-@pytest.mark.parametrize("rows", [1, 6])  # W4A8 serves up to 4 rows per pass
+@pytest.mark.parametrize("rows", [1, 6])  # WxA8 serves up to 4 rows per pass
 def test_4bit_kernels_match_the_dequantized_weight(act_order, rows):
     torch.manual_seed(0)
     w, x = torch.randn(48, 128), torch.randn(rows, 128)
     q = gptq(w, _hessian(torch.randn(256, 128)), 4, 64, sym=False, act_order=act_order)
     assert not act_order or not torch.equal(q.g_idx, torch.arange(128) // 64)
     kernels = cpu_candidates([q.map_rows(lambda t: t[:16]), q.map_rows(lambda t: t[16:])])
-    assert {type(k) for k in kernels} == {Int4Weight} | ({W4A8Weight} if load_w4a8() else set())
+    assert {type(k) for k in kernels} == {Int4Weight} | ({WxA8Weight} if load_wxa8() else set())
     want = _bf16_reference(x, q)
     for kernel in kernels:
         assert (kernel.input_order is not None) == act_order
@@ -186,14 +186,19 @@ def test_4bit_kernels_match_the_dequantized_weight(act_order, rows):
 
 
 @pytest.mark.parametrize("sym", [True, False])
-def test_int8_kernel_matches_the_dequantized_weight(sym):
+@pytest.mark.parametrize("rows", [1, 6])
+def test_8bit_kernels_match_the_dequantized_weight(sym, rows):
     torch.manual_seed(0)
-    w, x = torch.randn(40, 96), torch.randn(3, 96) + 1  # a mean, so zero points matter
-    q = rtn(w, 8, 96, sym=sym)
-    [kernel] = cpu_candidates([q])
-    assert isinstance(kernel, Int8Weight) and (kernel.zero_terms is None) == sym
+    w, x = torch.randn(40, 128), torch.randn(rows, 128) + 1  # a mean: zero points matter
+    q = rtn(w, 8, 128, sym=sym)
+    kernels = cpu_candidates([q])
+    assert {type(k) for k in kernels} == {Int8Weight} | ({WxA8Weight} if load_wxa8() else set())
+    assert all(k.zero_terms is None for k in kernels if isinstance(k, Int8Weight)) == sym
     want = _bf16_reference(x, q)
-    assert (kernel.matmul(x) - want).abs().max() < 0.02 * want.abs().max()
+    for kernel in kernels:
+        assert (kernel.matmul(x) - want).abs().max() < 0.02 * want.abs().max()
+    grouped = cpu_candidates([rtn(w, 8, 64, sym=sym)])  # groups: only W8A8 runs them
+    assert [type(k) for k in grouped] == ([WxA8Weight] if load_wxa8() else [])
 
 
 def test_layers_no_kernel_fits_stay_dense():

@@ -3,7 +3,7 @@ would run instead, on one model's linear shapes (llama3-8b's by default).
 
 For each shape and number of rows, the dense layer (oneDNN float32 on CPU, cuBLAS in the
 model dtype on CUDA) is the baseline; each quantized kernel the device has (CPU: PyTorch's
-int4 and int8 and our W4A8; CUDA: the Triton W4A16 and W8A16 GEMMs) is timed on the same
+int4 and int8 and our W4A8/W8A8; CUDA: the Triton W4A16 and W8A16 GEMMs) is timed on the same
 random weight, RTN quantized, with its speed-up over dense and its time over its own floor:
 its weight bytes at the copy bandwidth measured in the same run.
 """

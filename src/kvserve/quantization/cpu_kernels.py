@@ -2,9 +2,9 @@
 and one of ours:
 - int4 (`_weight_int4pack_mm_for_cpu`): values of at most 4 bits (3-bit ones too), with a
   scale and zero per group of 32-256 input channels.
-- W4A8 (`csrc/int4_w4a8.cpp`): the same 4-bit layers with groups of a multiple of 64
+- W4A8 and W8A8 (`csrc/wxa8.cpp`): 4- and 8-bit layers with groups of a multiple of 64
   channels; each row's activations are quantized to int8 per group and the group's integer
-  dot products run on VNNI (AVX2's maddubs without it), as llama.cpp's Q4 x Q8 path does.
+  dot products run on VNNI (AVX2's maddubs without it), as llama.cpp's Q4/Q8 x Q8 paths do.
 - Act-order layers of either, whose groups are scattered over the input channels, run with
   the channels sorted by group and each input gathered into that order.
 - int8 (`_weight_int8pack_mm`): values of up to 8 bits with one scale per output channel
@@ -75,11 +75,12 @@ class Int8Weight:
 
 
 @dataclass(frozen=True)
-class W4A8Weight:
-    packed: torch.Tensor  # [out, in / 2] uint8: per 64 channels, j low and j + 32 high
+class WxA8Weight:
+    packed: torch.Tensor  # [out, in * bits / 8] uint8, in blocks of 64 channels (csrc/wxa8.cpp)
     scales: torch.Tensor  # [out, groups] float32
     scaled_zeros: torch.Tensor  # [out, groups] float32: zero * scale
     group_size: int
+    bits: int  # 4 or 8
     input_order: torch.Tensor | None  # act-order: the input channels sorted by group
 
     @property
@@ -91,45 +92,52 @@ class W4A8Weight:
         rows = x.reshape(-1, x.shape[-1]).float()
         if self.input_order is not None:
             rows = rows.index_select(1, self.input_order)
-        out = load_w4a8().int4_w4a8_matmul(rows.contiguous(), self.packed, self.scales,
-                                           self.scaled_zeros, self.group_size)
+        out = load_wxa8().wxa8_matmul(rows.contiguous(), self.packed, self.scales,
+                                      self.scaled_zeros, self.group_size, self.bits)
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-IntegerWeight = Int4Weight | Int8Weight | W4A8Weight
+IntegerWeight = Int4Weight | Int8Weight | WxA8Weight
 
 
 @functools.cache
-def load_w4a8() -> ModuleType | None:
-    return build("kvserve_int4_w4a8", Path(__file__).parent / "csrc" / "int4_w4a8.cpp",
-                 "CPU W4A8 kernel")
+def load_wxa8() -> ModuleType | None:
+    return build("kvserve_wxa8", Path(__file__).parent / "csrc" / "wxa8.cpp",
+                 "CPU W4A8/W8A8 kernel")
 
 
 def cpu_candidates(shards: list[QuantizedWeight]) -> list[IntegerWeight]:
     """The shards (a fused layer's, in output order) packed for every CPU kernel that can run
     them."""
-    if max(int(s.intweight.max()) for s in shards) > 15:
-        int8 = _pack_int8(shards)
-        return [] if int8 is None else [int8]
     grouped = _groups_in_order(shards)
     if grouped is None:
         return []
     intweight, order, group_size = grouped
+    bits = 4 if int(intweight.max()) <= 15 else 8
     scales = torch.cat([s.scales for s in shards], dim=1)
     zeros = torch.cat([s.zeros for s in shards], dim=1).float()
+    out_features = intweight.shape[0]
     candidates: list[IntegerWeight] = []
-    if (hasattr(torch, "_weight_int4pack_mm_for_cpu") and group_size in INT4_GROUP_SIZES
-            and intweight.shape[0] % 16 == 0):
+    if (bits == 4 and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+            and group_size in INT4_GROUP_SIZES and out_features % 16 == 0):
         scales_and_zeros = torch.stack([scales, (8 - zeros) * scales], dim=-1)
         candidates.append(Int4Weight(
             torch._convert_weight_to_int4pack_for_cpu(intweight.to(torch.int32), 1),
             scales_and_zeros.to(torch.bfloat16).contiguous(), group_size, order))
-    if group_size % 64 == 0 and load_w4a8() is not None:
-        blocks = intweight.to(torch.uint8).reshape(intweight.shape[0], -1, 2, 32)
-        packed = blocks[:, :, 0] | (blocks[:, :, 1] << 4)
-        candidates.append(W4A8Weight(packed.reshape(intweight.shape[0], -1).contiguous(),
-                                     scales.t().contiguous(),
-                                     (zeros * scales).t().contiguous(), group_size, order))
+    if bits == 8 and len(scales) == 1 and hasattr(torch, "_weight_int8pack_mm"):
+        weight = (intweight.to(torch.int16) - 128).to(torch.int8).contiguous()
+        # The output's scale is the bfloat16 one the kernel applies.
+        bf16_scales = scales[0].bfloat16().contiguous()
+        candidates.append(Int8Weight(weight, bf16_scales, None if bool((zeros == 128).all())
+                                     else bf16_scales.float() * (zeros[0] - 128)))
+    if group_size % 64 == 0 and load_wxa8() is not None:
+        packed = intweight.to(torch.uint8)
+        if bits == 4:
+            blocks = packed.reshape(out_features, -1, 2, 32)
+            packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out_features, -1)
+        candidates.append(WxA8Weight(packed.contiguous(), scales.t().contiguous(),
+                                     (zeros * scales).t().contiguous(), group_size, bits,
+                                     order))
     return candidates
 
 
@@ -149,20 +157,6 @@ def _groups_in_order(shards: list[QuantizedWeight]
     if torch.equal(order, torch.arange(in_features)):
         return intweight, None, group_size
     return intweight[:, order].contiguous(), order, group_size
-
-
-def _pack_int8(shards: list[QuantizedWeight]) -> Int8Weight | None:
-    """None unless every shard has one group and values of at most 8 bits."""
-    if not hasattr(torch, "_weight_int8pack_mm") or any(
-            s.scales.shape[0] != 1 or int(s.intweight.max()) > 255 for s in shards):
-        return None
-    weight = (torch.cat([s.intweight for s in shards]).to(torch.int16) - 128).to(torch.int8)
-    scales = torch.cat([s.scales[0] for s in shards]).bfloat16()
-    zeros = torch.cat([s.zeros[0] for s in shards])
-    # The output's scale is the bfloat16 one the kernel applies.
-    zero_terms = scales.float() * (zeros - 128).float()
-    return Int8Weight(weight.contiguous(), scales.contiguous(),
-                      None if bool((zeros == 128).all()) else zero_terms)
 
 
 _decisions: dict[tuple[object, ...], int] = {}  # by kernels, shape, layout and dtype
@@ -188,9 +182,10 @@ def fastest(candidates: list[IntegerWeight],
 def _layout(kernel: IntegerWeight) -> tuple[object, ...]:
     if isinstance(kernel, Int8Weight):
         return (kernel.scales.shape[0],)
-    out_features = kernel.packed.shape[0] if isinstance(kernel, W4A8Weight) \
-        else kernel.scales_and_zeros.shape[1]
-    return (out_features, kernel.group_size, kernel.input_order is not None)
+    if isinstance(kernel, WxA8Weight):
+        return (kernel.packed.shape[0], kernel.bits, kernel.group_size,
+                kernel.input_order is not None)
+    return (kernel.scales_and_zeros.shape[1], kernel.group_size, kernel.input_order is not None)
 
 
 def _median_time(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,

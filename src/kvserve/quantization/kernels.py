@@ -2,7 +2,7 @@
 `matmul(x)` and `num_bytes`, chosen at load for the layer's shards and device.
 
 - CUDA: the Triton weight-only GEMM (`triton_gemm.py`) for GPTQ, AWQ and SqueezeLLM layers.
-- CPU: the fastest of PyTorch's int4 or int8 kernel and our W4A8 kernel (`cpu_kernels.py`)
+- CPU: the fastest of PyTorch's int4 or int8 kernel and our W4A8/W8A8 kernel (`cpu_kernels.py`)
   for GPTQ and AWQ layers, where it beats the dense GEMM on the layer's shape.
 - Anything else runs the dequantized dense weight.
 
