@@ -177,3 +177,18 @@ def test_a_quantized_lm_head_is_written_untied_and_serves_like_its_dequantized_w
     assert "lm_head.qweight" in tensors and "model.embed_tokens.weight" in tensors
     assert config["tie_word_embeddings"] is False
     assert_serves_like_its_dequantized_weights(out, dequantized_copy(out, tmp_path / "float"))
+
+
+def test_a_fused_layer_mixing_quantized_and_float_parts_is_refused(trained_tiny, tmp_path):
+    from kvserve.errors import CheckpointError
+
+    out = quantize_model(trained_tiny, tmp_path / "q", "rtn", 4, group_size=32)
+    tensors = load_file(str(out / "model.safetensors"))
+    layer = "model.layers.0.self_attn.k_proj"
+    for part in ("qweight", "qzeros", "scales", "g_idx"):
+        del tensors[f"{layer}.{part}"]
+    tensors[f"{layer}.weight"] = load_file(str(trained_tiny / "model.safetensors"))[
+        f"{layer}.weight"]
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="qkv_proj.*mixes quantized and float shards"):
+        LLM(str(out))

@@ -69,9 +69,12 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
         names = sorted(f"{n}.{k}" + (f"[shard {s}]" if s else "") for n, k, s in missing)
         raise CheckpointError(f"model: checkpoint {cfg.path!r} lacks tensors: "
                               f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
-    for module in modules.values():
+    for name, module in modules.items():
         if isinstance(module, Linear):
-            module.prepare()
+            try:
+                module.prepare()
+            except ValueError as e:
+                raise CheckpointError(f"model: layer {name!r}: {e}") from None
     return model.eval()
 
 
