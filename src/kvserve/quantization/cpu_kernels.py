@@ -1,21 +1,21 @@
 """Quantized matmuls on CPU for GPTQ and AWQ layers, through PyTorch's packed integer kernels
 and one of ours:
-- int4 (`_weight_int4pack_mm_for_cpu`): values of at most 4 bits (3-bit ones too), with a
-  scale and zero per group of 32-256 input channels.
+- int4 (`_weight_int4pack_mm_for_cpu`, bfloat16 activations): values of at most 4 bits
+  (3-bit ones too), with a scale and zero per group of 32-256 input channels.
+- int8 (`_weight_int8pack_mm`, bfloat16 activations): values of up to 8 bits with one scale
+  per output channel. The kernel has no zero points, so the integers are stored offset by
+  128 and the zero's share, `scale * (zero - 128) * sum(x)`, is subtracted from the output.
 - W4A8 and W8A8 (`csrc/wxa8.cpp`): 4- and 8-bit layers with groups of a multiple of 64
   channels; each row's activations are quantized to int8 per group and the group's integer
   dot products run on VNNI (AVX2's maddubs without it), as llama.cpp's Q4/Q8 x Q8 paths do.
-- Act-order layers of either, whose groups are scattered over the input channels, run with
-  the channels sorted by group and each input gathered into that order.
-- int8 (`_weight_int8pack_mm`): values of up to 8 bits with one scale per output channel
-  (group size -1). The kernel has no zero points, so the integers are stored offset by 128
-  and the zero's share, `scale * (zero - 128) * sum(x)`, is subtracted from the output.
+Act-order layers, whose groups are scattered over the input channels, run with the channels
+sorted by group and each input gathered into that order.
 
-Both take bfloat16 activations and stream a quarter (int8) or an eighth (int4) of the
-float32 weight bytes. Whether that beats the dense float32 GEMM depends on the CPU
-(bfloat16 support) and the shape, so the engine times both on each layer shape at load
-and keeps the faster for one-row steps, the
-case quantized models are served for (`kernels.py` makes the choice).
+All stream a quarter (8-bit) or an eighth (4-bit) of the float32 weight bytes. Which is
+fastest, and whether any beats the dense float32 GEMM, depends on the CPU (VNNI, bfloat16
+support) and the shape, so the engine times them on each layer shape at load and keeps the
+fastest for one-row steps, the case quantized models are served for (`kernels.py` makes the
+choice).
 """
 
 from __future__ import annotations
