@@ -31,7 +31,7 @@ from types import ModuleType
 import torch
 
 from kvserve.cpp_extension import build
-from kvserve.quantization.gptq import QuantizedWeight
+from kvserve.quantization.gptq import QuantizedWeight, sorted_by_group
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -109,7 +109,7 @@ def load_wxa8() -> ModuleType | None:
 def cpu_candidates(shards: list[QuantizedWeight]) -> list[IntegerWeight]:
     """The shards (a fused layer's, in output order) packed for every CPU kernel that can run
     them."""
-    grouped = _groups_in_order(shards)
+    grouped = sorted_by_group(shards)
     if grouped is None:
         return []
     intweight, order, group_size = grouped
@@ -139,24 +139,6 @@ def cpu_candidates(shards: list[QuantizedWeight]) -> list[IntegerWeight]:
                                      (zeros * scales).t().contiguous(), group_size, bits,
                                      order))
     return candidates
-
-
-def _groups_in_order(shards: list[QuantizedWeight]
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
-    """The shards' integers [out, in] with the input channels sorted by group, the order
-    that sorts them (None: already sorted) and the group size; None where the groups differ
-    in size or the shards order their input channels differently."""
-    g_idx = shards[0].g_idx
-    in_features = g_idx.shape[0]
-    group_size = in_features // shards[0].scales.shape[0]
-    order = torch.argsort(g_idx, stable=True)
-    if (not torch.equal(g_idx[order], torch.arange(in_features) // group_size)
-            or any(not torch.equal(s.g_idx, g_idx) for s in shards)):
-        return None
-    intweight = torch.cat([s.intweight for s in shards])
-    if torch.equal(order, torch.arange(in_features)):
-        return intweight, None, group_size
-    return intweight[:, order].contiguous(), order, group_size
 
 
 _decisions: dict[tuple[object, ...], int] = {}  # by kernels, shape, layout and dtype

@@ -43,6 +43,25 @@ class QuantizedWeight:
                                fn(self.zeros.t()).t(), self.g_idx)
 
 
+def sorted_by_group(shards: list[QuantizedWeight]
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """A fused layer's shards as the integers [out, in] with the input channels sorted by
+    group (what kernels that take contiguous groups run, gathering each input into the same
+    order), that order (None: already sorted) and the group size; None where the groups
+    differ in size or the shards order their input channels differently."""
+    g_idx = shards[0].g_idx
+    in_features = g_idx.shape[0]
+    group_size = in_features // shards[0].scales.shape[0]
+    order = torch.argsort(g_idx, stable=True)
+    if (not torch.equal(g_idx[order], torch.arange(in_features) // group_size)
+            or any(not torch.equal(s.g_idx, g_idx) for s in shards)):
+        return None
+    intweight = torch.cat([s.intweight for s in shards])
+    if torch.equal(order, torch.arange(in_features)):
+        return intweight, None, group_size
+    return intweight[:, order].contiguous(), order, group_size
+
+
 def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of w [out, k], the scale and integer zero that map [min, max] (widened to
     include 0) onto [0, 2^bits - 1]; symmetric: a range centred on 0, zero at the middle."""

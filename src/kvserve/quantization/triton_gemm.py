@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.quantization.gptq import QuantizedWeight
+from kvserve.quantization.gptq import QuantizedWeight, sorted_by_group
 from kvserve.quantization.packing import pack_rows
 from kvserve.quantization.squeezellm import LutWeight
 
@@ -133,25 +133,15 @@ def pack_for_triton(shards: list[QuantizedWeight] | list[LutWeight], dtype: torc
 
 
 def _integer_parts(shards: list[QuantizedWeight], dtype: torch.dtype) -> dict | None:
-    g_idx = shards[0].g_idx
-    in_features = g_idx.shape[0]
-    groups = shards[0].scales.shape[0]
-    group_size = in_features // groups
-    order = torch.argsort(g_idx, stable=True)
-    max_value = max(int(s.intweight.max()) for s in shards)
-    if (group_size * groups != in_features or group_size % MIN_BLOCK_K or max_value > 255
-            or not torch.equal(g_idx[order], torch.arange(in_features) // group_size)
-            or any(not torch.equal(s.g_idx, g_idx) for s in shards)):
+    grouped = sorted_by_group(shards)
+    if grouped is None or grouped[2] % MIN_BLOCK_K:
         return None
-    bits = 4 if max_value <= 15 else 8
-    intweight = torch.cat([s.intweight for s in shards])
-    in_order = torch.equal(order, torch.arange(in_features))
-    if not in_order:
-        intweight = intweight[:, order]
+    intweight, order, group_size = grouped
+    bits = 4 if int(intweight.max()) <= 15 else 8
     return {"words": pack_rows(intweight.t(), bits), "bits": bits, "group_size": group_size,
             "scales": torch.cat([s.scales for s in shards], dim=1).to(dtype).contiguous(),
             "zeros": torch.cat([s.zeros for s in shards], dim=1).to(dtype).contiguous(),
-            "table": None, "outliers": None, "input_order": None if in_order else order}
+            "table": None, "outliers": None, "input_order": order}
 
 
 def _lut_parts(shards: list[LutWeight], dtype: torch.dtype) -> dict | None:
