@@ -23,6 +23,7 @@ from kvserve.config import resolve_dtype
 from kvserve.layers.linear import Linear
 from kvserve.quantization.cpu_kernels import cpu_candidates
 from kvserve.quantization.gptq import QuantizedWeight, rtn
+from kvserve.quantization.kernels import num_programs
 
 LLAMA3_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
              "down": (14336, 4096)}
@@ -43,8 +44,8 @@ def _kernels(weight: torch.Tensor, args: argparse.Namespace, dtype: torch.dtype
         if torch.device(args.device).type == "cuda":
             from kvserve.quantization.triton_gemm import pack_for_triton
 
-            sms = torch.cuda.get_device_properties(args.device).multi_processor_count
-            candidates = [pack_for_triton([q], dtype, torch.device(args.device), 2 * sms)]
+            device = torch.device(args.device)
+            candidates = [pack_for_triton([q], dtype, device, num_programs(device))]
         else:
             candidates = cpu_candidates([q])
         for kernel in candidates:

@@ -53,7 +53,7 @@ def choose_kernel(shards: list[QuantizedWeight] | list[LutWeight],
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         triton_gemm = _triton_gemm()
         return None if triton_gemm is None else triton_gemm.pack_for_triton(
-            shards, dtype, device, _num_programs(device))
+            shards, dtype, device, num_programs(device))
     if choice == "dequantized" or device.type != "cpu" or isinstance(shards[0], LutWeight):
         return None
     candidates = cpu_candidates(shards)
@@ -72,7 +72,7 @@ def _triton_gemm():  # noqa: ANN202 (a module, or None)
     return triton_gemm
 
 
-def _num_programs(device: torch.device) -> int:
+def num_programs(device: torch.device) -> int:
     """Enough programs to fill the GPU twice over; a few under the interpreter."""
     if device.type != "cuda":
         return 8
