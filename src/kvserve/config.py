@@ -24,6 +24,8 @@ _DTYPES = {
 
 GiB = 1 << 30
 SCHEDULER_POLICIES = ("chunked", "prefill_first")
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 DEFAULT_MAX_WAITING_REQUESTS = 1024  # server: queued requests beyond this get 503
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # server: larger request bodies get 413
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -164,6 +166,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = 2 * GiB
     enable_prefix_caching: bool = True
+    swap_space: int = 4 * GiB  # host memory that holds the KV of requests preempted by swap
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -171,6 +174,8 @@ class CacheConfig:
                              f"got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
 
 
 @dataclass
@@ -179,11 +184,16 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     policy: str = "chunked"  # or "prefill_first" (see core/scheduler/scheduler.py)
+    scheduling_policy: str = "fcfs"  # who goes first (see core/scheduler/policy.py)
+    preemption_mode: str = "auto"  # what happens to a preempted request's KV
 
     def __post_init__(self) -> None:
-        if self.policy not in SCHEDULER_POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(SCHEDULER_POLICIES)}, "
-                             f"got {self.policy!r}")
+        for name, choices in (("policy", SCHEDULER_POLICIES),
+                              ("scheduling_policy", SCHEDULING_POLICIES),
+                              ("preemption_mode", PREEMPTION_MODES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, "
+                                 f"got {getattr(self, name)!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, "
                              f"got {self.max_num_batched_tokens}")
@@ -223,25 +233,40 @@ class EngineConfig:
                max_num_seqs: int = 128, block_size: int = 16,
                kv_cache_memory: int = 2 * GiB, max_model_len: int | None = None,
                seed: int = 0, device: str = "cpu", scheduler_policy: str = "chunked",
-               enable_prefix_caching: bool = True, enforce_eager: bool = False
-               ) -> EngineConfig:
+               enable_prefix_caching: bool = True, enforce_eager: bool = False,
+               scheduling_policy: str = "fcfs", preemption_mode: str = "auto",
+               swap_space: int = 4 * GiB) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
             model=ModelConfig.from_pretrained(model, dtype, device),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              swap_space=swap_space),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len or 0,
-                                      policy=scheduler_policy),
+                                      policy=scheduler_policy,
+                                      scheduling_policy=scheduling_policy,
+                                      preemption_mode=preemption_mode),
             seed=seed,
             device=device,
             enforce_eager=enforce_eager,
         )
 
     @property
+    def kv_bytes_per_block(self) -> int:
+        return self.model.kv_bytes_per_token * self.cache.block_size
+
+    @property
+    def num_host_kv_blocks(self) -> int:
+        """Blocks of swap space; none when preemption always recomputes."""
+        if self.scheduler.preemption_mode == "recompute":
+            return 0
+        return self.cache.swap_space // self.kv_bytes_per_block
+
+    @property
     def num_kv_blocks(self) -> int:
-        per_block = self.model.kv_bytes_per_token * self.cache.block_size
+        per_block = self.kv_bytes_per_block
         num_blocks = self.cache.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory ({self.cache.kv_cache_memory} bytes) must hold at "

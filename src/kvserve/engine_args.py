@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvserve.config import SCHEDULER_POLICIES, GiB
+from kvserve.config import PREEMPTION_MODES, SCHEDULER_POLICIES, SCHEDULING_POLICIES, GiB
 
 # (flag, argparse options); each flag's dest is an `EngineConfig.create` keyword.
 ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -26,6 +26,17 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                 help="chunked: stall-free chunked prefill beside decodes "
                                      "(default); prefill_first: whole prompts before decodes "
                                      "(a baseline)")),
+    ("--scheduling-policy", dict(default="fcfs", choices=SCHEDULING_POLICIES,
+                                 help="who is served first: fcfs (arrival order, default); "
+                                      "priority (the request's priority, lower first); fair "
+                                      "(tenants, by the `user` field, share the token budget)")),
+    ("--preemption-mode", dict(default="auto", choices=PREEMPTION_MODES,
+                               help="when KV blocks run out, a preempted request's KV is "
+                                    "swapped to host memory or dropped and recomputed; auto "
+                                    "(default) picks whichever is measured cheaper")),
+    ("--swap-space", dict(type=float, default=4.0,
+                          help="host memory in GiB for the KV of swapped-out requests "
+                               "(default 4)")),
     ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction, default=True,
                                      help="reuse the KV of prompt heads already computed "
                                           "(default on)")),
@@ -54,6 +65,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The parsed flags as `LLM(...)` / `EngineConfig.create` keywords."""
     kwargs = {_dest(flag): getattr(args, _dest(flag)) for flag, _ in ENGINE_ARGS}
     kwargs["kv_cache_memory"] = int(args.kv_cache_memory * GiB)
+    kwargs["swap_space"] = int(args.swap_space * GiB)
     return {"model": args.model, **kwargs}
 
 

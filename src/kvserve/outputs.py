@@ -56,6 +56,10 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the cache at admission
     prefix_cache_hits: int  # of those, tokens whose KV was found and reused
+    num_swapped_preemptions: int = 0  # preemptions that kept the KV in host memory
+    num_recomputed_tokens: int = 0  # computed tokens dropped by the others, to compute again
+    kv_host_blocks_used: int = 0  # of the swap space
+    kv_host_blocks_total: int = 0
     step_seconds: float = 0.0  # in engine steps: scheduling, the model, detokenizing
     execute_seconds: float = 0.0  # of those, in the model runner (forward and sampling)
 

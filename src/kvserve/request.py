@@ -59,7 +59,13 @@ class Request:
     num_preemptions: int = 0
     stop_reason: str | int | None = None
     cache_salt: str | None = None  # requests with different salts never share KV blocks
+    priority: int = 0  # under the priority policy, lower values are served first
+    tenant: str | None = None  # under the fair policy, tenants share the token budget
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, chained
+
+    @property
+    def tenant_key(self) -> str:
+        return self.tenant or ""
 
     @property
     def num_prompt_tokens(self) -> int:

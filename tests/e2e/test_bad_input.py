@@ -68,10 +68,19 @@ def test_min_tokens_above_max_tokens():
     (3, r"prompts\[0\] must be a string or a dict with 'prompt' or 'prompt_token_ids', got int"),
     ({"prompt": 5}, r"prompts\[0\].prompt must be a string"),
     ({"prompt": "x", "cache_salt": ""}, r"prompts\[0\].cache_salt must be a non-empty string"),
+    ({"prompt": "x", "tenant": 7}, r"prompts\[0\].tenant must be a non-empty string"),
+    ({"prompt": "x", "priority": "high"}, r"prompts\[0\].priority must be an integer, "
+                                          r"got 'high'"),
 ])
 def test_invalid_prompts(llm, prompt, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert_engine_intact(llm)
+
+
+def test_priority_needs_one_entry_per_prompt(llm):
+    with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=4), use_tqdm=False, priority=[0])
     assert_engine_intact(llm)
 
 
@@ -111,6 +120,10 @@ def test_request_larger_than_the_kv_pool(llama_dir):
     ({"max_model_len": 5000}, r"max_model_len must be <= the model's max_position_embeddings "
                               r"\(1024\), got 5000"),
     ({"kv_cache_memory": 100}, r"kv_cache_memory \(100 bytes\) must hold at least one block"),
+    ({"scheduling_policy": "lottery"},
+     "scheduling_policy must be one of fcfs, priority, fair, got 'lottery'"),
+    ({"preemption_mode": "drop"}, "preemption_mode must be one of auto, swap, recompute"),
+    ({"swap_space": -1}, "swap_space must be >= 0 bytes, got -1"),
 ])
 def test_invalid_engine_options(llama_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):

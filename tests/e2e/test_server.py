@@ -183,6 +183,20 @@ def test_metrics_exposition(server: str, client: openai.OpenAI) -> None:
         assert name in text
 
 
+def test_priority_and_user_reach_the_per_class_metrics(server: str,
+                                                       client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2, user="team-a",
+                              extra_body={"priority": -3})
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                   max_tokens=2, user="team-b")
+    text = httpx.get(f"{server}/metrics").text
+    for labels in ('priority="-3",tenant="team-a"', 'priority="0",tenant="team-b"'):
+        assert re.search(rf"^kvserve_class_time_to_first_token_seconds_count{{"
+                         rf"model_name=\"{MODEL}\",{labels}}} 1\.0$", text, re.MULTILINE)
+        assert (f'kvserve_class_request_queue_time_seconds_count{{model_name="{MODEL}",'
+                f"{labels}}}") in text
+
+
 def test_prefix_cache_hits_reach_metrics_and_cache_salts_isolate(
         server: str, client: openai.OpenAI) -> None:
     prompt = "the same long system prompt, " * 12
@@ -235,6 +249,8 @@ COMPLETIONS = "/v1/completions"
     (COMPLETIONS, {"prompt": [[1, 2], [10**7]]}, 400, None, "vocabulary"),
     (COMPLETIONS, {"prompt": "x", "model": "gpt-5"}, 404, "model", "does not exist"),
     (COMPLETIONS, {"prompt": "x", "cache_salt": ""}, 400, "cache_salt", "at least 1"),
+    (COMPLETIONS, {"prompt": "x", "priority": "urgent"}, 400, "priority", "integer"),
+    (COMPLETIONS, {"prompt": "x", "user": ""}, 400, "user", "at least 1"),
     (CHAT, {"messages": []}, 400, "messages", "at least 1"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", ""),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,

@@ -37,8 +37,9 @@ def kv_bytes_for_blocks(path: Path, num_blocks: int, block_size: int = 16) -> in
 def run_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.engine.core.kv_cache.check_integrity()
-    assert llm.engine.core.kv_cache.num_used_blocks == 0
+    kv = llm.engine.core.kv_cache
+    kv.check_integrity()
+    assert kv.num_used_blocks == 0 and kv.num_used_host_blocks == 0
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -46,7 +47,9 @@ SETTINGS = {
     "default": {},
     "small-chunks": {"max_num_batched_tokens": 16},
     "single-token-budget": {"max_num_batched_tokens": 1},
-    "preemption": {"max_num_batched_tokens": 64, "kv_blocks": 24},
+    "preemption": {"max_num_batched_tokens": 64, "kv_blocks": 24,
+                   "preemption_mode": "recompute"},
+    "preemption-swap": {"max_num_batched_tokens": 64, "kv_blocks": 24, "preemption_mode": "swap"},
     "prefill-first": {"max_num_batched_tokens": 96, "scheduler_policy": "prefill_first"},
 }
 
@@ -55,7 +58,7 @@ SETTINGS = {
 @pytest.mark.parametrize("arch", ARCHES)
 def test_greedy_matches_transformers(model_dirs, arch, setting):
     path = model_dirs[arch]
-    if setting in ("single-token-budget", "prefill-first") and arch != "llama":
+    if setting in ("single-token-budget", "prefill-first", "preemption-swap") and arch != "llama":
         pytest.skip("one architecture is enough for this schedule")
     kwargs = dict(SETTINGS[setting])
     if "kv_blocks" in kwargs:
@@ -65,8 +68,48 @@ def test_greedy_matches_transformers(model_dirs, arch, setting):
     got = run_greedy(llm, prompts)
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS), f"prompt of {len(prompt)}"
-    if setting == "preemption":
-        assert llm.engine.core.scheduler.num_preemptions > 0
+    scheduler = llm.engine.core.scheduler
+    if setting.startswith("preemption"):
+        assert scheduler.num_preemptions > 0
+        swapped = scheduler.num_swapped_preemptions
+        assert swapped == (scheduler.num_preemptions if setting == "preemption-swap" else 0)
+
+
+@pytest.mark.parametrize("policy", ["priority", "fair"])
+def test_priority_and_fair_preemption_keep_greedy_outputs(model_dirs, policy):
+    """Low-priority requests of one tenant run first; outranking ones (high priority, or
+    another tenant) arrive while they decode, through two sequence slots and a small pool,
+    so that the running ones are preempted (by swap) or see their chunks deferred."""
+    path = model_dirs["llama"]
+    llm = LLM(str(path), max_num_batched_tokens=32, max_num_seqs=2, scheduling_policy=policy,
+              kv_cache_memory=kv_bytes_for_blocks(path, 24))
+    engine = llm.engine
+    prompts = random_prompts(PROMPT_LENS, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = {}
+
+    def submit(index: int, priority: int, tenant: str) -> None:
+        engine.add_request({"prompt_token_ids": prompts[index], "priority": priority,
+                            "tenant": tenant}, params, request_id=str(index))
+
+    def run_steps(count: int) -> None:
+        for _ in range(count):
+            outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+
+    submit(0, 5, "bulk")
+    submit(3, 5, "bulk")
+    run_steps(6)  # both bulk requests are decoding
+    for index in (1, 2, 4):
+        submit(index, 0, f"urgent-{index}")
+    while engine.has_unfinished_requests():
+        run_steps(1)
+    for index, prompt in enumerate(prompts):
+        got = outputs[str(index)].outputs[0].token_ids
+        assert got == hf_greedy(path, tuple(prompt), MAX_TOKENS), f"prompt of {len(prompt)}"
+    kv = engine.core.kv_cache
+    kv.check_integrity()
+    assert kv.num_used_blocks == 0 and kv.num_used_host_blocks == 0
+    assert engine.core.scheduler.num_swapped_preemptions > 0
 
 
 def shared_head_prompts() -> list[list[int]]:
@@ -77,7 +120,7 @@ def shared_head_prompts() -> list[list[int]]:
             other + tails[3], head + tails[4]]
 
 
-@pytest.mark.parametrize("setting", ["default", "small-chunks", "preemption"])
+@pytest.mark.parametrize("setting", ["default", "small-chunks", "preemption", "preemption-swap"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_prefix_cache_hits_keep_greedy_outputs(model_dirs, arch, setting):
     """Twice over the same batch, so the second run is served from the cache, beside a
@@ -95,7 +138,7 @@ def test_prefix_cache_hits_keep_greedy_outputs(model_dirs, arch, setting):
         assert run_greedy(llm, prompts) == expected
     kv = llm.engine.core.kv_cache
     assert kv.prefix_cache_hits >= 64 * len(prompts) // 2
-    if setting == "preemption":
+    if setting.startswith("preemption"):
         assert llm.engine.core.scheduler.num_preemptions > 0
 
 
@@ -134,7 +177,7 @@ def test_sample_logprobs_match_transformers_log_softmax(model_dirs):
             assert entry[token].rank == 1  # greedy picks the top token
 
 
-@pytest.mark.parametrize("setting", ["default", "small-chunks", "preemption"])
+@pytest.mark.parametrize("setting", ["default", "small-chunks", "preemption", "preemption-swap"])
 def test_prompt_logprobs_match_transformers_log_softmax(model_dirs, setting):
     """Every prompt token's logprob, rank and top-3 across chunk boundaries, with a shared
     head that prefix caching must not serve (its logits are needed), and preemption."""
@@ -160,7 +203,7 @@ def test_prompt_logprobs_match_transformers_log_softmax(model_dirs, setting):
             assert entry[token].rank == int((row > row[token]).sum()) + 1
             assert list(entry)[:3] == torch.topk(row, 3).indices.tolist()
     llm.engine.core.kv_cache.check_integrity()
-    if setting == "preemption":
+    if setting.startswith("preemption"):
         assert llm.engine.core.scheduler.num_preemptions > 0
 
 

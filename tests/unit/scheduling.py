@@ -9,22 +9,25 @@ from kvserve.sampling_params import SamplingParams
 
 
 def make_scheduler(num_blocks=16, block_size=4, budget=16, max_seqs=8, max_len=1024,
-                   policy="chunked", prefix_caching=True):
-    kv = KVCacheManager(num_blocks, block_size, prefix_caching)
+                   policy="chunked", prefix_caching=True, host_blocks=0,
+                   preemption_mode="recompute", costs=None, **config):
+    kv = KVCacheManager(num_blocks, block_size, prefix_caching, host_blocks)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                             max_model_len=max_len, policy=policy)
-    return Scheduler(config, kv)
+                             max_model_len=max_len, policy=policy,
+                             preemption_mode=preemption_mode, **config)
+    return Scheduler(config, kv, costs)
 
 
 def add(sched, request_id, num_prompt=0, max_tokens=4, tokens=None, cache_salt=None,
-        **params):
+        priority=0, tenant=None, **params):
     """Queues a request. Without `tokens`, its prompt of `num_prompt` tokens shares no block
     with any other id's."""
     if tokens is None:
         start = 1000 * sum(map(ord, request_id))
         tokens = list(range(start, start + num_prompt))
     request = Request(request_id, list(tokens), SamplingParams(**params), eos_token_ids=(2,),
-                      max_tokens=max_tokens, cache_salt=cache_salt)
+                      max_tokens=max_tokens, cache_salt=cache_salt, priority=priority,
+                      tenant=tenant)
     sched.add_request(request)
     return request
 

@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvserve.core.scheduler.preemption import PreemptionCosts
 from kvserve.request import RequestStatus
 from tests.unit.scheduling import add, chunks, make_scheduler, step
 
@@ -145,3 +146,73 @@ def test_request_reaching_max_model_len_stops_with_length():
     step(sched)
     step(sched)
     assert r.status == RequestStatus.FINISHED_LENGTH and r.num_tokens == 5
+
+
+def run_two_until_preempted(sched):
+    """a and b fill the four blocks; the third step preempts b (newest) with 8 computed."""
+    a = add(sched, "a", 7, max_tokens=6)
+    b = add(sched, "b", 7, max_tokens=6)
+    step(sched)
+    step(sched)
+    return a, b, step(sched)
+
+
+def test_swap_preemption_keeps_the_kv_and_resumes_where_it_stopped():
+    sched = make_scheduler(num_blocks=4, block_size=4, host_blocks=3, preemption_mode="swap")
+    a, b, out = run_two_until_preempted(sched)
+    assert out.preempted_request_ids == ["b"] and out.swap_out == [(2, 0), (3, 1)]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 8
+    assert sched.kv_cache.num_used_host_blocks == 2 and sched.num_swapped_preemptions == 1
+    sched.kv_cache.check_integrity()
+    while a.status == RequestStatus.RUNNING:
+        step(sched)
+    out = step(sched)  # b comes back into fresh blocks and computes only its 9th token
+    assert chunks(out) == [("b", 1)] and out.new_requests == []
+    assert [host for host, _ in out.swap_in] == [0, 1]
+    assert [dev for _, dev in out.swap_in] == sched.kv_cache.get_block_ids("b")[:2]
+    assert sched.kv_cache.num_used_host_blocks == 0  # released once the runner copied them
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert b.output_token_ids == [7] * 6 and sched.kv_cache.num_used_blocks == 0
+    sched.kv_cache.check_integrity()
+
+
+def test_swap_falls_back_to_recompute_when_the_host_tier_is_full():
+    sched = make_scheduler(num_blocks=4, block_size=4, host_blocks=1, preemption_mode="swap")
+    _, b, out = run_two_until_preempted(sched)
+    assert out.preempted_request_ids == ["b"] and out.swap_out == []
+    assert b.num_computed_tokens == 0 and sched.num_swapped_preemptions == 0
+    sched.kv_cache.check_integrity()
+
+
+@pytest.mark.parametrize("prefill_seconds_per_token, swapped", [
+    (None, True),  # nothing measured yet: a copy is assumed cheaper
+    (1e-3, True),  # 8 tokens: 8 ms to recompute, 2 blocks x 2 ways x 1 ms to swap
+    (1e-4, False),  # 0.8 ms to recompute
+])
+def test_auto_preemption_picks_the_cheaper_way(prefill_seconds_per_token, swapped):
+    costs = PreemptionCosts(swap_seconds_per_block=1e-3,
+                            prefill_seconds_per_token=prefill_seconds_per_token)
+    sched = make_scheduler(num_blocks=4, block_size=4, host_blocks=4, preemption_mode="auto",
+                           costs=costs)
+    _, b, out = run_two_until_preempted(sched)
+    assert out.preempted_request_ids == ["b"]
+    assert sched.kv_cache.is_swapped(b) == swapped and bool(out.swap_out) == swapped
+
+
+def test_aborting_a_swapped_out_request_frees_its_host_blocks():
+    sched = make_scheduler(num_blocks=4, block_size=4, host_blocks=4, preemption_mode="swap")
+    _, b, _ = run_two_until_preempted(sched)
+    assert sched.kv_cache.num_used_host_blocks == 2
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    assert sched.kv_cache.num_used_host_blocks == 0
+    sched.kv_cache.check_integrity()
+
+
+def test_prefill_costs_are_measured_on_large_steps_only():
+    costs = PreemptionCosts(swap_seconds_per_block=0.0)
+    costs.observe_step(8, 1.0)  # a decode-sized step: fixed costs, not per-token ones
+    assert costs.prefill_seconds_per_token is None
+    costs.observe_step(100, 1.0)
+    costs.observe_step(100, 2.0)
+    assert costs.prefill_seconds_per_token == pytest.approx(0.01 + 0.2 * 0.01)

@@ -6,7 +6,16 @@ import argparse
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kvserve.benchmarks import kernels, latency, prefix, quantized, serve, step, throughput
+    from kvserve.benchmarks import (
+        kernels,
+        latency,
+        preemption,
+        prefix,
+        quantized,
+        serve,
+        step,
+        throughput,
+    )
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -17,3 +26,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     step.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
     quantized.add_parser(bench_sub)
+    preemption.add_parser(bench_sub)

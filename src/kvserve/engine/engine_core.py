@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.scheduler.output import TokenLogprobs
+from kvserve.core.scheduler.preemption import PreemptionCosts
 from kvserve.core.scheduler.scheduler import Scheduler
 from kvserve.request import Request
 from kvserve.worker.model_runner import ModelRunner
@@ -27,9 +28,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
+        host = self.runner.host_kv_cache
         self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                       config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+                                       config.cache.enable_prefix_caching,
+                                       host.blocks.shape[3] if host is not None else 0)
+        costs = PreemptionCosts(host.seconds_per_block() if host is not None else 0.0)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, costs)
         self.execute_seconds = 0.0  # in the model runner, which waits for the device
 
     def add_request(self, request: Request) -> None:
@@ -43,7 +47,9 @@ class EngineCore:
         sched = self.scheduler.schedule()
         start = time.perf_counter()
         result = self.runner.execute_model(sched)
-        self.execute_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.execute_seconds += seconds
+        self.scheduler.costs.observe_step(sched.num_scheduled_tokens, seconds)
         updated = self.scheduler.update_from_output(sched, result)
         by_id = dict(zip(result.request_ids, result.logprobs, strict=True))
         if not self.scheduler.has_unfinished_requests():

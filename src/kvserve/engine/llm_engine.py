@@ -39,6 +39,8 @@ class ParentRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     cache_salt: str | None = None
+    priority: int = 0
+    tenant: str | None = None
     sequences: list[CompletionState] = field(default_factory=list)
     first_token_time: float | None = None
     # One entry per prompt token (None for the first, which nothing predicts), when asked for.
@@ -148,10 +150,17 @@ class LLMEngine:
         `add_validated`. Raises ValueError naming `field_name` and the broken limit."""
         text, ids = self.tokenize(prompt, field_name)
         max_tokens = self.check_request(ids, params, field_name)
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise ValueError(f"{field_name}.cache_salt must be a non-empty string")
-        return ParentRequest(request_id or self.new_request_id(), text, ids, salt), max_tokens
+        options = prompt if isinstance(prompt, dict) else {}
+        for name in ("cache_salt", "tenant"):
+            value = options.get(name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{field_name}.{name} must be a non-empty string")
+        priority = options.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"{field_name}.priority must be an integer, got {priority!r}")
+        return ParentRequest(request_id or self.new_request_id(), text, ids,
+                             options.get("cache_salt"), priority,
+                             options.get("tenant")), max_tokens
 
     def add_request(self, prompt: PromptType, params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -177,6 +186,8 @@ class LLMEngine:
                 eos_token_ids=self.config.model.eos_token_ids,
                 max_tokens=max_tokens,
                 cache_salt=parent.cache_salt,
+                priority=parent.priority,
+                tenant=parent.tenant,
             )
             seq = CompletionState(request, IncrementalDetokenizer(
                 self.tokenizer, params.skip_special_tokens, params.stop, params.min_tokens),
@@ -205,7 +216,12 @@ class LLMEngine:
             kv_blocks_used=kv.num_used_blocks, kv_blocks_total=kv.pool.num_blocks,
             kv_blocks_peak=kv.peak_used_blocks, num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits, step_seconds=self.step_seconds,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_swapped_preemptions=scheduler.num_swapped_preemptions,
+            num_recomputed_tokens=scheduler.num_recomputed_tokens,
+            kv_host_blocks_used=kv.num_used_host_blocks,
+            kv_host_blocks_total=kv.host_pool.num_blocks if kv.host_pool is not None else 0,
+            step_seconds=self.step_seconds,
             execute_seconds=self.core.execute_seconds)
 
     def step(self) -> list[RequestOutput]:

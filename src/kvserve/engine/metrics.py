@@ -17,6 +17,9 @@ from kvserve.outputs import EngineStats, RequestOutput
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
                     80.0, 160.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# Tenants beyond this many distinct names share the label "other", so that a client that
+# sends a fresh `user` with every request cannot grow /metrics without bound.
+MAX_TENANT_LABELS = 100
 
 
 @dataclass(slots=True)
@@ -25,6 +28,7 @@ class RequestTimes:
 
     arrival: float
     num_completions: int
+    labels: tuple[str, str, str]  # model, priority, tenant: of the per-class histograms
     first_token: float | None = None
     num_output_tokens: int = 0
 
@@ -48,12 +52,28 @@ class EngineMetrics:
         self.queue_time = Histogram("kvserve_request_queue_time_seconds",
                                     "Arrival to first scheduled step",
                                     buckets=_LATENCY_BUCKETS, **labels)
+        by_class = {"labelnames": ["model_name", "priority", "tenant"],
+                    "registry": self.registry}
+        self.class_ttft = Histogram(
+            "kvserve_class_time_to_first_token_seconds",
+            "Time to first token by priority and tenant", buckets=_LATENCY_BUCKETS, **by_class)
+        self.class_queue_time = Histogram(
+            "kvserve_class_request_queue_time_seconds",
+            "Arrival to first scheduled step by priority and tenant", buckets=_LATENCY_BUCKETS,
+            **by_class)
+        self.class_tpot = Histogram(
+            "kvserve_class_time_per_output_token_seconds",
+            "Mean time per output token after the first by priority and tenant",
+            buckets=_TPOT_BUCKETS, **by_class)
+        self._tenants: set[str] = set()
         self.running = Gauge("kvserve_num_requests_running", "Sequences in the running batch",
                              **labels)
         self.waiting = Gauge("kvserve_num_requests_waiting", "Sequences waiting to be scheduled",
                              **labels)
         self.kv_used = Gauge("kvserve_kv_blocks_used", "KV cache blocks in use", **labels)
         self.kv_total = Gauge("kvserve_kv_blocks_total", "KV cache blocks in the pool", **labels)
+        self.kv_host_used = Gauge("kvserve_kv_host_blocks_used",
+                                  "Swap-space KV blocks holding preempted requests' KV", **labels)
         self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prefilled prompt tokens",
                                      **labels)
         self.generation_tokens = Counter("kvserve_generation_tokens", "Generated tokens",
@@ -61,6 +81,12 @@ class EngineMetrics:
         # Counters that mirror the engine's own running totals, keyed by EngineStats field.
         self._totals = {
             "num_preemptions": Counter("kvserve_preemptions", "Sequences preempted", **labels),
+            "num_swapped_preemptions": Counter(
+                "kvserve_swapped_preemptions", "Preemptions that swapped the KV to host memory",
+                **labels),
+            "num_recomputed_tokens": Counter(
+                "kvserve_recomputed_tokens", "Computed tokens dropped by recompute preemptions",
+                **labels),
             "prefix_cache_queries": Counter(
                 "kvserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                 **labels),
@@ -71,8 +97,18 @@ class EngineMetrics:
         self._last_totals = dict.fromkeys(self._totals, 0)
         self._times: dict[str, RequestTimes] = {}
 
-    def on_arrival(self, request_id: str, arrival: float, num_completions: int) -> None:
-        self._times[request_id] = RequestTimes(arrival, num_completions)
+    def on_arrival(self, request_id: str, arrival: float, num_completions: int,
+                   priority: int = 0, tenant: str | None = None) -> None:
+        self._times[request_id] = RequestTimes(
+            arrival, num_completions, (self._model, str(priority), self._tenant_label(tenant)))
+
+    def _tenant_label(self, tenant: str | None) -> str:
+        if tenant is None:
+            return ""
+        if tenant not in self._tenants and len(self._tenants) >= MAX_TENANT_LABELS:
+            return "other"
+        self._tenants.add(tenant)
+        return tenant
 
     def on_abort(self, request_id: str) -> None:
         times = self._times.pop(request_id, None)
@@ -91,10 +127,12 @@ class EngineMetrics:
             if times.first_token is None and num_tokens:
                 times.first_token = now
                 self.ttft.labels(self._model).observe(now - times.arrival)
+                self.class_ttft.labels(*times.labels).observe(now - times.arrival)
                 self.prompt_tokens.labels(self._model).inc(len(out.prompt_token_ids))
                 if out.first_scheduled_time is not None:
-                    self.queue_time.labels(self._model).observe(
-                        out.first_scheduled_time - times.arrival)
+                    queued = out.first_scheduled_time - times.arrival
+                    self.queue_time.labels(self._model).observe(queued)
+                    self.class_queue_time.labels(*times.labels).observe(queued)
             if out.finished:
                 del self._times[out.request_id]
                 self._observe_finished(out, times, now)
@@ -108,7 +146,9 @@ class EngineMetrics:
         self.e2e.labels(self._model).observe(now - times.arrival)
         longest = max(len(o.token_ids) for o in out.outputs)
         if times.first_token is not None and longest > 1:
-            self.tpot.labels(self._model).observe((now - times.first_token) / (longest - 1))
+            tpot = (now - times.first_token) / (longest - 1)
+            self.tpot.labels(self._model).observe(tpot)
+            self.class_tpot.labels(*times.labels).observe(tpot)
         for completion in out.outputs:
             self.finished.labels(self._model, completion.finish_reason or "abort").inc()
 
@@ -119,4 +159,5 @@ class EngineMetrics:
         self.waiting.labels(self._model).set(stats.num_waiting)
         self.kv_used.labels(self._model).set(stats.kv_blocks_used)
         self.kv_total.labels(self._model).set(stats.kv_blocks_total)
+        self.kv_host_used.labels(self._model).set(stats.kv_host_blocks_used)
         return stats

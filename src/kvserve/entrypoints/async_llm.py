@@ -130,7 +130,8 @@ class AsyncLLM:
             except ValueError as e:
                 stream.put(e)
                 return
-            self.metrics.on_arrival(parent.request_id, arrival, params.n)
+            self.metrics.on_arrival(parent.request_id, arrival, params.n, parent.priority,
+                                    parent.tenant)
 
         self._commands.put(add)
 

@@ -19,7 +19,7 @@ PREFIX_SHARING = ("auto", "off")
 class LLM:
     """Takes the engine options of `EngineConfig.create` (model, dtype, max_num_batched_tokens,
     max_num_seqs, block_size, kv_cache_memory, max_model_len, seed, device, scheduler_policy,
-    enable_prefix_caching, enforce_eager).
+    enable_prefix_caching, enforce_eager, scheduling_policy, preemption_mode, swap_space).
 
     `prefix_sharing="auto"` admits a batch's prompts grouped by shared heads (BatchLLM) when
     prefix caching is on; "off" admits them in the caller's order. Outputs always come back
@@ -46,13 +46,22 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
         """Generates for every prompt; outputs come back in the prompts' order. Every prompt
         is validated before any runs, so one bad prompt raises ValueError naming its index
-        and leaves the engine as it was."""
+        and leaves the engine as it was. `priority` (one per prompt, lower first) matters
+        under `scheduling_policy="priority"`; a prompt dict may also carry `priority`,
+        `tenant` (for `"fair"`) and `cache_salt`."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"priority has {len(priority)} entries for "
+                                 f"{len(prompts)} prompts")
+            prompts = [{**(p if isinstance(p, dict) else {"prompt": p}), "priority": level}
+                       for p, level in zip(prompts, priority, strict=True)]
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)

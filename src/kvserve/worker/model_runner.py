@@ -15,6 +15,7 @@ from kvserve.models.loader import load_model
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.input_batch import InputBuffers
+from kvserve.worker.kv_swap import HostKVCache
 from kvserve.worker.prompt_logprobs import prompt_logprobs
 from kvserve.worker.sampler import Sampler, SamplingState
 
@@ -35,6 +36,8 @@ class ModelRunner:
                                     device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_cache = self.kv_cache[i]
+        num_host = config.num_host_kv_blocks
+        self.host_kv_cache = HostKVCache(self.kv_cache, num_host) if num_host else None
         sched = config.scheduler
         self.inputs = InputBuffers(sched.max_num_tokens_per_step, sched.max_num_seqs,
                                    -(-sched.max_model_len // self.block_size), self.block_size,
@@ -50,6 +53,8 @@ class ModelRunner:
         for new in sched.new_requests:
             self.states[new.request_id] = self.sampler.new_state(
                 new.sampling_params, new.prompt_token_ids, new.eos_token_ids)
+        if self.host_kv_cache is not None:
+            self.host_kv_cache.swap(sched.swap_out, sched.swap_in)
         if sched.is_empty:
             return ModelRunnerOutput([], [])
         inputs = self.inputs.prepare(sched.scheduled)

@@ -5,6 +5,12 @@ blocks already in the pool (`find_cached_prefix`) and holds those by reference i
 computing them; after each step the blocks it completed are registered for others
 (`cache_computed_blocks`). Only computed blocks are registered, so nobody can hit KV that a
 failed or preempted step never wrote.
+
+A request preempted by swap moves its computed blocks to a second pool of host blocks
+(`swap_out`) and back into fresh device blocks when it resumes (`swap_in`); the scheduler
+hands the (source, destination) pairs to the runner, which copies before the step's
+forward. Host blocks a swap-in reads are released only once the runner has made the step's
+copies, so that no swap-out of the same step can overwrite them first.
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ from kvserve.request import Request
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
         self.block_tables: dict[str, list[int]] = {}
+        self.host_tables: dict[str, list[int]] = {}  # of requests swapped out
+        self._host_releasing: list[int] = []  # read by this step's swap-ins
         self._num_cached: dict[str, int] = {}  # leading blocks of each table registered
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found computed in the pool
@@ -35,6 +44,11 @@ class KVCacheManager:
     @property
     def num_used_blocks(self) -> int:
         return self.pool.num_blocks - self.pool.num_free_blocks
+
+    @property
+    def num_used_host_blocks(self) -> int:
+        pool = self.host_pool
+        return 0 if pool is None else pool.num_blocks - pool.num_free_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -100,10 +114,53 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Returns all of the request's blocks to the pool, last block first, so that a
-        shared head outlives the private tail in the eviction order."""
+        shared head outlives the private tail in the eviction order; and its swapped-out
+        host blocks, if any."""
         table = self.block_tables.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
         self.pool.free(table[::-1])
+        if self.host_pool is not None:
+            self.host_pool.free(self.host_tables.pop(request.request_id, []))
+
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self.host_tables
+
+    def can_swap_out(self, request: Request) -> bool:
+        needed = self.num_blocks_for(request.num_computed_tokens)
+        return (self.host_pool is not None and needed > 0
+                and needed <= self.host_pool.num_free_blocks)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Moves the blocks holding the request's computed tokens to host blocks and frees
+        its device blocks; returns the (device, host) copies to make before the next forward.
+        Call only when `can_swap_out`."""
+        assert self.host_pool is not None
+        table = self.block_tables[request.request_id]
+        device = table[:self.num_blocks_for(request.num_computed_tokens)]
+        host = self.host_pool.allocate(len(device))
+        self.host_tables[request.request_id] = host
+        self.block_tables.pop(request.request_id)
+        self._num_cached.pop(request.request_id, None)
+        self.pool.free(table[::-1])
+        return list(zip(device, host, strict=True))
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Gives a swapped-out request device blocks for its computed tokens plus
+        `num_new_tokens`; returns the (host, device) copies to make before the next forward,
+        or None, changing nothing, when the pool lacks free blocks."""
+        if not self.allocate_slots(request, num_new_tokens):
+            return None
+        host = self.host_tables.pop(request.request_id)
+        self._host_releasing.extend(host)
+        return list(zip(host, self.block_tables[request.request_id], strict=False))
+
+    def release_swapped_in(self) -> None:
+        """Frees the host blocks of this step's swap-ins, which the runner has copied (or,
+        on CUDA, queued on the stream that makes every later swap copy)."""
+        if self._host_releasing:
+            assert self.host_pool is not None
+            self.host_pool.free(self._host_releasing)
+            self._host_releasing = []
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
@@ -128,3 +185,9 @@ class KVCacheManager:
         for block_hash, block_id in self.pool.cached.items():
             assert self.pool.block_hashes[block_id] == block_hash, f"block {block_id} hash"
         assert sum(h is not None for h in self.pool.block_hashes) == len(self.pool.cached)
+        if self.host_pool is not None:
+            host = [b for t in self.host_tables.values() for b in t] + self._host_releasing
+            assert len(set(host)) == len(host), f"a host block is held twice: {host}"
+            assert self.host_pool.num_free_blocks + len(host) == self.host_pool.num_blocks, (
+                f"{self.host_pool.num_blocks - self.host_pool.num_free_blocks} host blocks "
+                f"in use, {len(host)} held")

@@ -35,6 +35,10 @@ class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # KV block copies to make before the forward, swap-outs first: (device, host) pairs of
+    # requests preempted by swap, then (host, device) pairs of those resuming.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -1,18 +1,23 @@
 """Continuous batching with stall-free chunked prefill (Sarathi-Serve) under a token budget.
 
 Every step: running decodes first, then running partial prefills, then new prompts from the
-waiting queue (FCFS), each as large a chunk as the remaining `max_num_batched_tokens` allows.
+waiting queue in the order of the scheduling policy (policy.py: fcfs, priority, fair), each
+as large a chunk as the remaining `max_num_batched_tokens` allows. Under priority and fair,
+a waiting request that outranks running ones takes back their prefill chunks' budget this
+step, and preempts them when it lacks KV blocks or a sequence slot.
 The `prefill_first` policy instead runs waiting prompts whole (never split; the budget only
 limits how many share a step) in steps of their own before any decode, as the first
 continuous-batching schedulers did; it exists as a baseline to measure.
-When the pool runs out of blocks, the newest running request is preempted by recompute: its
-blocks are freed and it waits at the front of the queue to be prefilled again.
+When the pool runs out of blocks, the running request the policy ranks last (under fcfs, the
+newest) is preempted and waits at the front of its lane. By recompute, its blocks are freed
+and it is prefilled again; by swap, its KV moves to host blocks and back when it resumes.
+`preemption_mode` picks one, or `auto` picks per request whichever `PreemptionCosts`
+measures cheaper.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
 
 from kvserve.config import SchedulerConfig
@@ -23,26 +28,35 @@ from kvserve.core.scheduler.output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from kvserve.core.scheduler.policy import WaitingQueue, make_policy
+from kvserve.core.scheduler.preemption import PreemptionCosts
 from kvserve.core.scheduler.stop import check_stop
 from kvserve.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 costs: PreemptionCosts | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.waiting: deque[Request] = deque()
+        self.costs = costs or PreemptionCosts(swap_seconds_per_block=0.0)
+        self.policy = make_policy(config.scheduling_policy, config.max_num_batched_tokens)
+        self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self._started_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_swapped_preemptions = 0  # of those, by swap
+        self.num_recomputed_tokens = 0  # tokens computed again after recompute preemptions
+        self._dropped: dict[str, int] = {}  # request id -> computed tokens its preemption dropped
 
     def add_request(self, request: Request) -> None:
         """Queues a validated request at the back of the waiting queue."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self.policy.on_added(request)
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -55,7 +69,9 @@ class Scheduler:
         self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
         chunks: dict[str, int] = {}
-        decodes_first = sorted(self.running, key=_has_prompt_left)
+        now = time.monotonic()
+        decodes_first = sorted(self.running,
+                               key=lambda r: (_has_prompt_left(r), self.policy.rank(r, now)))
         if self.config.policy == "prefill_first":
             # Whole prompts in a step of their own whenever any can run; decodes wait.
             self._admit_waiting(out, chunks, budget, whole_prompts=True)
@@ -80,10 +96,9 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
-                victim = self.running[-1]
+                victim = self._last_ranked()
                 budget += chunks.pop(victim.request_id, 0)
-                self._preempt(victim)
-                out.preempted_request_ids.append(victim.request_id)
+                self._preempt(victim, out)
                 if victim is request:
                     break
             else:
@@ -93,39 +108,105 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, chunks: dict[str, int], budget: int,
                        whole_prompts: bool) -> None:
-        """Admits waiting requests FCFS into the remaining budget, each starting after its
-        cached prefix. With `whole_prompts`, prompts are never split: the step's first may
-        exceed the budget, later ones must fit in it. A request whose next block another
-        request computes in this very step waits for the next step to hit it instead."""
+        """Admits waiting requests in policy order into the remaining budget, each starting
+        after its cached prefix (or where it was swapped out). With `whole_prompts`, prompts
+        are never split: the step's first may exceed the budget, later ones must fit in it.
+        A request whose next block another request computes in this very step waits for the
+        next step to hit it instead. Nothing is admitted in a step that preempted running
+        requests for blocks."""
+        if out.preempted_request_ids:
+            return
         pending = self._blocks_completed_by(chunks) if self.waiting else set()
-        while (not out.preempted_request_ids and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
-            cached = self.kv_cache.find_cached_prefix(request)
-            hashes = request.block_hashes
-            if len(cached) < len(hashes) and hashes[len(cached)] in pending:
+        while self.waiting:
+            request = self.waiting.peek()
+            if budget == 0:
+                budget += self._defer_prefills_for(request, chunks)
+                if budget == 0:
+                    break
+            swapped = self.kv_cache.is_swapped(request)
+            cached = [] if swapped else self.kv_cache.find_cached_prefix(request)
+            if not swapped and self._computes_next_block(request, cached, pending):
                 break
-            num_cached_tokens = len(cached) * self.kv_cache.block_size
-            remaining = request.num_tokens - num_cached_tokens
-            if whole_prompts and chunks and remaining > budget:
-                break
-            num_new = remaining if whole_prompts else min(remaining, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, cached):
-                break
-            self.waiting.popleft()
-            self.kv_cache.record_lookup(request, num_cached_tokens)
-            request.num_computed_tokens = num_cached_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            if request.request_id not in self._started_ids:
-                self._started_ids.add(request.request_id)
-                request.scheduled_time = time.monotonic()
-                out.new_requests.append(NewRequestData(
-                    request.request_id, request.prompt_token_ids, request.sampling_params,
-                    request.eos_token_ids))
+            num_new = None
+            if len(self.running) < self.config.max_num_seqs:
+                num_new = self._start(request, cached, out, budget,
+                                      whole_prompts and bool(chunks), whole_prompts)
+            if num_new is None:
+                victim = self._last_ranked()
+                if victim is None or not self.policy.outranks(request, victim,
+                                                              time.monotonic()):
+                    break
+                budget += chunks.pop(victim.request_id, 0)
+                self._preempt(victim, out)
+                continue
             chunks[request.request_id] = num_new
             pending.update(self._blocks_completed_by({request.request_id: num_new}))
             budget = max(budget - num_new, 0)
+
+    def _start(self, request: Request, cached: list[int], out: SchedulerOutput, budget: int,
+               must_fit: bool, whole_prompts: bool) -> int | None:
+        """Moves the waiting request into the running batch with blocks for its first
+        chunk (after its `cached` prefix blocks), which it returns; None, changing nothing,
+        when it cannot start now."""
+        if self.kv_cache.is_swapped(request):
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = remaining if whole_prompts else min(remaining, budget)
+            copies = self.kv_cache.swap_in(request, num_new)
+            if copies is None:
+                return None
+            out.swap_in.extend(copies)
+        else:
+            num_cached_tokens = len(cached) * self.kv_cache.block_size
+            remaining = request.num_tokens - num_cached_tokens
+            if must_fit and remaining > budget:
+                return None
+            num_new = remaining if whole_prompts else min(remaining, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, cached):
+                return None
+            self.kv_cache.record_lookup(request, num_cached_tokens)
+            request.num_computed_tokens = num_cached_tokens
+            dropped = self._dropped.pop(request.request_id, 0)
+            self.num_recomputed_tokens += max(dropped - num_cached_tokens, 0)
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        if request.request_id not in self._started_ids:
+            self._started_ids.add(request.request_id)
+            request.scheduled_time = time.monotonic()
+            out.new_requests.append(NewRequestData(
+                request.request_id, request.prompt_token_ids, request.sampling_params,
+                request.eos_token_ids))
+        return num_new
+
+    def _defer_prefills_for(self, request: Request, chunks: dict[str, int]) -> int:
+        """Takes back this step's prefill chunks of running requests that `request`
+        outranks, last-ranked first, until one frees budget; returns the budget freed. The
+        deferred keep their blocks and go on next step."""
+        if not self.policy.preempts_for_waiting:
+            return 0
+        now = time.monotonic()
+        for running in sorted(self.running, key=lambda r: self.policy.rank(r, now),
+                              reverse=True):
+            if (chunks.get(running.request_id, 0) > 0 and _has_prompt_left(running)
+                    and self.policy.outranks(request, running, now)):
+                return chunks.pop(running.request_id)
+        return 0
+
+    @staticmethod
+    def _computes_next_block(request: Request, cached: list[int], pending: set[bytes]
+                             ) -> bool:
+        """Whether a request scheduled this step is computing the waiting request's next
+        uncached block, which it should hit next step instead of computing twice."""
+        hashes = request.block_hashes
+        return len(cached) < len(hashes) and hashes[len(cached)] in pending
+
+    def _last_ranked(self) -> Request | None:
+        """The running request to preempt first: the one the policy ranks last, the newest
+        among equals."""
+        if not self.running:
+            return None
+        now = time.monotonic()
+        return max(reversed(self.running), key=lambda r: self.policy.rank(r, now))
 
     def _blocks_completed_by(self, chunks: dict[str, int]) -> set[bytes]:
         """The hashes of the full blocks that the given chunks finish computing."""
@@ -143,6 +224,7 @@ class Scheduler:
     def _schedule_chunk(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         request.num_computed_tokens += num_new
+        self.policy.on_scheduled(request, num_new)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_ids_slice(start, start + num_new),
@@ -151,19 +233,35 @@ class Scheduler:
             sample=request.num_computed_tokens == request.num_tokens,
         )
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        self.kv_cache.free(request)
+        if self._swaps(request):
+            out.swap_out.extend(self.kv_cache.swap_out(request))
+            self.num_swapped_preemptions += 1
+        else:
+            self.kv_cache.free(request)
+            self._dropped[request.request_id] = request.num_computed_tokens
+            request.num_computed_tokens = 0
+        out.preempted_request_ids.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def _swaps(self, request: Request) -> bool:
+        """Whether to keep the request's KV on the host rather than recompute it."""
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.kv_cache.can_swap_out(request):
+            return False
+        num_tokens = request.num_computed_tokens
+        return mode == "swap" or self.costs.prefers_swap(
+            num_tokens, self.kv_cache.num_blocks_for(num_tokens))
 
     def update_from_output(self, scheduled: SchedulerOutput,
                            result: ModelRunnerOutput) -> list[Request]:
         """Appends each sampled token to its request and finishes those that hit a token-level
         stop; returns the requests that got a token."""
+        self.kv_cache.release_swapped_in()
         for scheduled_request in scheduled.scheduled:
             request = self.requests.get(scheduled_request.request_id)
             if request is not None:
@@ -195,6 +293,8 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv_cache.free(request)
+        self.policy.on_finished(request)
+        self._dropped.pop(request.request_id, None)
         request.status = status
         del self.requests[request.request_id]
         if request.request_id in self._started_ids:

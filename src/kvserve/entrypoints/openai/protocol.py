@@ -1,7 +1,8 @@
 """OpenAI's request schemas (plus vLLM's sampling extras), as pydantic models.
 
-Unknown fields are ignored, as OpenAI clients send some this server has no use for (`user`,
-`logit_bias`...). Field values are checked twice: types here, ranges in `SamplingParams`.
+Unknown fields are ignored, as OpenAI clients send some this server has no use for
+(`logit_bias`...). `user` names the tenant that the fair scheduling policy shares the
+token budget among. Field values are checked twice: types here, ranges in `SamplingParams`.
 """
 
 from __future__ import annotations
@@ -40,14 +41,18 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
+    priority: int = 0  # under --scheduling-policy priority, lower values go first
+    user: str | None = Field(default=None, min_length=1)  # OpenAI's end-user id: the tenant
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def engine_prompt(self, prompt: dict[str, Any]) -> dict[str, Any]:
-        """A prompt for the engine, with this request's `cache_salt` when it has one."""
-        return prompt if self.cache_salt is None else {**prompt, "cache_salt": self.cache_salt}
+        """A prompt for the engine, with this request's cache salt, priority and tenant."""
+        options = {"cache_salt": self.cache_salt, "priority": self.priority,
+                   "tenant": self.user}
+        return {**prompt, **{k: v for k, v in options.items() if v is not None}}
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
