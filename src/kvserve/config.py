@@ -167,6 +167,9 @@ class CacheConfig:
     kv_cache_memory: int = 2 * GiB
     enable_prefix_caching: bool = True
     swap_space: int = 4 * GiB  # host memory that holds the KV of requests preempted by swap
+    kv_offload_host: int = 0  # host memory for prefix-cache blocks evicted from the pool
+    kv_offload_dir: str | None = None  # a disk tier below that host tier
+    kv_offload_disk: int = 16 * GiB  # the disk tier's size
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -174,8 +177,15 @@ class CacheConfig:
                              f"got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
+        for name in ("swap_space", "kv_offload_host", "kv_offload_disk"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 bytes, got {getattr(self, name)}")
+        if self.kv_offload_dir is not None and not self.kv_offload_host:
+            raise ValueError("kv_offload_dir needs kv_offload_host > 0: the disk tier is "
+                             "filled from, and read back through, the host tier")
+        if (self.kv_offload_host or self.kv_offload_dir) and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_host and kv_offload_dir keep prefix-cache blocks: "
+                             "they need enable_prefix_caching")
 
 
 @dataclass
@@ -235,13 +245,17 @@ class EngineConfig:
                seed: int = 0, device: str = "cpu", scheduler_policy: str = "chunked",
                enable_prefix_caching: bool = True, enforce_eager: bool = False,
                scheduling_policy: str = "fcfs", preemption_mode: str = "auto",
-               swap_space: int = 4 * GiB) -> EngineConfig:
+               swap_space: int = 4 * GiB, kv_offload_host: int = 0,
+               kv_offload_dir: str | None = None, kv_offload_disk: int = 16 * GiB
+               ) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
             model=ModelConfig.from_pretrained(model, dtype, device),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
                               enable_prefix_caching=enable_prefix_caching,
-                              swap_space=swap_space),
+                              swap_space=swap_space, kv_offload_host=kv_offload_host,
+                              kv_offload_dir=kv_offload_dir,
+                              kv_offload_disk=kv_offload_disk),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len or 0,
@@ -263,6 +277,17 @@ class EngineConfig:
         if self.scheduler.preemption_mode == "recompute":
             return 0
         return self.cache.swap_space // self.kv_bytes_per_block
+
+    @property
+    def num_offload_kv_blocks(self) -> int:
+        """Blocks of the host tier for evicted prefix-cache blocks."""
+        return self.cache.kv_offload_host // self.kv_bytes_per_block
+
+    @property
+    def num_disk_kv_blocks(self) -> int:
+        if self.cache.kv_offload_dir is None:
+            return 0
+        return self.cache.kv_offload_disk // self.kv_bytes_per_block
 
     @property
     def num_kv_blocks(self) -> int:

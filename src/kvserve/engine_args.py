@@ -37,6 +37,15 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--swap-space", dict(type=float, default=4.0,
                           help="host memory in GiB for the KV of swapped-out requests "
                                "(default 4)")),
+    ("--kv-offload-host-gib", dict(type=float, default=0.0,
+                                   help="host memory in GiB that keeps prefix-cache blocks "
+                                        "evicted from the KV pool, to load back instead of "
+                                        "recomputing (default 0: off)")),
+    ("--kv-offload-dir", dict(default=None,
+                              help="a folder for a disk tier below the host tier; a restart "
+                                   "finds its blocks again (needs --kv-offload-host-gib)")),
+    ("--kv-offload-disk-gib", dict(type=float, default=16.0,
+                                   help="size cap of the disk tier in GiB (default 16)")),
     ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction, default=True,
                                      help="reuse the KV of prompt heads already computed "
                                           "(default on)")),
@@ -66,6 +75,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {_dest(flag): getattr(args, _dest(flag)) for flag, _ in ENGINE_ARGS}
     kwargs["kv_cache_memory"] = int(args.kv_cache_memory * GiB)
     kwargs["swap_space"] = int(args.swap_space * GiB)
+    kwargs["kv_offload_host"] = int(kwargs.pop("kv_offload_host_gib") * GiB)
+    kwargs["kv_offload_disk"] = int(kwargs.pop("kv_offload_disk_gib") * GiB)
     return {"model": args.model, **kwargs}
 
 

@@ -55,9 +55,11 @@ class EngineStats:
     kv_blocks_peak: int
     num_preemptions: int
     prefix_cache_queries: int  # prompt tokens looked up in the cache at admission
-    prefix_cache_hits: int  # of those, tokens whose KV was found and reused
+    prefix_cache_hits: int  # of those, tokens whose KV was found and reused (any tier)
+    prefix_cache_host_hits: int = 0  # of the hits, tokens loaded from the host tier
+    prefix_cache_disk_hits: int = 0  # and from the disk tier
     num_swapped_preemptions: int = 0  # preemptions that kept the KV in host memory
-    num_recomputed_tokens: int = 0  # computed tokens dropped by the others, to compute again
+    num_recomputed_tokens: int = 0  # tokens computed again after recompute preemptions
     kv_host_blocks_used: int = 0  # of the swap space
     kv_host_blocks_total: int = 0
     step_seconds: float = 0.0  # in engine steps: scheduling, the model, detokenizing

@@ -112,3 +112,39 @@ def test_eval_perplexity_agrees_with_transformers(llama_dir, tmp_path):
     assert abs(ours["perplexity"] / theirs["perplexity"] - 1) < 1e-4
     bad = kvserve("eval", "perplexity", str(llama_dir), "--context", "5000")
     assert bad.returncode == 2 and "--context (5000) exceeds" in bad.stderr
+
+
+def test_bench_offload_replays_chats_identically_in_every_tier(llama_dir, tmp_path):
+    import json
+
+    out = tmp_path / "offload.json"
+    run = kvserve("bench", "offload", "--model", str(llama_dir), "--chats", "6", "--turns", "3",
+                  "--pool-chats", "1", "--concurrency", "2", "--system-words", "10",
+                  "--user-words", "12", "--output-len", "4", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    saved = json.loads(out.read_text())
+    assert saved["identical"] is True
+    rows = {row["config"]: row for row in saved["rows"]}
+    assert rows["recompute"]["host"] == rows["recompute"]["disk"] == 0
+    assert rows["host tier"]["host"] > 0 and rows["disk tier"]["disk"] > 0
+
+
+def test_bench_preemption_and_priority_report_every_mode(llama_dir, tmp_path):
+    import json
+
+    out = tmp_path / "preemption.json"
+    run = kvserve("bench", "preemption", "--model", str(llama_dir), "--num-prompts", "6",
+                  "--prompt-len", "40", "--output-len", "40", "--pool-fraction", "0.4",
+                  "--runs", "1", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["recompute"]["swapped"] == 0 and rows["recompute"]["preemptions"] > 0
+    assert rows["swap"]["swapped"] == rows["swap"]["preemptions"] > 0
+    out = tmp_path / "priority.json"
+    run = kvserve("bench", "priority", "--model", str(llama_dir), "--num-requests", "12",
+                  "--prompt-len", "32", "--output-len", "8", "--high-fraction", "0.5",
+                  "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    saved = json.loads(out.read_text())
+    assert [(r["policy"], r["class"]) for r in saved["rows"]] == [
+        (p, c) for p in ("fcfs", "priority", "fair") for c in ("favoured", "other")]

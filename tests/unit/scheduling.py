@@ -10,8 +10,10 @@ from kvserve.sampling_params import SamplingParams
 
 def make_scheduler(num_blocks=16, block_size=4, budget=16, max_seqs=8, max_len=1024,
                    policy="chunked", prefix_caching=True, host_blocks=0,
-                   preemption_mode="recompute", costs=None, **config):
-    kv = KVCacheManager(num_blocks, block_size, prefix_caching, host_blocks)
+                   preemption_mode="recompute", costs=None, offload_blocks=0, disk_blocks=0,
+                   **config):
+    kv = KVCacheManager(num_blocks, block_size, prefix_caching, host_blocks, offload_blocks,
+                        disk_blocks)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                              max_model_len=max_len, policy=policy,
                              preemption_mode=preemption_mode, **config)
@@ -32,11 +34,13 @@ def add(sched, request_id, num_prompt=0, max_tokens=4, tokens=None, cache_salt=N
     return request
 
 
-def step(sched, token=7) -> SchedulerOutput:
-    """Schedules, then pretends the model sampled `token` for every request that samples."""
+def step(sched, token=7, failed_promotions=()) -> SchedulerOutput:
+    """Schedules, then pretends the model sampled `token` for every request that samples
+    (and could not read the given disk blocks)."""
     out = sched.schedule()
     sampled = [s.request_id for s in out.scheduled if s.sample]
-    sched.update_from_output(out, ModelRunnerOutput(sampled, [[token]] * len(sampled)))
+    sched.update_from_output(out, ModelRunnerOutput(
+        sampled, [[token]] * len(sampled), failed_promotions=list(failed_promotions)))
     return out
 
 

@@ -160,7 +160,7 @@ def run_two_until_preempted(sched):
 def test_swap_preemption_keeps_the_kv_and_resumes_where_it_stopped():
     sched = make_scheduler(num_blocks=4, block_size=4, host_blocks=3, preemption_mode="swap")
     a, b, out = run_two_until_preempted(sched)
-    assert out.preempted_request_ids == ["b"] and out.swap_out == [(2, 0), (3, 1)]
+    assert out.preempted_request_ids == ["b"] and out.transfers.to_host == [(2, 0), (3, 1)]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 8
     assert sched.kv_cache.num_used_host_blocks == 2 and sched.num_swapped_preemptions == 1
     sched.kv_cache.check_integrity()
@@ -168,8 +168,8 @@ def test_swap_preemption_keeps_the_kv_and_resumes_where_it_stopped():
         step(sched)
     out = step(sched)  # b comes back into fresh blocks and computes only its 9th token
     assert chunks(out) == [("b", 1)] and out.new_requests == []
-    assert [host for host, _ in out.swap_in] == [0, 1]
-    assert [dev for _, dev in out.swap_in] == sched.kv_cache.get_block_ids("b")[:2]
+    assert [host for host, _ in out.transfers.to_device] == [0, 1]
+    assert [dev for _, dev in out.transfers.to_device] == sched.kv_cache.get_block_ids("b")[:2]
     assert sched.kv_cache.num_used_host_blocks == 0  # released once the runner copied them
     while sched.has_unfinished_requests():
         step(sched)
@@ -180,7 +180,7 @@ def test_swap_preemption_keeps_the_kv_and_resumes_where_it_stopped():
 def test_swap_falls_back_to_recompute_when_the_host_tier_is_full():
     sched = make_scheduler(num_blocks=4, block_size=4, host_blocks=1, preemption_mode="swap")
     _, b, out = run_two_until_preempted(sched)
-    assert out.preempted_request_ids == ["b"] and out.swap_out == []
+    assert out.preempted_request_ids == ["b"] and out.transfers.to_host == []
     assert b.num_computed_tokens == 0 and sched.num_swapped_preemptions == 0
     sched.kv_cache.check_integrity()
 
@@ -197,7 +197,7 @@ def test_auto_preemption_picks_the_cheaper_way(prefill_seconds_per_token, swappe
                            costs=costs)
     _, b, out = run_two_until_preempted(sched)
     assert out.preempted_request_ids == ["b"]
-    assert sched.kv_cache.is_swapped(b) == swapped and bool(out.swap_out) == swapped
+    assert sched.kv_cache.is_swapped(b) == swapped and bool(out.transfers.to_host) == swapped
 
 
 def test_aborting_a_swapped_out_request_frees_its_host_blocks():

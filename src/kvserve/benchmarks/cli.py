@@ -9,8 +9,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvserve.benchmarks import (
         kernels,
         latency,
+        offload,
         preemption,
         prefix,
+        priority,
         quantized,
         serve,
         step,
@@ -27,3 +29,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     kernels.add_parser(bench_sub)
     quantized.add_parser(bench_sub)
     preemption.add_parser(bench_sub)
+    priority.add_parser(bench_sub)
+    offload.add_parser(bench_sub)

@@ -11,13 +11,12 @@ medians are reported with their ratios.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from typing import Any
 
 from kvserve.benchmarks.report import print_table, save_json
-from kvserve.benchmarks.workloads import shared_prefix
+from kvserve.benchmarks.workloads import chat_script, shared_prefix
 from kvserve.config import ModelConfig
 from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.outputs import RequestOutput
@@ -62,21 +61,15 @@ def chat_run(args: argparse.Namespace, caching: bool) -> dict[str, float]:
     from kvserve import LLM
 
     llm = LLM(**{**engine_kwargs(args), "enable_prefix_caching": caching})
-    rng = random.Random(args.workload_seed)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
-             for _ in range(500)]
-
-    def text(num_words: int) -> str:
-        return " ".join(rng.choice(words) for _ in range(num_words))
-
-    system = {"role": "system", "content": text(args.chat_system_words)}
-    chats = [[system] for _ in range(args.chats)]
+    script = chat_script(args.chats, args.turns, args.chat_system_words, args.chat_user_words,
+                         args.workload_seed)
+    chats = [[{"role": "system", "content": script.system}] for _ in range(args.chats)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     timed: list[tuple[RequestOutput, float]] = []
     wall = 0.0
-    for _ in range(args.turns):
-        for chat in chats:
-            chat.append({"role": "user", "content": text(args.chat_user_words)})
+    for turn_index in range(args.turns):
+        for chat, messages in zip(chats, script.user_messages, strict=True):
+            chat.append({"role": "user", "content": messages[turn_index]})
         start = time.monotonic()
         turn = llm.chat(chats, params, use_tqdm=False)
         wall += time.monotonic() - start

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -56,3 +57,26 @@ def shared_prefix(num_groups: int, group_size: int, prefix_len: int, suffix_len:
     return Workload(f"{num_groups} groups x {group_size}, {prefix_len} shared + {suffix_len} "
                     f"-> {output_len}", [prompts[i] for i in order],
                     [output_len] * len(prompts))
+
+
+@dataclass(frozen=True)
+class ChatScript:
+    """Conversations replayed turn by turn: one system prompt shared by every chat (as one
+    application's users share it) and a user message per chat and turn."""
+
+    system: str
+    user_messages: list[list[str]]  # [chat][turn]
+
+
+def chat_script(num_chats: int, num_turns: int, system_words: int, user_words: int,
+                seed: int = 0) -> ChatScript:
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+             for _ in range(500)]
+
+    def text(num_words: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(num_words))
+
+    system = text(system_words)
+    return ChatScript(system, [[text(user_words) for _ in range(num_turns)]
+                               for _ in range(num_chats)])

@@ -28,10 +28,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
+        self.kv_cache = KVCacheManager(
+            self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            config.num_host_kv_blocks, config.num_offload_kv_blocks, config.num_disk_kv_blocks)
+        if self.runner.disk_kv is not None and self.kv_cache.tiers is not None:
+            self.kv_cache.tiers.add_disk_blocks(self.runner.disk_kv.scan())
         host = self.runner.host_kv_cache
-        self.kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                       config.cache.enable_prefix_caching,
-                                       host.blocks.shape[3] if host is not None else 0)
         costs = PreemptionCosts(host.seconds_per_block() if host is not None else 0.0)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, costs)
         self.execute_seconds = 0.0  # in the model runner, which waits for the device

@@ -217,6 +217,8 @@ class LLMEngine:
             kv_blocks_peak=kv.peak_used_blocks, num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            prefix_cache_host_hits=kv.tier_hits("host"),
+            prefix_cache_disk_hits=kv.tier_hits("disk"),
             num_swapped_preemptions=scheduler.num_swapped_preemptions,
             num_recomputed_tokens=scheduler.num_recomputed_tokens,
             kv_host_blocks_used=kv.num_used_host_blocks,

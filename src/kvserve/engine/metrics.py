@@ -81,11 +81,17 @@ class EngineMetrics:
         # Counters that mirror the engine's own running totals, keyed by EngineStats field.
         self._totals = {
             "num_preemptions": Counter("kvserve_preemptions", "Sequences preempted", **labels),
+            "prefix_cache_host_hits": Counter(
+                "kvserve_prefix_cache_host_hits",
+                "Prompt tokens whose KV was loaded from the host tier", **labels),
+            "prefix_cache_disk_hits": Counter(
+                "kvserve_prefix_cache_disk_hits",
+                "Prompt tokens whose KV was loaded from the disk tier", **labels),
             "num_swapped_preemptions": Counter(
                 "kvserve_swapped_preemptions", "Preemptions that swapped the KV to host memory",
                 **labels),
             "num_recomputed_tokens": Counter(
-                "kvserve_recomputed_tokens", "Computed tokens dropped by recompute preemptions",
+                "kvserve_recomputed_tokens", "Tokens computed again after recompute preemptions",
                 **labels),
             "prefix_cache_queries": Counter(
                 "kvserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",

@@ -10,12 +10,13 @@ import torch
 
 from kvserve.attention.selector import get_attention_backend
 from kvserve.config import EngineConfig
-from kvserve.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.scheduler.output import KVTransfers, ModelRunnerOutput, SchedulerOutput
 from kvserve.models.loader import load_model
 from kvserve.worker.cuda_graphs import DecodeGraphs
+from kvserve.worker.disk_kv import DiskKVStore, model_identity
 from kvserve.worker.forward_context import forward_context
+from kvserve.worker.host_kv import HostKVCache
 from kvserve.worker.input_batch import InputBuffers
-from kvserve.worker.kv_swap import HostKVCache
 from kvserve.worker.prompt_logprobs import prompt_logprobs
 from kvserve.worker.sampler import Sampler, SamplingState
 
@@ -36,8 +37,14 @@ class ModelRunner:
                                     device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.kv_cache = self.kv_cache[i]
-        num_host = config.num_host_kv_blocks
+        num_host = config.num_host_kv_blocks + config.num_offload_kv_blocks
         self.host_kv_cache = HostKVCache(self.kv_cache, num_host) if num_host else None
+        self.disk_kv = None
+        if config.num_disk_kv_blocks:
+            assert config.cache.kv_offload_dir is not None
+            self.disk_kv = DiskKVStore(config.cache.kv_offload_dir,
+                                       model_identity(mc, self.block_size),
+                                       config.kv_bytes_per_block)
         sched = config.scheduler
         self.inputs = InputBuffers(sched.max_num_tokens_per_step, sched.max_num_seqs,
                                    -(-sched.max_model_len // self.block_size), self.block_size,
@@ -53,10 +60,9 @@ class ModelRunner:
         for new in sched.new_requests:
             self.states[new.request_id] = self.sampler.new_state(
                 new.sampling_params, new.prompt_token_ids, new.eos_token_ids)
-        if self.host_kv_cache is not None:
-            self.host_kv_cache.swap(sched.swap_out, sched.swap_in)
+        failed = self._transfer(sched.transfers) if sched.transfers else []
         if sched.is_empty:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], failed_promotions=failed)
         inputs = self.inputs.prepare(sched.scheduled)
         batch_size = self.graphs.padded_size(inputs) if self.graphs is not None else None
         if self.graphs is not None and batch_size is not None:
@@ -66,7 +72,7 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions)
         scored = prompt_logprobs(self.model, hidden, inputs, self.states)
         if not inputs.sample_requests:
-            return ModelRunnerOutput([], [], prompt_logprobs=scored)
+            return ModelRunnerOutput([], [], prompt_logprobs=scored, failed_promotions=failed)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         states = [self.states[s.request_id] for s in inputs.sample_requests]
         sampled = self.sampler(logits, states)
@@ -75,9 +81,28 @@ class ModelRunner:
         return ModelRunnerOutput(
             request_ids=[s.request_id for s in inputs.sample_requests],
             sampled_token_ids=[[t] for t in sampled.token_ids],
+            failed_promotions=failed,
             logprobs=sampled.logprobs,
             prompt_logprobs=scored,
         )
+
+    def _transfer(self, transfers: KVTransfers) -> list[bytes]:
+        """Makes the step's KV copies in the order `KVTransfers` gives; returns the hashes of
+        disk blocks that could not be read."""
+        host, disk = self.host_kv_cache, self.disk_kv
+        assert host is not None
+        if transfers.spill or transfers.promote:
+            host.wait()
+        if disk is not None:
+            for host_block, block_hash in transfers.spill:
+                disk.write(block_hash, host.block(host_block))
+            for block_hash in transfers.delete:
+                disk.delete(block_hash)
+        host.to_host(transfers.to_host)
+        failed = [block_hash for block_hash, host_block in transfers.promote
+                  if disk is None or not disk.read_into(block_hash, host.block(host_block))]
+        host.to_device(transfers.to_device)
+        return failed
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Decode steps replay CUDA graphs unless `enforce_eager`; graphs need a backend that

@@ -9,6 +9,7 @@ its front because nothing can ever hit them.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from kvserve.core.kv_cache.hashing import BlockHash
 
@@ -25,6 +26,8 @@ class BlockPool:
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks
         self.cached: dict[BlockHash, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Told of each cached block that allocation is about to reuse, while its KV is intact.
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -39,6 +42,9 @@ class BlockPool:
         block_ids = []
         for _ in range(count):
             block_id, _ = self._free.popitem(last=False)
+            block_hash = self.block_hashes[block_id]
+            if block_hash is not None and self.on_evict is not None:
+                self.on_evict(block_id, block_hash)
             self._evict(block_id)
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)

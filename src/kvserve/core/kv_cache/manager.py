@@ -1,40 +1,67 @@
 """Which blocks each request holds: the scheduler's only view of the KV cache.
 
 With prefix caching on, a request being admitted first looks up the longest run of its full
-blocks already in the pool (`find_cached_prefix`) and holds those by reference instead of
-computing them; after each step the blocks it completed are registered for others
-(`cache_computed_blocks`). Only computed blocks are registered, so nobody can hit KV that a
-failed or preempted step never wrote.
+blocks already computed (`find_cached_prefix`): in the device pool, where it holds them by
+reference, or in the host tier of offloaded blocks (offload.py), which are loaded into fresh
+blocks; blocks only the disk tier holds are promoted to the host tier first, and the request
+waits a step for them. After each step the blocks a request completed are registered for
+others (`cache_computed_blocks`). Only computed blocks are registered, so nobody can hit KV
+that a failed or preempted step never wrote.
 
-A request preempted by swap moves its computed blocks to a second pool of host blocks
-(`swap_out`) and back into fresh device blocks when it resumes (`swap_in`); the scheduler
-hands the (source, destination) pairs to the runner, which copies before the step's
-forward. Host blocks a swap-in reads are released only once the runner has made the step's
-copies, so that no swap-out of the same step can overwrite them first.
+A request preempted by swap moves its computed blocks to a pool of host blocks (`swap_out`)
+and back into fresh device blocks when it resumes (`swap_in`). Every copy a step needs is
+collected in `KVTransfers` for the runner, which makes them before the step's forward; host
+blocks read in a step are released only after it (`end_step`), so that no copy of the same
+step can overwrite them first.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache.block_pool import BlockPool
 from kvserve.core.kv_cache.hashing import BlockHash, update_block_hashes
+from kvserve.core.kv_cache.offload import OffloadTiers
+from kvserve.core.scheduler.output import KVTransfers
 from kvserve.request import Request
 
 
+@dataclass
+class CachedPrefix:
+    """A request's leading full blocks already computed somewhere."""
+
+    blocks: list[int | None] = field(default_factory=list)  # device block, or None: host tier
+    hashes: list[BlockHash] = field(default_factory=list)  # of those blocks
+    on_disk: list[BlockHash] = field(default_factory=list)  # the next ones, in the disk tier
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True, num_host_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0, num_offload_blocks: int = 0,
+                 num_disk_blocks: int = 0) -> None:
+        """`num_host_blocks` of swap space, then `num_offload_blocks` of host tier for
+        evicted prefix blocks (host block ids after the swap space's) and a disk tier of
+        `num_disk_blocks`."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
+        self.transfers = KVTransfers()
+        self.tiers = None
+        if num_offload_blocks and enable_prefix_caching:
+            self.tiers = OffloadTiers(num_offload_blocks, num_host_blocks, num_disk_blocks,
+                                      self.transfers)
+            self.pool.on_evict = self.tiers.offload
         self.block_tables: dict[str, list[int]] = {}
         self.host_tables: dict[str, list[int]] = {}  # of requests swapped out
         self._host_releasing: list[int] = []  # read by this step's swap-ins
         self._num_cached: dict[str, int] = {}  # leading blocks of each table registered
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
-        self.prefix_cache_hits = 0  # of those, tokens found computed in the pool
+        self.prefix_cache_hits = 0  # of those, tokens found computed (in any tier)
         self.peak_used_blocks = 0
 
     @property
@@ -50,46 +77,75 @@ class KVCacheManager:
         pool = self.host_pool
         return 0 if pool is None else pool.num_blocks - pool.num_free_blocks
 
+    def tier_hits(self, tier: str) -> int:
+        """Prompt tokens whose KV was loaded from the host or the disk tier."""
+        return self.tiers.hits[tier] * self.block_size if self.tiers is not None else 0
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
         return update_block_hashes(request, self.block_size)
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """The blocks of the longest cached run of the request's leading full blocks, short
-        of its last token, which is always computed so that it has logits. None for a
-        request that wants its prompt's logprobs: they need logits at every position."""
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """The longest run of the request's leading full blocks that the device pool or the
+        host tier holds, short of its last token, which is always computed so that it has
+        logits; and the blocks after it that only the disk tier holds. Nothing for a request
+        that wants its prompt's logprobs: they need logits at every position."""
+        prefix = CachedPrefix()
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return []
-        hashes = self.block_hashes(request)
-        block_ids = []
-        for block_hash in hashes[:(request.num_tokens - 1) // self.block_size]:
+            return prefix
+        hashes = self.block_hashes(request)[:(request.num_tokens - 1) // self.block_size]
+        tiers = self.tiers
+        for block_hash in hashes:
             block_id = self.pool.lookup(block_hash)
-            if block_id is None:
+            if block_id is None and (tiers is None or tiers.host_block(block_hash) is None):
                 break
-            block_ids.append(block_id)
-        return block_ids
+            prefix.blocks.append(block_id)
+            prefix.hashes.append(block_hash)
+        if tiers is not None:
+            for block_hash in hashes[len(prefix):]:
+                if not tiers.on_disk(block_hash):
+                    break
+                prefix.on_disk.append(block_hash)
+        return prefix
+
+    def promote(self, block_hashes: list[BlockHash]) -> None:
+        """Brings disk-tier blocks into the host tier during this step."""
+        assert self.tiers is not None
+        self.tiers.promote(block_hashes)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: list[int] | None = None) -> bool:
+                       prefix: CachedPrefix | None = None) -> bool:
         """Grows the request's block table to hold `num_computed_tokens + num_new_tokens`
-        tokens, after the `cached_blocks` of a newly admitted request (which then count as
-        computed). Returns False, changing nothing, when the pool lacks free blocks."""
-        cached_blocks = cached_blocks or []
+        tokens, after the `prefix` blocks of a newly admitted request (which then count as
+        computed; those in the host tier are loaded into fresh blocks). Returns False,
+        changing nothing, when the pool lacks free blocks."""
+        cached = prefix.blocks if prefix is not None else []
+        held = [b for b in cached if b is not None]
         table = self.block_tables.get(request.request_id, [])
-        num_tokens = (request.num_computed_tokens + len(cached_blocks) * self.block_size
+        num_tokens = (request.num_computed_tokens + len(cached) * self.block_size
                       + num_new_tokens)
-        needed = self.num_blocks_for(num_tokens) - len(table) - len(cached_blocks)
-        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
+        needed = self.num_blocks_for(num_tokens) - len(table) - len(held)
+        revived = sum(1 for b in held if self.pool.ref_counts[b] == 0)
         if needed + revived > self.pool.num_free_blocks:
             return False
-        if cached_blocks:
-            self.pool.touch(cached_blocks)
-            self._num_cached[request.request_id] = len(cached_blocks)
         table = self.block_tables.setdefault(request.request_id, table)
-        table.extend(cached_blocks)
-        if needed > 0:
+        if prefix is not None and cached:
+            self.pool.touch(held)
+            self._num_cached[request.request_id] = (cached.index(None) if None in cached
+                                                    else len(cached))
+            tiers = self.tiers
+            pinned = [tiers.pin(h) for b, h in zip(cached, prefix.hashes, strict=True)
+                      if b is None] if tiers is not None else []
+            fresh = self.pool.allocate(needed)
+            for block_id in cached:
+                table.append(block_id if block_id is not None else fresh.pop(0))
+            for host_block, index in zip(pinned, [i for i, b in enumerate(cached) if b is None],
+                                         strict=True):
+                tiers.load(host_block, table[index])
+            table.extend(fresh)
+        elif needed > 0:
             table.extend(self.pool.allocate(needed))
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return True
@@ -130,48 +186,59 @@ class KVCacheManager:
         return (self.host_pool is not None and needed > 0
                 and needed <= self.host_pool.num_free_blocks)
 
-    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+    def swap_out(self, request: Request) -> None:
         """Moves the blocks holding the request's computed tokens to host blocks and frees
-        its device blocks; returns the (device, host) copies to make before the next forward.
-        Call only when `can_swap_out`."""
+        its device blocks. Call only when `can_swap_out`."""
         assert self.host_pool is not None
-        table = self.block_tables[request.request_id]
+        table = self.block_tables.pop(request.request_id)
         device = table[:self.num_blocks_for(request.num_computed_tokens)]
         host = self.host_pool.allocate(len(device))
         self.host_tables[request.request_id] = host
-        self.block_tables.pop(request.request_id)
         self._num_cached.pop(request.request_id, None)
+        self.transfers.to_host.extend(zip(device, host, strict=True))
         self.pool.free(table[::-1])
-        return list(zip(device, host, strict=True))
 
-    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+    def swap_in(self, request: Request, num_new_tokens: int) -> bool:
         """Gives a swapped-out request device blocks for its computed tokens plus
-        `num_new_tokens`; returns the (host, device) copies to make before the next forward,
-        or None, changing nothing, when the pool lacks free blocks."""
+        `num_new_tokens` and copies its KV back in; False, changing nothing, when the pool
+        lacks free blocks."""
         if not self.allocate_slots(request, num_new_tokens):
-            return None
+            return False
         host = self.host_tables.pop(request.request_id)
         self._host_releasing.extend(host)
-        return list(zip(host, self.block_tables[request.request_id], strict=False))
+        self.transfers.to_device.extend(zip(host, self.block_tables[request.request_id],
+                                            strict=False))
+        return True
 
-    def release_swapped_in(self) -> None:
-        """Frees the host blocks of this step's swap-ins, which the runner has copied (or,
-        on CUDA, queued on the stream that makes every later swap copy)."""
+    def take_transfers(self) -> KVTransfers:
+        """The copies this step needs, leaving an empty list for the next."""
+        transfers, self.transfers = self.transfers, KVTransfers()
+        if self.tiers is not None:
+            self.tiers.transfers = self.transfers
+        return transfers
+
+    def end_step(self, failed_promotions: list[BlockHash]) -> None:
+        """After the runner made the step's copies: releases the host blocks they read."""
         if self._host_releasing:
             assert self.host_pool is not None
             self.host_pool.free(self._host_releasing)
             self._host_releasing = []
+        if self.tiers is not None:
+            self.tiers.end_step(failed_promotions)
 
     def reset_prefix_cache(self) -> None:
+        """Forgets every cached block, offloaded ones included; blocks in use stay."""
         self.pool.reset_cache()
+        if self.tiers is not None:
+            self.tiers.reset()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
     def check_integrity(self) -> None:
         """Asserts that every block is either free or referenced exactly as often as block
-        tables hold it, that no table holds a block twice, and that the hash index and the
-        per-block hashes agree."""
+        tables hold it, that no table holds a block twice, that the hash index and the
+        per-block hashes agree, and that the host tiers hold exactly what is accounted for."""
         held = Counter(b for table in self.block_tables.values() for b in table)
         for table in self.block_tables.values():
             assert len(set(table)) == len(table), f"block table holds a block twice: {table}"
@@ -191,3 +258,5 @@ class KVCacheManager:
             assert self.host_pool.num_free_blocks + len(host) == self.host_pool.num_blocks, (
                 f"{self.host_pool.num_blocks - self.host_pool.num_free_blocks} host blocks "
                 f"in use, {len(host)} held")
+        if self.tiers is not None:
+            self.tiers.check_integrity()

@@ -30,15 +30,31 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class KVTransfers:
+    """KV block copies between the device pool, host memory and the disk tier, for the runner
+    to make before the step's forward, in this order: spills (host block -> file), deletes,
+    device -> host (requests preempted by swap, cached blocks evicted from the pool),
+    promotions (file -> host block), host -> device (requests resuming, prefix hits in the
+    host tier)."""
+
+    spill: list[tuple[int, bytes]] = field(default_factory=list)  # (host block, block hash)
+    delete: list[bytes] = field(default_factory=list)  # files beyond the disk tier's size
+    to_host: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks
+    promote: list[tuple[bytes, int]] = field(default_factory=list)  # (block hash, host block)
+    to_device: list[tuple[int, int]] = field(default_factory=list)  # (host, device) blocks
+
+    def __bool__(self) -> bool:
+        return bool(self.spill or self.delete or self.to_host or self.promote
+                    or self.to_device)
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: list[str] = field(default_factory=list)
-    # KV block copies to make before the forward, swap-outs first: (device, host) pairs of
-    # requests preempted by swap, then (host, device) pairs of those resuming.
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    transfers: KVTransfers = field(default_factory=KVTransfers)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -63,3 +79,4 @@ class ModelRunnerOutput:
     # Request id -> (the prompt position p of the first entry, the logprobs of prompt tokens
     # p, p + 1, ...) for requests that asked for prompt logprobs and ran prompt chunks.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    failed_promotions: list[bytes] = field(default_factory=list)  # unreadable disk blocks

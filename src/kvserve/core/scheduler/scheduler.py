@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.kv_cache.manager import KVCacheManager
+from kvserve.core.kv_cache.manager import CachedPrefix, KVCacheManager
 from kvserve.core.scheduler.output import (
     ModelRunnerOutput,
     NewRequestData,
@@ -85,6 +85,7 @@ class Scheduler:
                 out.scheduled.append(self._schedule_chunk(request, chunks[request.request_id]))
         order = {r.request_id: i for i, r in enumerate(decodes_first)}
         out.scheduled.sort(key=lambda s: order.get(s.request_id, len(order)))
+        out.transfers = self.kv_cache.take_transfers()
         return out
 
     def _schedule_running(self, candidates: list[Request], out: SchedulerOutput,
@@ -124,8 +125,11 @@ class Scheduler:
                 if budget == 0:
                     break
             swapped = self.kv_cache.is_swapped(request)
-            cached = [] if swapped else self.kv_cache.find_cached_prefix(request)
-            if not swapped and self._computes_next_block(request, cached, pending):
+            cached = CachedPrefix() if swapped else self.kv_cache.find_cached_prefix(request)
+            if cached.on_disk:  # read into host memory this step, loaded the next
+                self.kv_cache.promote(cached.on_disk)
+                break
+            if not swapped and self._computes_next_block(request, len(cached), pending):
                 break
             num_new = None
             if len(self.running) < self.config.max_num_seqs:
@@ -143,18 +147,16 @@ class Scheduler:
             pending.update(self._blocks_completed_by({request.request_id: num_new}))
             budget = max(budget - num_new, 0)
 
-    def _start(self, request: Request, cached: list[int], out: SchedulerOutput, budget: int,
-               must_fit: bool, whole_prompts: bool) -> int | None:
+    def _start(self, request: Request, cached: CachedPrefix, out: SchedulerOutput,
+               budget: int, must_fit: bool, whole_prompts: bool) -> int | None:
         """Moves the waiting request into the running batch with blocks for its first
         chunk (after its `cached` prefix blocks), which it returns; None, changing nothing,
         when it cannot start now."""
         if self.kv_cache.is_swapped(request):
             remaining = request.num_tokens - request.num_computed_tokens
             num_new = remaining if whole_prompts else min(remaining, budget)
-            copies = self.kv_cache.swap_in(request, num_new)
-            if copies is None:
+            if not self.kv_cache.swap_in(request, num_new):
                 return None
-            out.swap_in.extend(copies)
         else:
             num_cached_tokens = len(cached) * self.kv_cache.block_size
             remaining = request.num_tokens - num_cached_tokens
@@ -193,12 +195,11 @@ class Scheduler:
         return 0
 
     @staticmethod
-    def _computes_next_block(request: Request, cached: list[int], pending: set[bytes]
-                             ) -> bool:
+    def _computes_next_block(request: Request, num_cached: int, pending: set[bytes]) -> bool:
         """Whether a request scheduled this step is computing the waiting request's next
         uncached block, which it should hit next step instead of computing twice."""
         hashes = request.block_hashes
-        return len(cached) < len(hashes) and hashes[len(cached)] in pending
+        return num_cached < len(hashes) and hashes[num_cached] in pending
 
     def _last_ranked(self) -> Request | None:
         """The running request to preempt first: the one the policy ranks last, the newest
@@ -236,7 +237,7 @@ class Scheduler:
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         if self._swaps(request):
-            out.swap_out.extend(self.kv_cache.swap_out(request))
+            self.kv_cache.swap_out(request)
             self.num_swapped_preemptions += 1
         else:
             self.kv_cache.free(request)
@@ -261,7 +262,7 @@ class Scheduler:
                            result: ModelRunnerOutput) -> list[Request]:
         """Appends each sampled token to its request and finishes those that hit a token-level
         stop; returns the requests that got a token."""
-        self.kv_cache.release_swapped_in()
+        self.kv_cache.end_step(result.failed_promotions)
         for scheduled_request in scheduled.scheduled:
             request = self.requests.get(scheduled_request.request_id)
             if request is not None:

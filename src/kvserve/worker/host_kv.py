@@ -1,4 +1,5 @@
-"""The host tier of the KV pool: where requests preempted by swap keep their KV.
+"""KV blocks in host memory: the swap space of requests preempted by swap, then the host
+tier of prefix-cache blocks evicted from the device pool.
 
 It has the device pool's layout, [layers, K/V, kv heads, blocks, block_size, head_dim], so a
 run of consecutive blocks on both sides is one strided copy per (layer, K/V, head) slice of
@@ -33,37 +34,51 @@ def contiguous_runs(copies: BlockCopies) -> list[tuple[int, int, int]]:
 
 class HostKVCache:
     def __init__(self, device_cache: torch.Tensor, num_blocks: int) -> None:
+        """`num_blocks` host blocks: the swap space's, then the host tier's."""
         self.device_cache = device_cache
         shape = list(device_cache.shape)
         shape[3] = num_blocks
         on_cuda = device_cache.device.type == "cuda"
-        # Uninitialized: a host block is read only after a swap-out has written it.
+        # Uninitialized: a host block is read only after a copy or a file has filled it.
         self.blocks = torch.empty(shape, dtype=device_cache.dtype, pin_memory=on_cuda)
         self.stream = torch.cuda.Stream(device_cache.device) if on_cuda else None
         self.num_copies = 0  # strided copies made, to see how well swaps coalesce
         self.num_blocks_copied = 0
 
-    def swap(self, swap_out: BlockCopies, swap_in: BlockCopies) -> None:
-        """Copies device blocks out, then host blocks in; the next forward sees both."""
-        if not swap_out and not swap_in:
+    def block(self, host_block: int) -> torch.Tensor:
+        """One host block, [layers, K/V, kv heads, block_size, head_dim] (a strided view)."""
+        return self.blocks[:, :, :, host_block]
+
+    def wait(self) -> None:
+        """Waits for queued copies, before the host reads or writes blocks itself."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def to_host(self, copies: BlockCopies) -> None:
+        self._copy(copies, self.device_cache, self.blocks)
+
+    def to_device(self, copies: BlockCopies) -> None:
+        """Copies host blocks in; the next forward sees them."""
+        self._copy(copies, self.blocks, self.device_cache)
+
+    def _copy(self, copies: BlockCopies, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if not copies:
             return
         if self.stream is None:
-            self._copy(swap_out, swap_in)
+            self._copy_runs(copies, src, dst)
             return
         compute = torch.cuda.current_stream(self.device_cache.device)
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
-            self._copy(swap_out, swap_in)
+            self._copy_runs(copies, src, dst)
         compute.wait_stream(self.stream)
 
-    def _copy(self, swap_out: BlockCopies, swap_in: BlockCopies) -> None:
-        for copies, src, dst in ((swap_out, self.device_cache, self.blocks),
-                                 (swap_in, self.blocks, self.device_cache)):
-            for first_src, first_dst, length in contiguous_runs(copies):
-                dst[:, :, :, first_dst:first_dst + length].copy_(
-                    src[:, :, :, first_src:first_src + length], non_blocking=True)
-                self.num_copies += 1
-            self.num_blocks_copied += len(copies)
+    def _copy_runs(self, copies: BlockCopies, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for first_src, first_dst, length in contiguous_runs(copies):
+            dst[:, :, :, first_dst:first_dst + length].copy_(
+                src[:, :, :, first_src:first_src + length], non_blocking=True)
+            self.num_copies += 1
+        self.num_blocks_copied += len(copies)
 
     def seconds_per_block(self, num_blocks: int = 16) -> float:
         """Times a run of blocks copied out and back in (median of three), per block and
@@ -73,9 +88,9 @@ class HostKVCache:
         times = []
         for _ in range(3):
             start = time.perf_counter()
-            self.swap(pairs, pairs)
-            if self.stream is not None:
-                self.stream.synchronize()
+            self.to_host(pairs)
+            self.to_device(pairs)
+            self.wait()
             times.append(time.perf_counter() - start)
         self.num_copies = self.num_blocks_copied = 0
         return sorted(times)[1] / (2 * n)
