@@ -170,6 +170,10 @@ class CacheConfig:
     kv_offload_host: int = 0  # host memory for prefix-cache blocks evicted from the pool
     kv_offload_dir: str | None = None  # a disk tier below that host tier
     kv_offload_disk: int = 16 * GiB  # the disk tier's size
+    # StreamingLLM: every request keeps the blocks of its first `attention_sinks` tokens
+    # and its newest `streaming_window` blocks, so a stream can run without end.
+    streaming_window: int = 0  # blocks; 0: off
+    attention_sinks: int | None = None  # tokens (whole blocks kept); default 4 with a window
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -183,6 +187,19 @@ class CacheConfig:
         if self.kv_offload_dir is not None and not self.kv_offload_host:
             raise ValueError("kv_offload_dir needs kv_offload_host > 0: the disk tier is "
                              "filled from, and read back through, the host tier")
+        if self.streaming_window < 0 or self.streaming_window == 1:
+            raise ValueError(f"streaming_window must be 0 (off) or >= 2 blocks, "
+                             f"got {self.streaming_window}")
+        if self.attention_sinks is not None:
+            if not self.streaming_window:
+                raise ValueError("attention_sinks needs a streaming_window")
+            if self.attention_sinks < 0:
+                raise ValueError(f"attention_sinks must be >= 0 tokens, "
+                                 f"got {self.attention_sinks}")
+        if self.streaming_window and self.enable_prefix_caching:
+            raise ValueError("streaming_window rotates cached keys in place as the window "
+                             "slides, so they cannot be shared: it needs "
+                             "enable_prefix_caching=False (--no-enable-prefix-caching)")
         if (self.kv_offload_host or self.kv_offload_dir) and not self.enable_prefix_caching:
             raise ValueError("kv_offload_host and kv_offload_dir keep prefix-cache blocks: "
                              "they need enable_prefix_caching")
@@ -237,6 +254,12 @@ class EngineConfig:
                 raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
                                  f"({limit}), got {self.scheduler.max_model_len}")
             self.scheduler.max_model_len = limit
+        cache_len = (self.sink_blocks + self.cache.streaming_window) * self.cache.block_size
+        if cache_len > self.scheduler.max_model_len:
+            raise ValueError(f"attention sinks and streaming_window keep up to {cache_len} "
+                             f"tokens in the cache, beyond max_model_len "
+                             f"({self.scheduler.max_model_len}), the positions a request's "
+                             "cache may span")
 
     @classmethod
     def create(cls, model: str, dtype: str = "auto", max_num_batched_tokens: int = 2048,
@@ -246,7 +269,8 @@ class EngineConfig:
                enable_prefix_caching: bool = True, enforce_eager: bool = False,
                scheduling_policy: str = "fcfs", preemption_mode: str = "auto",
                swap_space: int = 4 * GiB, kv_offload_host: int = 0,
-               kv_offload_dir: str | None = None, kv_offload_disk: int = 16 * GiB
+               kv_offload_dir: str | None = None, kv_offload_disk: int = 16 * GiB,
+               streaming_window: int = 0, attention_sinks: int | None = None
                ) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
@@ -255,7 +279,9 @@ class EngineConfig:
                               enable_prefix_caching=enable_prefix_caching,
                               swap_space=swap_space, kv_offload_host=kv_offload_host,
                               kv_offload_dir=kv_offload_dir,
-                              kv_offload_disk=kv_offload_disk),
+                              kv_offload_disk=kv_offload_disk,
+                              streaming_window=streaming_window,
+                              attention_sinks=attention_sinks),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len or 0,
@@ -266,6 +292,14 @@ class EngineConfig:
             device=device,
             enforce_eager=enforce_eager,
         )
+
+    @property
+    def sink_blocks(self) -> int:
+        """Blocks holding the attention sinks, kept while the window slides."""
+        if not self.cache.streaming_window:
+            return 0
+        sinks = 4 if self.cache.attention_sinks is None else self.cache.attention_sinks
+        return -(-sinks // self.cache.block_size)
 
     @property
     def kv_bytes_per_block(self) -> int:

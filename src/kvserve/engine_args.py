@@ -46,6 +46,14 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                    "finds its blocks again (needs --kv-offload-host-gib)")),
     ("--kv-offload-disk-gib", dict(type=float, default=16.0,
                                    help="size cap of the disk tier in GiB (default 16)")),
+    ("--streaming-window", dict(type=int, default=0,
+                                help="StreamingLLM: keep each request's newest N KV blocks "
+                                     "(and its attention sinks), so a stream runs past "
+                                     "max_model_len with bounded KV (default 0: off; needs "
+                                     "--no-enable-prefix-caching)")),
+    ("--attention-sinks", dict(type=int, default=None,
+                               help="tokens at a stream's start whose KV blocks always stay "
+                                    "(default 4 with --streaming-window)")),
     ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction, default=True,
                                      help="reuse the KV of prompt heads already computed "
                                           "(default on)")),

@@ -43,7 +43,9 @@ class Request:
     """A sequence: its prompt, the tokens generated so far and how many have KV in the cache.
 
     `num_computed_tokens` counts tokens whose KV is written; the tokens still to compute are
-    `all_token_ids[num_computed_tokens:]`. Preemption by recompute resets it to zero.
+    `all_token_ids[num_computed_tokens:]`. Preemption by recompute resets it to zero. A
+    streaming request (attention sinks and a window) has dropped `num_evicted_tokens` of them
+    from after its sinks, and its cached tokens sit at positions that many lower.
     """
 
     request_id: str
@@ -56,12 +58,18 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_evicted_tokens: int = 0  # leading window tokens dropped from a streaming cache
     num_preemptions: int = 0
     stop_reason: str | int | None = None
     cache_salt: str | None = None  # requests with different salts never share KV blocks
     priority: int = 0  # under the priority policy, lower values are served first
     tenant: str | None = None  # under the fair policy, tenants share the token budget
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, chained
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Computed tokens whose KV the cache still holds."""
+        return self.num_computed_tokens - self.num_evicted_tokens
 
     @property
     def tenant_key(self) -> str:

@@ -11,9 +11,9 @@ from kvserve.sampling_params import SamplingParams
 def make_scheduler(num_blocks=16, block_size=4, budget=16, max_seqs=8, max_len=1024,
                    policy="chunked", prefix_caching=True, host_blocks=0,
                    preemption_mode="recompute", costs=None, offload_blocks=0, disk_blocks=0,
-                   **config):
+                   sink_blocks=0, window_blocks=0, **config):
     kv = KVCacheManager(num_blocks, block_size, prefix_caching, host_blocks, offload_blocks,
-                        disk_blocks)
+                        disk_blocks, sink_blocks, window_blocks)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                              max_model_len=max_len, policy=policy,
                              preemption_mode=preemption_mode, **config)

@@ -16,6 +16,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         quantized,
         serve,
         step,
+        streaming,
         throughput,
     )
 
@@ -31,3 +32,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     preemption.add_parser(bench_sub)
     priority.add_parser(bench_sub)
     offload.add_parser(bench_sub)
+    streaming.add_parser(bench_sub)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 
 def print_table(rows: list[dict[str, object]], title: str | None = None) -> None:
@@ -25,3 +26,15 @@ def save_json(path: str | None, data: dict[str, object]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
         print(f"saved {path}")
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing off-screen; None (and a note) when it is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'kvserve[bench]'); no plot written")
+        return None
+    return plt

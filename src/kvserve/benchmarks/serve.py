@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvserve.benchmarks.report import print_table, save_json
+from kvserve.benchmarks.report import print_table, pyplot, save_json
 from kvserve.benchmarks.workloads import Workload, variable
 from kvserve.config import SCHEDULER_POLICIES, ModelConfig
 from kvserve.engine_args import add_engine_args, engine_flags
@@ -175,12 +175,8 @@ def sweep(url: str, args: argparse.Namespace, label: str) -> list[dict[str, obje
 
 
 def plot(rows: list[dict[str, object]], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'kvserve[bench]'); no plot written")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for label in dict.fromkeys(str(r["schedule"]) for r in rows):

@@ -30,7 +30,8 @@ class EngineCore:
         self.runner = ModelRunner(config)
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-            config.num_host_kv_blocks, config.num_offload_kv_blocks, config.num_disk_kv_blocks)
+            config.num_host_kv_blocks, config.num_offload_kv_blocks, config.num_disk_kv_blocks,
+            config.sink_blocks, config.cache.streaming_window)
         if self.runner.disk_kv is not None and self.kv_cache.tiers is not None:
             self.kv_cache.tiers.add_disk_blocks(self.runner.disk_kv.scan())
         host = self.runner.host_kv_cache

@@ -4,6 +4,7 @@ stop strings around an EngineCore."""
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -123,21 +124,26 @@ class LLMEngine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       field_name: str = "prompt") -> int:
-        """Validates the request against the context and the KV pool; returns max_tokens."""
+        """Validates the request against the context and the KV pool; returns max_tokens.
+        With a streaming window the cache, not the sequence, is bounded: any length goes."""
         num_prompt = len(prompt_token_ids)
         if not num_prompt:
             raise ValueError(f"{field_name} must not be empty")
-        room = self.max_model_len - num_prompt
-        if room < 1:
-            raise ValueError(f"{field_name} has {num_prompt} tokens; the context limit "
-                             f"(max_model_len) is {self.max_model_len}, leaving no room to "
-                             "generate")
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        if max_tokens > room:
-            raise ValueError(f"max_tokens ({max_tokens}) plus the prompt ({num_prompt} tokens) "
-                             f"exceeds the context limit (max_model_len) of {self.max_model_len}")
         kv = self.core.kv_cache
-        needed = kv.num_blocks_for(num_prompt + max_tokens)
+        if kv.window_blocks:
+            max_tokens = sys.maxsize if params.max_tokens is None else params.max_tokens
+        else:
+            room = self.max_model_len - num_prompt
+            if room < 1:
+                raise ValueError(f"{field_name} has {num_prompt} tokens; the context limit "
+                                 f"(max_model_len) is {self.max_model_len}, leaving no room "
+                                 "to generate")
+            max_tokens = room if params.max_tokens is None else params.max_tokens
+            if max_tokens > room:
+                raise ValueError(f"max_tokens ({max_tokens}) plus the prompt ({num_prompt} "
+                                 f"tokens) exceeds the context limit (max_model_len) of "
+                                 f"{self.max_model_len}")
+        needed = kv.max_blocks_per_request(num_prompt + max_tokens)
         if needed > kv.pool.num_blocks:
             raise ValueError(f"{field_name} with max_tokens needs {needed} KV blocks but the pool "
                              f"(kv_cache_memory) holds {kv.pool.num_blocks}")

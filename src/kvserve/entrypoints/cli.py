@@ -63,7 +63,7 @@ def _quantize(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.benchmarks.cli import add_bench_parser
-    from kvserve.evals import perplexity
+    from kvserve.evals import perplexity, streaming
     from kvserve.tools.make_model import ARCHES, PRESETS
 
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     evals = sub.add_parser("eval", help="model quality through the engine")
     evals_sub = evals.add_subparsers(dest="eval", required=True)
     perplexity.add_parser(evals_sub)
+    streaming.add_parser(evals_sub)
     return parser
 
 

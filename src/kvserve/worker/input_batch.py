@@ -85,7 +85,8 @@ class InputBuffers:
         num_decodes = sum(len(s.token_ids) == 1 for s in ordered)
         num_seqs = len(ordered)
         num_new = np.fromiter((len(s.token_ids) for s in ordered), np.int64, num_seqs)
-        starts = np.fromiter((s.num_computed_tokens for s in ordered), np.int64, num_seqs)
+        starts = np.fromiter((s.num_computed_tokens - s.num_evicted_tokens for s in ordered),
+                             np.int64, num_seqs)
         query_start = self.query_start_loc.host[:num_seqs + 1]
         query_start[0] = 0
         np.cumsum(num_new, out=query_start[1:])

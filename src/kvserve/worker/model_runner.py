@@ -89,8 +89,11 @@ class ModelRunner:
     def _transfer(self, transfers: KVTransfers) -> list[bytes]:
         """Makes the step's KV copies in the order `KVTransfers` gives; returns the hashes of
         disk blocks that could not be read."""
+        for block_ids, num_positions in transfers.shift:
+            self._shift_keys(block_ids, num_positions)
         host, disk = self.host_kv_cache, self.disk_kv
-        assert host is not None
+        if host is None:
+            return []
         if transfers.spill or transfers.promote:
             host.wait()
         if disk is not None:
@@ -103,6 +106,16 @@ class ModelRunner:
                   if disk is None or not disk.read_into(block_hash, host.block(host_block))]
         host.to_device(transfers.to_device)
         return failed
+
+    def _shift_keys(self, block_ids: list[int], num_positions: int) -> None:
+        """Moves the cached keys of `block_ids` `num_positions` back: rotary embeddings turn
+        each key by its position, so turning it by -num_positions re-positions it exactly
+        (up to rounding, which float32 keeps negligible over a window's shifts)."""
+        ids = torch.tensor(block_ids, device=self.kv_cache.device)
+        keys = self.kv_cache[:, 0]  # [layers, kv heads, blocks, block_size, head_dim]
+        rotation = self.model.rotary.freqs_cis[num_positions].conj()
+        pairs = torch.view_as_complex(keys.index_select(2, ids).float().unflatten(-1, (-1, 2)))
+        keys.index_copy_(2, ids, torch.view_as_real(pairs * rotation).flatten(-2).to(keys.dtype))
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Decode steps replay CUDA graphs unless `enforce_eager`; graphs need a backend that

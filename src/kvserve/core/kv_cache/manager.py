@@ -42,11 +42,15 @@ class CachedPrefix:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_host_blocks: int = 0, num_offload_blocks: int = 0,
-                 num_disk_blocks: int = 0) -> None:
+                 num_disk_blocks: int = 0, sink_blocks: int = 0, window_blocks: int = 0
+                 ) -> None:
         """`num_host_blocks` of swap space, then `num_offload_blocks` of host tier for
         evicted prefix blocks (host block ids after the swap space's) and a disk tier of
-        `num_disk_blocks`."""
+        `num_disk_blocks`. With `window_blocks`, every request keeps its first `sink_blocks`
+        and its newest `window_blocks` (StreamingLLM)."""
         self.block_size = block_size
+        self.sink_blocks = sink_blocks
+        self.window_blocks = window_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
@@ -124,7 +128,7 @@ class KVCacheManager:
         cached = prefix.blocks if prefix is not None else []
         held = [b for b in cached if b is not None]
         table = self.block_tables.get(request.request_id, [])
-        num_tokens = (request.num_computed_tokens + len(cached) * self.block_size
+        num_tokens = (request.num_cached_tokens + len(cached) * self.block_size
                       + num_new_tokens)
         needed = self.num_blocks_for(num_tokens) - len(table) - len(held)
         revived = sum(1 for b in held if self.pool.ref_counts[b] == 0)
@@ -182,7 +186,7 @@ class KVCacheManager:
         return request.request_id in self.host_tables
 
     def can_swap_out(self, request: Request) -> bool:
-        needed = self.num_blocks_for(request.num_computed_tokens)
+        needed = self.num_blocks_for(request.num_cached_tokens)
         return (self.host_pool is not None and needed > 0
                 and needed <= self.host_pool.num_free_blocks)
 
@@ -191,7 +195,7 @@ class KVCacheManager:
         its device blocks. Call only when `can_swap_out`."""
         assert self.host_pool is not None
         table = self.block_tables.pop(request.request_id)
-        device = table[:self.num_blocks_for(request.num_computed_tokens)]
+        device = table[:self.num_blocks_for(request.num_cached_tokens)]
         host = self.host_pool.allocate(len(device))
         self.host_tables[request.request_id] = host
         self._num_cached.pop(request.request_id, None)
@@ -209,6 +213,41 @@ class KVCacheManager:
         self.transfers.to_device.extend(zip(host, self.block_tables[request.request_id],
                                             strict=False))
         return True
+
+    def max_blocks_per_request(self, num_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` ever holds at once."""
+        needed = self.num_blocks_for(num_tokens)
+        return min(needed, self.sink_blocks + self.window_blocks) if self.window_blocks else needed
+
+    def window_room(self, request: Request) -> int:
+        """Tokens a streaming request can add without sliding its window (no limit for
+        others)."""
+        if not self.window_blocks:
+            return request.num_tokens
+        return (self.sink_blocks + self.window_blocks) * self.block_size - request.num_cached_tokens
+
+    def slide_window(self, request: Request, num_new_tokens: int) -> int:
+        """Makes room in a streaming request's window for its next chunk, which it returns
+        capped to what the window holds: drops the oldest window blocks the chunk would
+        push past `window_blocks` and moves the keys of the rest back by the tokens dropped,
+        so that the cache's positions stay contiguous after the sinks."""
+        if not self.window_blocks:
+            return num_new_tokens
+        size = self.block_size
+        num_new_tokens = min(num_new_tokens, (self.window_blocks - 1) * size)
+        cached = request.num_cached_tokens
+        excess = (self.num_blocks_for(cached + num_new_tokens)
+                  - self.sink_blocks - self.window_blocks)
+        if excess > 0:
+            table = self.block_tables[request.request_id]
+            first = self.sink_blocks
+            self.pool.free(table[first:first + excess])
+            del table[first:first + excess]
+            request.num_evicted_tokens += excess * size
+            kept = table[first:self.num_blocks_for(cached - excess * size)]
+            if kept:
+                self.transfers.shift.append((kept, excess * size))
+        return num_new_tokens
 
     def take_transfers(self) -> KVTransfers:
         """The copies this step needs, leaving an empty list for the next."""

@@ -19,24 +19,27 @@ class NewRequestData:
 
 @dataclass(slots=True, frozen=True)
 class ScheduledRequest:
-    """Compute KV for `token_ids` at positions `num_computed_tokens ...`; when `sample` is set
-    they end the request's known tokens, so the runner samples the next one."""
+    """Compute KV for `token_ids`, the request's tokens from `num_computed_tokens` on; when
+    `sample` is set they end the request's known tokens, so the runner samples the next one.
+    A streaming request's cache has dropped `num_evicted_tokens`: its tokens go that many
+    positions lower, in the cache and for the rotary embedding."""
 
     request_id: str
     token_ids: list[int]
     num_computed_tokens: int
     block_ids: list[int]
     sample: bool
+    num_evicted_tokens: int = 0
 
 
 @dataclass(slots=True)
 class KVTransfers:
-    """KV block copies between the device pool, host memory and the disk tier, for the runner
-    to make before the step's forward, in this order: spills (host block -> file), deletes,
-    device -> host (requests preempted by swap, cached blocks evicted from the pool),
-    promotions (file -> host block), host -> device (requests resuming, prefix hits in the
-    host tier)."""
+    """KV block work for the runner to do before the step's forward, in this order: key
+    shifts of sliding windows, spills (host block -> file), deletes, device -> host (requests
+    preempted by swap, cached blocks evicted from the pool), promotions (file -> host block),
+    host -> device (requests resuming, prefix hits in the host tier)."""
 
+    shift: list[tuple[list[int], int]] = field(default_factory=list)  # (device blocks, tokens)
     spill: list[tuple[int, bytes]] = field(default_factory=list)  # (host block, block hash)
     delete: list[bytes] = field(default_factory=list)  # files beyond the disk tier's size
     to_host: list[tuple[int, int]] = field(default_factory=list)  # (device, host) blocks
@@ -45,7 +48,7 @@ class KVTransfers:
 
     def __bool__(self) -> bool:
         return bool(self.spill or self.delete or self.to_host or self.promote
-                    or self.to_device)
+                    or self.to_device or self.shift)
 
 
 @dataclass(slots=True)

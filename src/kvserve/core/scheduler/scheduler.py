@@ -90,12 +90,13 @@ class Scheduler:
 
     def _schedule_running(self, candidates: list[Request], out: SchedulerOutput,
                           chunks: dict[str, int], budget: int) -> int:
-        """Gives each running candidate its next chunk, preempting the newest running
+        """Gives each running candidate its next chunk, preempting the lowest-ranked running
         requests while blocks run short; returns the budget left."""
         for request in candidates:
             if request.status != RequestStatus.RUNNING or budget == 0:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self.kv_cache.slide_window(request, num_new)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self._last_ranked()
                 budget += chunks.pop(victim.request_id, 0)
@@ -143,26 +144,30 @@ class Scheduler:
                 budget += chunks.pop(victim.request_id, 0)
                 self._preempt(victim, out)
                 continue
-            chunks[request.request_id] = num_new
-            pending.update(self._blocks_completed_by({request.request_id: num_new}))
-            budget = max(budget - num_new, 0)
+            if num_new:  # zero: swapped in with a full window, it slides from next step on
+                chunks[request.request_id] = num_new
+                pending.update(self._blocks_completed_by({request.request_id: num_new}))
+                budget = max(budget - num_new, 0)
 
     def _start(self, request: Request, cached: CachedPrefix, out: SchedulerOutput,
                budget: int, must_fit: bool, whole_prompts: bool) -> int | None:
         """Moves the waiting request into the running batch with blocks for its first
         chunk (after its `cached` prefix blocks), which it returns; None, changing nothing,
         when it cannot start now."""
-        if self.kv_cache.is_swapped(request):
+        kv = self.kv_cache
+        if kv.is_swapped(request):
             remaining = request.num_tokens - request.num_computed_tokens
-            num_new = remaining if whole_prompts else min(remaining, budget)
-            if not self.kv_cache.swap_in(request, num_new):
+            num_new = min(remaining if whole_prompts else min(remaining, budget),
+                          kv.window_room(request))
+            if not kv.swap_in(request, num_new):
                 return None
         else:
-            num_cached_tokens = len(cached) * self.kv_cache.block_size
+            num_cached_tokens = len(cached) * kv.block_size
             remaining = request.num_tokens - num_cached_tokens
             if must_fit and remaining > budget:
                 return None
-            num_new = remaining if whole_prompts else min(remaining, budget)
+            num_new = kv.slide_window(request, remaining if whole_prompts
+                                      else min(remaining, budget))
             if not self.kv_cache.allocate_slots(request, num_new, cached):
                 return None
             self.kv_cache.record_lookup(request, num_cached_tokens)
@@ -232,6 +237,7 @@ class Scheduler:
             num_computed_tokens=start,
             block_ids=list(self.kv_cache.get_block_ids(request.request_id)),
             sample=request.num_computed_tokens == request.num_tokens,
+            num_evicted_tokens=request.num_evicted_tokens,
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -242,7 +248,7 @@ class Scheduler:
         else:
             self.kv_cache.free(request)
             self._dropped[request.request_id] = request.num_computed_tokens
-            request.num_computed_tokens = 0
+            request.num_computed_tokens = request.num_evicted_tokens = 0
         out.preempted_request_ids.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -274,7 +280,9 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue
             request.output_token_ids.extend(token_ids)
-            status = check_stop(request, self.config.max_model_len)
+            # A streaming window bounds the cache, not the stream.
+            max_len = None if self.kv_cache.window_blocks else self.config.max_model_len
+            status = check_stop(request, max_len)
             if status is not None:
                 self._finish(request, status)
             updated.append(request)
