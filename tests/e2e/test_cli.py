@@ -148,3 +148,25 @@ def test_bench_preemption_and_priority_report_every_mode(llama_dir, tmp_path):
     saved = json.loads(out.read_text())
     assert [(r["policy"], r["class"]) for r in saved["rows"]] == [
         (p, c) for p in ("fcfs", "priority", "fair") for c in ("favoured", "other")]
+
+
+def test_streaming_eval_and_bench_keep_the_cache_bounded(llama_dir, tmp_path):
+    import json
+
+    out = tmp_path / "streaming.json"
+    run = kvserve("eval", "streaming", str(llama_dir), "--num-tokens", "600",
+                  "--window-tokens", "128", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    rows = {row["config"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"in-window (dense)", "dense, whole text", "sinks + window",
+                         "window only"}
+    assert rows["sinks + window"]["tokens scored"] == rows["in-window (dense)"]["tokens scored"]
+    run = kvserve("bench", "streaming", "--model", str(llama_dir), "--streaming-window", "4",
+                  "--no-enable-prefix-caching", "--max-model-len", "128", "--num-tokens", "300",
+                  "--report-every", "100", "--recompute-tokens", "2", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    saved = json.loads(out.read_text())
+    assert [row["tokens"] for row in saved["rows"]] == [100, 200, 300]
+    assert saved["summary"]["peak KV blocks"] == 5  # a sink block and a window of four
+    bad = kvserve("bench", "streaming", "--model", str(llama_dir))
+    assert bad.returncode == 2 and "needs --streaming-window" in bad.stderr

@@ -34,12 +34,18 @@ def kv_bytes_for_blocks(path: Path, num_blocks: int, block_size: int = 16) -> in
     return ModelConfig.from_pretrained(path).kv_bytes_per_token * block_size * num_blocks
 
 
-def run_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+def assert_no_blocks_held(llm: LLM) -> None:
+    """The pool is consistent and every device and host block is back."""
     kv = llm.engine.core.kv_cache
     kv.check_integrity()
     assert kv.num_used_blocks == 0 and kv.num_used_host_blocks == 0
+
+
+def run_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
+               ) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_no_blocks_held(llm)
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -106,9 +112,7 @@ def test_priority_and_fair_preemption_keep_greedy_outputs(model_dirs, policy):
     for index, prompt in enumerate(prompts):
         got = outputs[str(index)].outputs[0].token_ids
         assert got == hf_greedy(path, tuple(prompt), MAX_TOKENS), f"prompt of {len(prompt)}"
-    kv = engine.core.kv_cache
-    kv.check_integrity()
-    assert kv.num_used_blocks == 0 and kv.num_used_host_blocks == 0
+    assert_no_blocks_held(llm)
     assert engine.core.scheduler.num_swapped_preemptions > 0
 
 

@@ -10,7 +10,12 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from tests.conftest import random_prompts
-from tests.models.test_hf_equivalence import MAX_TOKENS, hf_greedy, kv_bytes_for_blocks
+from tests.models.test_hf_equivalence import (
+    MAX_TOKENS,
+    assert_no_blocks_held,
+    hf_greedy,
+    kv_bytes_for_blocks,
+)
 
 
 def prompts_sharing_heads() -> list[list[int]]:
@@ -33,9 +38,7 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     for prompt in prompts:  # one at a time, so each finds what the earlier ones left
         out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
         outputs.append(out[0].outputs[0].token_ids)
-    kv = llm.engine.core.kv_cache
-    kv.check_integrity()
-    assert kv.num_used_blocks == 0 and kv.num_used_host_blocks == 0
+    assert_no_blocks_held(llm)
     return outputs
 
 

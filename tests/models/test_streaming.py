@@ -7,22 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 from kvserve.attention.torch_ref import apply_rotary
 from tests.conftest import random_prompts
-from tests.models.test_hf_equivalence import MAX_TOKENS, hf_greedy, kv_bytes_for_blocks
+from tests.models.test_hf_equivalence import (
+    MAX_TOKENS,
+    hf_greedy,
+    kv_bytes_for_blocks,
+    run_greedy,
+)
 
 STREAM = dict(enable_prefix_caching=False, streaming_window=4, attention_sinks=4,
               max_model_len=128)
-
-
-def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    kv = llm.engine.core.kv_cache
-    kv.check_integrity()
-    assert kv.num_used_blocks == 0 and kv.num_used_host_blocks == 0
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_shifted_keys_equal_keys_rotated_at_the_lower_position(llama_dir):
@@ -47,26 +43,26 @@ def test_shifted_keys_equal_keys_rotated_at_the_lower_position(llama_dir):
 def test_a_window_that_never_slides_matches_transformers(llama_dir):
     prompts = random_prompts([7, 40], seed=8)
     llm = LLM(str(llama_dir), enable_prefix_caching=False, streaming_window=8)
-    assert greedy(llm, prompts, MAX_TOKENS) == [hf_greedy(llama_dir, tuple(p), MAX_TOKENS)
-                                                for p in prompts]
+    assert run_greedy(llm, prompts) == [hf_greedy(llama_dir, tuple(p), MAX_TOKENS)
+                                        for p in prompts]
 
 
 @pytest.mark.parametrize("budget", [1, 32])
 def test_streams_past_max_model_len_in_constant_blocks(llama_dir, budget):
     llm = LLM(str(llama_dir), max_num_batched_tokens=budget, **STREAM)
     prompts = random_prompts([3, 70], seed=9)
-    outputs = greedy(llm, prompts, 300)
+    outputs = run_greedy(llm, prompts, 300)
     assert [len(o) for o in outputs] == [300, 300]  # far past max_model_len (128)
     stats = llm.get_stats()
     assert stats.kv_blocks_peak <= 2 * (1 + 4)  # a sink block and four window blocks each
     reference = LLM(str(llama_dir), **STREAM)
-    assert greedy(reference, prompts, 300) == outputs
+    assert run_greedy(reference, prompts, 300) == outputs
 
 
 def test_a_swapped_stream_continues_exactly(llama_dir):
     prompts = random_prompts([3, 70, 20], seed=10)
-    alone = greedy(LLM(str(llama_dir), **STREAM), prompts, 150)
+    alone = run_greedy(LLM(str(llama_dir), **STREAM), prompts, 150)
     crowded = LLM(str(llama_dir), preemption_mode="swap",
                   kv_cache_memory=kv_bytes_for_blocks(llama_dir, 11), **STREAM)
-    assert greedy(crowded, prompts, 150) == alone
+    assert run_greedy(crowded, prompts, 150) == alone
     assert crowded.engine.core.scheduler.num_swapped_preemptions > 0

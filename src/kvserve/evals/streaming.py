@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 from typing import Any
 
 from kvserve.benchmarks.report import print_table, pyplot, save_json
@@ -78,7 +79,8 @@ def run(args: argparse.Namespace) -> None:
     print_table(rows, title=f"{args.model}: {len(text)} held-out tokens, perplexity after "
                             f"the first {window}")
     if args.png:
-        plot(curves, args.segment, args.png, f"{args.model}, cache of {window} tokens")
+        plot(curves, args.segment, args.png,
+             f"{Path(args.model).name}: {len(text)} held-out tokens, a cache of {window}")
     save_json(args.json, {"eval": "streaming", "model": args.model, "num_tokens": len(text),
                           "window_tokens": window, "sinks": args.sinks, "rows": rows})
 
@@ -89,10 +91,10 @@ def plot(curves: dict[str, list[float | None]], segment: int, path: str, title: 
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
-    for label, nlls in curves.items():
+    for (label, nlls), style in zip(curves.items(), ("-", "-", "-", "--"), strict=True):
         starts = range(0, len(nlls) - segment + 1, segment)
         ax.plot([s + segment for s in starts],
-                [perplexity(nlls[s:s + segment]) for s in starts], label=label)
+                [perplexity(nlls[s:s + segment]) for s in starts], style, label=label)
     ax.set_yscale("log")
     ax.set_xlabel("tokens into the text")
     ax.set_ylabel(f"perplexity (per {segment} tokens)")
