@@ -85,3 +85,17 @@ def test_another_model_never_reads_the_disk_tier(model_dirs, tmp_path):
     run(other, prompts_sharing_heads())
     assert other.get_stats().prefix_cache_disk_hits == 0
     assert len(list(tmp_path.iterdir())) == 2  # a folder per model identity
+
+
+def test_a_cache_salt_never_reads_blocks_offloaded_without_it(model_dirs, expected, tmp_path):
+    llm = offload_llm(model_dirs["llama"], tmp_path)
+    run(llm, prompts_sharing_heads() * 2)
+    before = llm.get_stats()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for prompt, tokens in zip(prompts_sharing_heads(), expected, strict=False):
+        out = llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-b"}, params,
+                           use_tqdm=False)
+        assert out[0].outputs[0].token_ids == tokens
+    after = llm.get_stats()
+    assert after.prefix_cache_hits == before.prefix_cache_hits  # no tier served a salted head
+    assert_no_blocks_held(llm)

@@ -17,9 +17,22 @@ def test_uncached_blocks_are_reused_first_and_cached_ones_in_release_order():
     pool.cache(1, b"h1")
     pool.free([1, 3, 0, 2])  # uncached 3 and 2 go to the front, cached 1 and 0 to the back
     assert pool.free_block_ids() == [2, 3, 4, 1, 0]
-    assert pool.allocate(4) == [2, 3, 4, 1]  # the least recently released cached block goes
+    # the least recently released cached block goes; a request gets its blocks ascending
+    assert pool.allocate(4) == [1, 2, 3, 4]
     assert pool.lookup(b"h1") is None and pool.lookup(b"h0") == 0
     assert pool.ref_counts == [0, 1, 1, 1, 1]
+
+
+def test_a_growing_table_takes_the_next_block_when_it_is_free_and_caches_nothing():
+    pool = BlockPool(8)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(2) == [2, 3]
+    assert pool.allocate(1) == [4]
+    pool.cache(4, b"h4")
+    pool.free([4])  # cached: it waits at the back, in eviction order, for its hash's sake
+    assert pool.allocate(1, after=3) == [5]  # so 3's successor is not taken: the front is
+    pool.free([2, 3])
+    assert pool.allocate(3, after=1) == [2, 3, 6]  # 2 and 3 follow 1; then the front
 
 
 def test_allocate_more_than_free_raises():

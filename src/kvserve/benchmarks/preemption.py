@@ -4,8 +4,9 @@ One engine runs the same batch under each preemption mode in turn (recompute, sw
 interleaved over the runs, with the prefix cache reset between them); its pool holds only a
 fraction of the KV the whole batch grows to, so running requests are preempted as their
 decodes grow. Reported per mode: the median wall time and throughput, how many preemptions
-swapped, the computed tokens recompute dropped, and what the engine's cost model (the
-measured copy and prefill rates) says each mode spent on preemption.
+swapped, the tokens recompute computed again, the blocks swapped and in how many copies
+(runs of consecutive blocks), and what the engine's cost model (the measured copy and
+prefill rates) says each mode spent on preemption.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def timed_run(llm: Any, prompts: list[dict[str, Any]], params: list[SamplingPara
     before = llm.get_stats()
     host = engine.core.runner.host_kv_cache
     blocks_before = host.num_blocks_copied if host is not None else 0
+    copies_before = host.num_copies if host is not None else 0
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     synchronize(engine.config.device)
@@ -42,12 +44,14 @@ def timed_run(llm: Any, prompts: list[dict[str, Any]], params: list[SamplingPara
     costs = engine.core.scheduler.costs
     recomputed = after.num_recomputed_tokens - before.num_recomputed_tokens
     copied = (host.num_blocks_copied if host is not None else 0) - blocks_before
+    copies = (host.num_copies if host is not None else 0) - copies_before
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {
         "wall s": wall, "out tok/s": num_out / wall,
         "preemptions": after.num_preemptions - before.num_preemptions,
         "swapped": after.num_swapped_preemptions - before.num_swapped_preemptions,
         "recomputed tokens": recomputed, "blocks copied": copied,
+        "copies": copies,  # runs of consecutive blocks: one strided copy each
         "est. preemption s": (copied * costs.swap_seconds_per_block
                               + (costs.recompute_seconds(recomputed) or 0.0)),
     }

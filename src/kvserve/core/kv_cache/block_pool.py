@@ -34,20 +34,33 @@ class BlockPool:
         """Blocks nobody holds, cached or not: all of them can be allocated."""
         return len(self._free)
 
-    def allocate(self, count: int) -> list[int]:
-        """Takes `count` blocks from the front of the free list, each with one reference,
-        evicting whatever they cached."""
+    def allocate(self, count: int, after: int | None = None) -> list[int]:
+        """Takes `count` blocks, each with one reference, evicting whatever they cached: first
+        the blocks right after block `after` while they are free and cache nothing (so a
+        growing request's blocks stay consecutive), then from the front of the free list,
+        in ascending order. Consecutive blocks make a swap or a transfer a few large copies
+        instead of one per block."""
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} blocks with {len(self._free)} free")
         block_ids = []
-        for _ in range(count):
+        if after is not None:
+            block_id = after + 1
+            while (len(block_ids) < count and block_id in self._free
+                   and self.block_hashes[block_id] is None):
+                del self._free[block_id]
+                block_ids.append(block_id)
+                block_id += 1
+        taken = []
+        for _ in range(count - len(block_ids)):
             block_id, _ = self._free.popitem(last=False)
             block_hash = self.block_hashes[block_id]
             if block_hash is not None and self.on_evict is not None:
                 self.on_evict(block_id, block_hash)
             self._evict(block_id)
+            taken.append(block_id)
+        block_ids += sorted(taken)
+        for block_id in block_ids:
             self.ref_counts[block_id] = 1
-            block_ids.append(block_id)
         return block_ids
 
     def touch(self, block_ids: list[int]) -> None:

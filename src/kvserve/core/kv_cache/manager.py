@@ -142,7 +142,7 @@ class KVCacheManager:
             tiers = self.tiers
             pinned = [tiers.pin(h) for b, h in zip(cached, prefix.hashes, strict=True)
                       if b is None] if tiers is not None else []
-            fresh = self.pool.allocate(needed)
+            fresh = self.pool.allocate(needed, after=held[-1] if held else None)
             for block_id in cached:
                 table.append(block_id if block_id is not None else fresh.pop(0))
             for host_block, index in zip(pinned, [i for i, b in enumerate(cached) if b is None],
@@ -150,7 +150,7 @@ class KVCacheManager:
                 tiers.load(host_block, table[index])
             table.extend(fresh)
         elif needed > 0:
-            table.extend(self.pool.allocate(needed))
+            table.extend(self.pool.allocate(needed, after=table[-1] if table else None))
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return True
 
