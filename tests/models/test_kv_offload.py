@@ -39,6 +39,10 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
         out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
         outputs.append(out[0].outputs[0].token_ids)
     assert_no_blocks_held(llm)
+    disk = llm.engine.core.runner.disk_kv
+    if disk is not None:  # no file the tier forgot, none it lists that is gone
+        on_disk = {path.stem for path in disk.folder.glob("*.kv")}
+        assert on_disk == {h.hex() for h in llm.engine.core.kv_cache.tiers.disk}
     return outputs
 
 
