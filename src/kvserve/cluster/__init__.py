@@ -1,0 +1,1 @@
+"""Several engine replicas behind one endpoint."""
