@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.selector import get_attention_backend
+from kvserve.attention.torch_ref import apply_rotary
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler.output import KVTransfers, ModelRunnerOutput, SchedulerOutput
 from kvserve.models.loader import load_model
@@ -114,8 +115,7 @@ class ModelRunner:
         ids = torch.tensor(block_ids, device=self.kv_cache.device)
         keys = self.kv_cache[:, 0]  # [layers, kv heads, blocks, block_size, head_dim]
         rotation = self.model.rotary.freqs_cis[num_positions].conj()
-        pairs = torch.view_as_complex(keys.index_select(2, ids).float().unflatten(-1, (-1, 2)))
-        keys.index_copy_(2, ids, torch.view_as_real(pairs * rotation).flatten(-2).to(keys.dtype))
+        keys.index_copy_(2, ids, apply_rotary(keys.index_select(2, ids), rotation))
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Decode steps replay CUDA graphs unless `enforce_eager`; graphs need a backend that

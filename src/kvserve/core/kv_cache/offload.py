@@ -51,6 +51,10 @@ class OffloadTiers:
             return
         self.transfers.spill.append((self.offset + host_block, block_hash))
         self.disk[block_hash] = None
+        self._trim_disk()
+
+    def _trim_disk(self) -> None:
+        """Deletes the least recently used files beyond the disk tier's size."""
         while len(self.disk) > self.num_disk_blocks:
             self.transfers.delete.append(self.disk.popitem(last=False)[0])
 
@@ -104,8 +108,7 @@ class OffloadTiers:
         """Registers files found at start (oldest first), deleting beyond the size."""
         for block_hash in block_hashes:
             self.disk[block_hash] = None
-        while len(self.disk) > self.num_disk_blocks:
-            self.transfers.delete.append(self.disk.popitem(last=False)[0])
+        self._trim_disk()
 
     def reset(self) -> None:
         """Forgets every offloaded block: host blocks are dropped and files deleted."""
