@@ -42,7 +42,7 @@ def test_a_follow_up_chat_turn_reuses_the_earlier_turn(llama_dir):
     chat = [{"role": "system", "content": "You answer briefly. " * 8},
             {"role": "user", "content": "What is a KV cache?"}]
     reply = llm.chat(chat, params, use_tqdm=False)[0].outputs[0].text
-    turn1_tokens = len(llm.engine.apply_chat_template(chat))
+    turn1_tokens = len(llm.engine.inputs.apply_chat_template(chat))
     before = llm.get_stats().prefix_cache_hits
     chat += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}]
     llm.chat(chat, params, use_tqdm=False)

@@ -15,10 +15,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
+
+from prometheus_client import generate_latest
 
 from kvserve.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
-from kvserve.engine.llm_engine import LLMEngine, ParentRequest, PromptType
+from kvserve.engine.input_processor import ParentRequest, PromptType
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.errors import EngineOverloadedError
 from kvserve.outputs import RequestOutput
@@ -27,14 +30,24 @@ from kvserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class OutputSink(Protocol):
+    """Where the engine thread hands a request's outputs, or the error that ended it."""
+
+    def put(self, item: RequestOutput | BaseException) -> None: ...
+
+
+class StreamOwner(Protocol):
+    def abort(self, request_id: str) -> None: ...
+
+
 class RequestStream:
     """The outputs of one request, as an async iterator of its cumulative state after every
     step it advances in; the last has `finished=True`. `close()` before the end aborts it."""
 
-    def __init__(self, request_id: str, llm: AsyncLLM) -> None:
+    def __init__(self, request_id: str, owner: StreamOwner) -> None:
         self.request_id = request_id
         self.finished = False
-        self._llm = llm
+        self._owner = owner
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
@@ -53,15 +66,12 @@ class RequestStream:
             self.close()
             raise item
         self.finished = item.finished
-        if self.finished:
-            self._llm.forget(self.request_id)
         return item
 
     def close(self) -> None:
         if not self.finished:
             self.finished = True
-            self._llm.forget(self.request_id)
-            self._llm.abort(self.request_id)
+            self._owner.abort(self.request_id)
 
 
 class AsyncLLM:
@@ -72,10 +82,12 @@ class AsyncLLM:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
+        self.inputs = self.engine.inputs
         self.max_waiting_requests = max_waiting_requests
         self.metrics = EngineMetrics(model_name or model)
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
+        # Added on the event loop; the engine thread drops those that finish.
+        self._sinks: dict[str, OutputSink] = {}
         # Requests handed to the engine thread, and those it has added: each counter is
         # written by one thread only, so their difference needs no lock.
         self._num_submitted = 0
@@ -93,10 +105,7 @@ class AsyncLLM:
         """Validates every prompt, then queues them all; one stream per prompt. Raises
         ValueError naming the field (`prompt[i]` for lists) or EngineOverloadedError when the
         waiting queue is full, before anything is queued."""
-        many = len(prompts) > 1
-        prepared = [self.engine.prepare_request(p, params, field_name=f"prompt[{i}]" if many
-                                                else "prompt")
-                    for i, p in enumerate(prompts)]
+        prepared = self.inputs.prepare_requests(prompts, params)
         if self.num_waiting + len(prepared) > self.max_waiting_requests:
             raise EngineOverloadedError(
                 f"the waiting queue is full (max_waiting_requests={self.max_waiting_requests});"
@@ -104,8 +113,7 @@ class AsyncLLM:
         streams = []
         for parent, max_tokens in prepared:
             stream = RequestStream(parent.request_id, self)
-            self._streams[parent.request_id] = stream
-            self._submit(stream, parent, params, max_tokens)
+            self.add_prepared(parent, params, max_tokens, stream)
             streams.append(stream)
         return streams
 
@@ -118,8 +126,10 @@ class AsyncLLM:
         finally:
             stream.close()
 
-    def _submit(self, stream: RequestStream, parent: ParentRequest, params: SamplingParams,
-                max_tokens: int) -> None:
+    def add_prepared(self, parent: ParentRequest, params: SamplingParams, max_tokens: int,
+                     sink: OutputSink) -> None:
+        """Queues a validated request; the engine thread hands its outputs to `sink`."""
+        self._sinks[parent.request_id] = sink
         self._num_submitted += 1
         arrival = time.monotonic()
 
@@ -128,24 +138,27 @@ class AsyncLLM:
             try:
                 self.engine.add_validated(parent, params, max_tokens)
             except ValueError as e:
-                stream.put(e)
+                sink.put(e)
                 return
             self.metrics.on_arrival(parent.request_id, arrival, params.n, parent.priority,
                                     parent.tenant)
 
         self._commands.put(add)
 
-    def forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-
     def abort(self, request_id: str) -> None:
         """Stops a request before the next step and returns its KV blocks to the pool."""
+        self._sinks.pop(request_id, None)
         self._commands.put(lambda: self._abort_now(request_id))
 
     def _abort_now(self, request_id: str) -> None:
         """On the engine thread: ends the request and counts it as aborted."""
         self.engine.abort_request(request_id)
         self.metrics.on_abort(request_id)
+
+    async def render_metrics(self) -> bytes:
+        """The Prometheus exposition of this engine's metrics."""
+        self.metrics.observe_state(self.engine)
+        return generate_latest(self.metrics.registry)
 
     def shutdown(self) -> None:
         self._commands.put(None)
@@ -165,9 +178,10 @@ class AsyncLLM:
                 continue
             self.metrics.on_step(self.engine, outputs)
             for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(_snapshot(out))
+                sink = (self._sinks.pop(out.request_id, None) if out.finished
+                        else self._sinks.get(out.request_id))
+                if sink is not None:
+                    sink.put(_snapshot(out))
 
     def _apply_commands(self, block: bool) -> bool:
         """Runs queued commands (waiting for one if `block`); False once shut down."""
@@ -184,9 +198,10 @@ class AsyncLLM:
         return False
 
     def _fail_all(self, error: Exception) -> None:
-        for request_id, stream in list(self._streams.items()):
+        for request_id, sink in list(self._sinks.items()):
             self._abort_now(request_id)
-            stream.put(RuntimeError(f"the engine failed while running this request: {error}"))
+            self._sinks.pop(request_id, None)
+            sink.put(RuntimeError(f"the engine failed while running this request: {error}"))
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:

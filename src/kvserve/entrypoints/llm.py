@@ -8,7 +8,8 @@ from typing import Any
 from tqdm import tqdm
 
 from kvserve.config import EngineConfig
-from kvserve.engine.llm_engine import LLMEngine, ParentRequest, PromptType
+from kvserve.engine.input_processor import ParentRequest, PromptType
+from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.prefix_sharing import sharing_order
 from kvserve.outputs import EngineStats, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -78,7 +79,7 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts: list[PromptType] = []
         for i, conversation in enumerate(conversations):
-            ids = self.engine.apply_chat_template(conversation, add_generation_prompt,
+            ids = self.engine.inputs.apply_chat_template(conversation, add_generation_prompt,
                                                   f"messages[{i}]")
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -87,7 +88,8 @@ class LLM:
                   ) -> list[tuple[ParentRequest, SamplingParams, int]]:
         checked = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            parent, max_tokens = self.engine.prepare_request(prompt, p, field_name=f"prompts[{i}]")
+            parent, max_tokens = self.engine.inputs.prepare_request(
+                prompt, p, field_name=f"prompts[{i}]")
             checked.append((parent, p, max_tokens))
         return checked
 

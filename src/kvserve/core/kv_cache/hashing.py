@@ -13,6 +13,7 @@ from array import array
 from collections.abc import Sequence
 
 from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
 
 BlockHash = bytes
 
@@ -39,3 +40,11 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
         hashes.append(hash_block(hashes[-1] if hashes else None, tokens,
                                  request_extra_keys(request) if index == 0 else ()))
     return hashes
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None
+                        ) -> list[BlockHash]:
+    """The hashes a prompt's full blocks will have on any engine, for routing it before it
+    reaches one."""
+    request = Request("", token_ids, SamplingParams(), cache_salt=cache_salt)
+    return update_block_hashes(request, block_size)

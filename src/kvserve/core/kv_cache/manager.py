@@ -214,11 +214,6 @@ class KVCacheManager:
                                             strict=False))
         return True
 
-    def max_blocks_per_request(self, num_tokens: int) -> int:
-        """The most blocks a request of `num_tokens` ever holds at once."""
-        needed = self.num_blocks_for(num_tokens)
-        return min(needed, self.sink_blocks + self.window_blocks) if self.window_blocks else needed
-
     def window_room(self, request: Request) -> int:
         """Tokens a streaming request can add without sliding its window (no limit for
         others)."""

@@ -1,4 +1,5 @@
-"""`kvserve serve`: an OpenAI-compatible HTTP server over `AsyncLLM` (FastAPI + uvicorn).
+"""`kvserve serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine
+(`AsyncLLM`) or a cluster of replicas (`ClusterLLM`).
 
 Every error a client can cause is answered in OpenAI's error JSON with a 4xx/503 status;
 a client that disconnects has its request aborted before the engine's next step.
@@ -17,20 +18,19 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvserve
 from kvserve.config import DEFAULT_MAX_REQUEST_BYTES
-from kvserve.entrypoints.async_llm import AsyncLLM
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorInfo,
     ErrorResponse,
 )
-from kvserve.entrypoints.openai.serving import now
+from kvserve.entrypoints.openai.serving import ServingBackend, now
 from kvserve.entrypoints.openai.serving_chat import ChatServer
 from kvserve.entrypoints.openai.serving_completions import CompletionServer
 from kvserve.errors import EngineOverloadedError
@@ -139,7 +139,7 @@ async def _until_disconnected(request: Request, events: AsyncIterator[str]
         await events.aclose()  # type: ignore[attr-defined]
 
 
-def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
+def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="kvserve", version=kvserve.__version__)
     completions = CompletionServer(llm, config.model_name)
     chat = ChatServer(llm, config.model_name)
@@ -202,14 +202,13 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        llm.metrics.observe_state(llm.engine)
-        return Response(generate_latest(llm.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await llm.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": config.model_name, "object": "model", "created": now(), "owned_by": "kvserve",
-            "max_model_len": llm.engine.max_model_len}]}
+            "max_model_len": llm.inputs.max_model_len}]}
 
     async def respond(server: CompletionServer | ChatServer,
                       body: CompletionRequest | ChatCompletionRequest, request: Request) -> Any:
@@ -231,7 +230,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     return app
 
 
-def serve(llm: AsyncLLM, config: ServerConfig, host: str, port: int) -> None:
+def serve(llm: ServingBackend, config: ServerConfig, host: str, port: int) -> None:
     import uvicorn
 
     url = f"http://{host}:{port}"

@@ -10,16 +10,31 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from kvserve.entrypoints.async_llm import AsyncLLM, RequestStream
+from kvserve.engine.input_processor import InputProcessor, PromptType
+from kvserve.entrypoints.async_llm import RequestStream
 from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+class ServingBackend(Protocol):
+    """What the server runs on: one engine (`AsyncLLM`) or a cluster of them (`ClusterLLM`)."""
+
+    inputs: InputProcessor
+
+    def add_requests(self, prompts: list[PromptType], params: SamplingParams
+                     ) -> list[RequestStream]: ...
+
+    async def render_metrics(self) -> bytes: ...
+
+    def shutdown(self) -> None: ...
 
 
 class Serving:
     """A route's handler: the engine and the model name its responses carry."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str) -> None:
+    def __init__(self, llm: ServingBackend, model_name: str) -> None:
         self.llm = llm
         self.model_name = model_name
 

@@ -33,7 +33,7 @@ class ChatServer(Serving):
                       else request.max_tokens)
         params = request.sampling_params(
             max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
-        ids = self.llm.engine.apply_chat_template(
+        ids = self.llm.inputs.apply_chat_template(
             [m.template_dict() for m in request.messages], request.add_generation_prompt)
         stream = self.llm.add_requests([request.engine_prompt({"prompt_token_ids": ids})],
                                        params)[0]
@@ -85,7 +85,7 @@ class ChatServer(Serving):
         if c.logprobs is None:
             return None
         top = request.top_logprobs or 0
-        decode = self.llm.engine.tokenizer.decode
+        decode = self.llm.inputs.tokenizer.decode
 
         def entry(token_id: int, lp: Logprob) -> dict[str, Any]:
             token = lp.decoded_token if lp.decoded_token is not None else decode([token_id])

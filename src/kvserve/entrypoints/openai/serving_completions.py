@@ -60,7 +60,7 @@ class CompletionServer(Serving):
             return ""
         if out.prompt is not None:
             return out.prompt
-        return self.llm.engine.tokenizer.decode(out.prompt_token_ids)
+        return self.llm.inputs.tokenizer.decode(out.prompt_token_ids)
 
     async def full(self, request: CompletionRequest) -> dict[str, Any]:
         params, streams = self.start(request)
@@ -111,7 +111,7 @@ class CompletionServer(Serving):
         """OpenAI's legacy completions layout for tokens [start, end)."""
         if c.logprobs is None:
             return None
-        decode = self.llm.engine.tokenizer.decode
+        decode = self.llm.inputs.tokenizer.decode
         tokens = [decode([t]) for t in c.token_ids[start:end]]
         offsets, position = [], len(decode(c.token_ids[:start]))
         for token in tokens:
