@@ -20,7 +20,7 @@ install: $(BIN)/python
 
 install-test: $(BIN)/python
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,cluster]'
 
 $(MODEL)/config.json: | install
 	$(BIN)/kvserve make-model $(PRESET) --output $(MODEL)

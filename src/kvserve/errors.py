@@ -1,4 +1,5 @@
-"""Errors raised for input the engine cannot accept; each message names the field and the limit."""
+"""Errors the engine raises to callers: input it cannot accept (each message names the field
+and the limit), overload, and requests that failed underneath."""
 
 
 class CheckpointError(ValueError):
@@ -7,3 +8,7 @@ class CheckpointError(ValueError):
 
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is at its bound (`max_waiting_requests`); retry later."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine (or the replica) running a request failed; the request ended unfinished."""

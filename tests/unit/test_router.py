@@ -1,5 +1,6 @@
 """Routing requests among replicas, on plain Python objects: round-robin, least-loaded, and
-a prefix-aware router whose approximate view keeps shared heads on one replica."""
+a prefix-aware router whose approximate view keeps shared heads on one replica; and the
+merge of the replicas' metrics."""
 
 import random
 
@@ -97,3 +98,24 @@ def test_prefix_aware_routing_beats_round_robin_on_shared_heads():
     # Each group's head is computed once per replica it reaches: once, against twice.
     assert prefix_aware > round_robin
     assert prefix_aware == pytest.approx((24 - 4) * 16 / (24 * 19))
+
+
+def test_replica_metrics_merge_with_a_total():
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+
+    from kvserve.cluster.metrics import merge_replica_families
+
+    families = {}
+    for replica, (tokens, latency) in enumerate([(3, 0.2), (5, 2.0)]):
+        registry = CollectorRegistry()
+        Counter("tok", "tokens", ["model_name"], registry=registry).labels("m").inc(tokens)
+        Histogram("lat", "latency", ["model_name"], buckets=(1.0,),
+                  registry=registry).labels("m").observe(latency)
+        families[replica] = list(registry.collect())
+    samples = {(s.name, s.labels.get("le"), s.labels["replica"]): s.value
+               for family in merge_replica_families(families) for s in family.samples}
+    assert samples[("tok_total", None, "0")] == 3
+    assert samples[("tok_total", None, "all")] == 8
+    assert samples[("lat_bucket", "1.0", "all")] == 1
+    assert samples[("lat_count", None, "all")] == 2
+    assert ("tok_created", None, "all") not in samples

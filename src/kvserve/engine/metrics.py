@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.outputs import EngineStats, RequestOutput
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
                     80.0, 160.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 # Tenants beyond this many distinct names share the label "other", so that a client that
@@ -43,23 +43,23 @@ class EngineMetrics:
                                 labelnames=["model_name", "finish_reason"],
                                 registry=self.registry)
         self.ttft = Histogram("kvserve_time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, **labels)
+                              buckets=LATENCY_BUCKETS, **labels)
         self.tpot = Histogram("kvserve_time_per_output_token_seconds",
                               "Mean time per output token after the first, per request",
                               buckets=_TPOT_BUCKETS, **labels)
         self.e2e = Histogram("kvserve_e2e_request_latency_seconds", "Arrival to last token",
-                             buckets=_LATENCY_BUCKETS, **labels)
+                             buckets=LATENCY_BUCKETS, **labels)
         self.queue_time = Histogram("kvserve_request_queue_time_seconds",
                                     "Arrival to first scheduled step",
-                                    buckets=_LATENCY_BUCKETS, **labels)
+                                    buckets=LATENCY_BUCKETS, **labels)
         by_class = {"labelnames": ["model_name", "priority", "tenant"],
                     "registry": self.registry}
         self.class_ttft = Histogram(
             "kvserve_class_time_to_first_token_seconds",
-            "Time to first token by priority and tenant", buckets=_LATENCY_BUCKETS, **by_class)
+            "Time to first token by priority and tenant", buckets=LATENCY_BUCKETS, **by_class)
         self.class_queue_time = Histogram(
             "kvserve_class_request_queue_time_seconds",
-            "Arrival to first scheduled step by priority and tenant", buckets=_LATENCY_BUCKETS,
+            "Arrival to first scheduled step by priority and tenant", buckets=LATENCY_BUCKETS,
             **by_class)
         self.class_tpot = Histogram(
             "kvserve_class_time_per_output_token_seconds",

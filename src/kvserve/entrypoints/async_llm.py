@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,7 +24,7 @@ from kvserve.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
 from kvserve.engine.input_processor import ParentRequest, PromptType
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.metrics import EngineMetrics
-from kvserve.errors import EngineOverloadedError
+from kvserve.errors import EngineOverloadedError, RequestFailedError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -155,6 +156,11 @@ class AsyncLLM:
         self.engine.abort_request(request_id)
         self.metrics.on_abort(request_id)
 
+    def describe(self) -> list[dict[str, Any]]:
+        """The one replica this is, in `ClusterLLM.describe`'s form."""
+        return [{"replica": 0, "healthy": self._thread.is_alive(), "pid": os.getpid(),
+                 "num_requests": len(self._sinks)}]
+
     async def render_metrics(self) -> bytes:
         """The Prometheus exposition of this engine's metrics."""
         self.metrics.observe_state(self.engine)
@@ -201,7 +207,8 @@ class AsyncLLM:
         for request_id, sink in list(self._sinks.items()):
             self._abort_now(request_id)
             self._sinks.pop(request_id, None)
-            sink.put(RuntimeError(f"the engine failed while running this request: {error}"))
+            sink.put(RequestFailedError(
+                f"the engine failed while running this request: {error}"))
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:

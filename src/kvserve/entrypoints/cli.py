@@ -31,12 +31,20 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from kvserve.entrypoints.async_llm import AsyncLLM
     from kvserve.entrypoints.openai.server import ServerConfig, serve
 
     name = args.served_model_name or args.model
-    llm = AsyncLLM(**engine_kwargs(args), model_name=name,  # type: ignore[arg-type]
+    options = dict(engine_kwargs(args), model_name=name,
                    max_waiting_requests=args.max_waiting_requests)
+    if args.data_parallel_size > 1 or args.ray_address:
+        from kvserve.cluster.cluster_llm import ClusterLLM
+
+        llm = ClusterLLM(**options, data_parallel_size=args.data_parallel_size,
+                         router=args.router, ray_address=args.ray_address)
+    else:
+        from kvserve.entrypoints.async_llm import AsyncLLM
+
+        llm = AsyncLLM(**options)
     config = ServerConfig(model_name=name, api_key=args.api_key or None,
                           max_request_bytes=args.max_request_bytes)
     serve(llm, config, args.host, args.port)
@@ -63,6 +71,7 @@ def _quantize(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.benchmarks.cli import add_bench_parser
+    from kvserve.cluster.router import ROUTERS
     from kvserve.evals import perplexity, streaming
     from kvserve.tools.make_model import ARCHES, PRESETS
 
@@ -95,6 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="beyond this many queued requests, answer 503 with Retry-After")
     srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                      help="larger request bodies get 413")
+    srv.add_argument("--data-parallel-size", type=int, default=1,
+                     help="engine replicas, each a Ray actor with its own KV cache, behind "
+                          "this one server (needs pip install 'kvserve[cluster]')")
+    srv.add_argument("--router", default="round-robin", choices=ROUTERS,
+                     help="which replica serves a request: round-robin (default), "
+                          "least-loaded, or prefix-aware (the one likely to hold the longest "
+                          "cached head of the prompt)")
+    srv.add_argument("--ray-address", default=None,
+                     help="join this Ray cluster (e.g. ray://host:10001 or auto) instead of "
+                          "starting a local one")
     srv.set_defaults(func=_serve)
 
     mk = sub.add_parser("make-model", help="write a random-weight HF checkpoint")

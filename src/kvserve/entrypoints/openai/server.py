@@ -30,10 +30,10 @@ from kvserve.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
 )
-from kvserve.entrypoints.openai.serving import ServingBackend, now
+from kvserve.entrypoints.openai.serving import ServingBackend, now, sse
 from kvserve.entrypoints.openai.serving_chat import ChatServer
 from kvserve.entrypoints.openai.serving_completions import CompletionServer
-from kvserve.errors import EngineOverloadedError
+from kvserve.errors import EngineOverloadedError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -127,13 +127,17 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
 async def _until_disconnected(request: Request, events: AsyncIterator[str]
                               ) -> AsyncIterator[str]:
     """Relays server-sent events, stopping (and aborting) at the first step after the client
-    has gone."""
+    has gone. A request that fails underneath ends with an error event, then `[DONE]`."""
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         async for event in events:
             if watcher.done():
                 break
             yield event
+    except RequestFailedError as e:
+        error = ErrorInfo(message=str(e), type="server_error", code="request_failed")
+        yield sse({"error": error.model_dump()})
+        yield sse("[DONE]")
     finally:
         watcher.cancel()
         await events.aclose()  # type: ignore[attr-defined]
@@ -172,6 +176,10 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
         message = str(e)
         return invalid(message, message.split(" ", 1)[0].rstrip(":") or None).response()
 
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_: Request, e: RequestFailedError) -> JSONResponse:
+        return APIError(500, str(e), "server_error", code="request_failed").response()
+
     @app.exception_handler(EngineOverloadedError)
     async def overloaded(_: Request, e: EngineOverloadedError) -> JSONResponse:
         return APIError(503, str(e), "server_overloaded", code="overloaded",
@@ -203,6 +211,10 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(await llm.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/replicas")
+    async def replicas() -> list[dict[str, Any]]:
+        return llm.describe()
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

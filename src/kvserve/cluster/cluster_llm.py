@@ -1,0 +1,254 @@
+"""`ClusterLLM`: engine replicas as Ray actors behind one front end, with `AsyncLLM`'s
+interface, so the OpenAI server runs unchanged on a cluster.
+
+The front end tokenizes and validates each request once, picks a replica with the router,
+and relays that replica's outputs to the request's stream. One poll per replica carries the
+outputs of all its requests. When a replica's process dies, the poll fails at once: its
+requests that had not produced output yet are re-run on another replica, the others end
+with a `RequestFailedError`, and the replica (restarted by Ray) rejoins when it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.cluster.metrics import ClusterMetrics
+from kvserve.cluster.replica import EngineReplica
+from kvserve.cluster.router import ReplicaLoad, make_router
+from kvserve.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
+from kvserve.core.kv_cache.hashing import prompt_block_hashes
+from kvserve.engine.input_processor import (
+    InputProcessor,
+    ParentRequest,
+    PromptType,
+    load_tokenizer,
+)
+from kvserve.entrypoints.async_llm import RequestStream
+from kvserve.errors import EngineOverloadedError, RequestFailedError
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How often the front end asks a dead replica's restarted process whether it is up.
+RESTART_POLL_SECONDS = 0.5
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("data_parallel_size > 1 needs Ray: pip install 'kvserve[cluster]'"
+                         ) from None
+    return ray
+
+
+@dataclass
+class InFlight:
+    """A request the front end has sent to a replica and not yet seen finish."""
+
+    parent: ParentRequest
+    params: SamplingParams
+    max_tokens: int
+    stream: RequestStream
+    replica: int
+    started: bool = False  # the client has had output: a re-run elsewhere cannot continue it
+
+
+@dataclass
+class Replica:
+    index: int
+    actor: Any  # a Ray actor handle of EngineReplica
+    healthy: bool = True
+    pid: int | None = None
+    requests: set[str] = field(default_factory=set)
+
+
+class ClusterLLM:
+    """Takes `EngineConfig.create`'s options for every replica, plus the cluster's own."""
+
+    def __init__(self, model: str, data_parallel_size: int = 2, router: str = "round-robin",
+                 ray_address: str | None = None,
+                 max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
+                 model_name: str | None = None, **engine_options: Any) -> None:
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        ray = import_ray()
+        EngineConfig.create(model, **engine_options)  # bad options fail here, not per replica
+        tokenizer = load_tokenizer(model)
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING)
+        on_gpu = str(engine_options.get("device", "cpu")).startswith("cuda")
+        cpus = max(1, int(ray.available_resources().get("CPU", 1)) // data_parallel_size)
+        actor_class = ray.remote(
+            num_cpus=1 if on_gpu else cpus, num_gpus=1 if on_gpu else 0, max_restarts=-1,
+            max_task_retries=0)(EngineReplica)
+        logger.info("starting %d replicas of %s (%s each)", data_parallel_size, model,
+                    "1 GPU" if on_gpu else f"{cpus} CPU threads")
+        self.replicas = [Replica(i, actor_class.remote(model, cpus, **engine_options))
+                         for i in range(data_parallel_size)]
+        limits = ray.get([r.actor.start.remote() for r in self.replicas])[0]
+        for replica, pid in zip(self.replicas, ray.get([r.actor.pid.remote()
+                                                        for r in self.replicas]), strict=True):
+            replica.pid = pid
+        self.inputs = InputProcessor(tokenizer, limits)
+        self.router = make_router(router, data_parallel_size, limits.num_kv_blocks)
+        self.max_waiting_requests = max_waiting_requests * data_parallel_size
+        self.metrics = ClusterMetrics(model_name or model)
+        self._ray = ray
+        self._in_flight: dict[str, InFlight] = {}
+        self._pollers: list[asyncio.Task[None]] = []
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests sent to replicas that have not produced output yet."""
+        return sum(not r.started for r in self._in_flight.values())
+
+    def add_requests(self, prompts: list[PromptType], params: SamplingParams
+                     ) -> list[RequestStream]:
+        """As `AsyncLLM.add_requests`; each request goes to the replica the router picks."""
+        prepared = self.inputs.prepare_requests(prompts, params)
+        if self.num_waiting + len(prepared) > self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the waiting queue is full (max_waiting_requests="
+                f"{self.max_waiting_requests // len(self.replicas)} per replica); retry later")
+        if not any(r.healthy for r in self.replicas):
+            raise EngineOverloadedError("no replica is serving (all are restarting); retry "
+                                        "later")
+        self._start_pollers()
+        streams = []
+        for parent, max_tokens in prepared:
+            stream = RequestStream(parent.request_id, self)
+            request = InFlight(parent, params, max_tokens, stream, replica=-1)
+            self._in_flight[parent.request_id] = request
+            self._send(request, self._route(parent))
+            streams.append(stream)
+        return streams
+
+    async def generate(self, prompt: PromptType, params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        stream = self.add_requests([prompt], params)[0]
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def _route(self, parent: ParentRequest) -> int:
+        hashes = prompt_block_hashes(parent.prompt_token_ids, self.inputs.limits.block_size,
+                                     parent.cache_salt)
+        index = self.router.route(hashes, self.loads())
+        if not self.replicas[index].healthy:
+            healthy = [r for r in self.replicas if r.healthy]
+            index = min(healthy, key=lambda r: len(r.requests)).index
+        return index
+
+    def loads(self) -> list[ReplicaLoad]:
+        """Each replica's requests, as the front end counts them (no replica is asked)."""
+        loads = []
+        for replica in self.replicas:
+            started = sum(self._in_flight[i].started for i in replica.requests)
+            loads.append(ReplicaLoad(started, len(replica.requests) - started))
+        return loads
+
+    def _send(self, request: InFlight, index: int) -> None:
+        replica = self.replicas[index]
+        request.replica = index
+        replica.requests.add(request.parent.request_id)
+        self.metrics.routed.labels(self.metrics.model_name, str(index)).inc()
+        # Errors surface through the replica's poll, which fails when the replica does.
+        replica.actor.add.remote(request.parent, request.params, request.max_tokens)
+
+    def abort(self, request_id: str) -> None:
+        request = self._in_flight.pop(request_id, None)
+        if request is not None:
+            replica = self.replicas[request.replica]
+            replica.requests.discard(request_id)
+            if replica.healthy:
+                replica.actor.abort.remote(request_id)
+
+    def _start_pollers(self) -> None:
+        if not self._pollers:
+            self._pollers = [asyncio.create_task(self._poll(r)) for r in self.replicas]
+
+    async def _poll(self, replica: Replica) -> None:
+        while True:
+            try:
+                items = await replica.actor.outputs.remote()
+            except self._ray.exceptions.RayActorError as e:
+                await self._recover(replica, e)
+                continue
+            for request_id, item in items:
+                self._deliver(replica, request_id, item)
+
+    def _deliver(self, replica: Replica, request_id: str,
+                 item: RequestOutput | BaseException) -> None:
+        request = self._in_flight.get(request_id)
+        if request is None or request.replica != replica.index:
+            return  # aborted meanwhile
+        if isinstance(item, BaseException) or item.finished:
+            del self._in_flight[request_id]
+            replica.requests.discard(request_id)
+        else:
+            request.started = True
+        request.stream.put(item)
+
+    async def _recover(self, replica: Replica, error: Exception) -> None:
+        """Re-runs or fails the dead replica's requests, then waits for Ray's restart."""
+        died = time.monotonic()
+        replica.healthy = False
+        model = self.metrics.model_name
+        self.metrics.replica_failures.labels(model, str(replica.index)).inc()
+        logger.warning("replica %d (pid %s) failed: %s", replica.index, replica.pid, error)
+        healthy = [r for r in self.replicas if r.healthy]
+        for request_id in sorted(replica.requests):
+            request = self._in_flight[request_id]
+            if not request.started and healthy:
+                self.metrics.rerun.labels(model).inc()
+                self._send(request, min(healthy, key=lambda r: len(r.requests)).index)
+                continue
+            del self._in_flight[request_id]
+            self.metrics.failed.labels(model).inc()
+            request.stream.put(RequestFailedError(
+                f"replica {replica.index} failed while running this request; retry it"))
+        replica.requests.clear()
+        while True:
+            try:
+                await replica.actor.start.remote()
+                replica.pid = await replica.actor.pid.remote()
+                break
+            except self._ray.exceptions.RayActorError:
+                await asyncio.sleep(RESTART_POLL_SECONDS)
+        replica.healthy = True
+        self.metrics.recovery.labels(model).observe(time.monotonic() - died)
+        logger.warning("replica %d is serving again (pid %d)", replica.index, replica.pid)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each replica's state, for `GET /cluster/replicas`."""
+        return [{"replica": r.index, "healthy": r.healthy, "pid": r.pid,
+                 "num_requests": len(r.requests)} for r in self.replicas]
+
+    async def render_metrics(self) -> bytes:
+        healthy = [r for r in self.replicas if r.healthy]
+        results = await asyncio.gather(*(r.actor.metric_families.remote() for r in healthy),
+                                       return_exceptions=True)
+        families = {r.index: f for r, f in zip(healthy, results, strict=True)
+                    if not isinstance(f, BaseException)}
+        return self.metrics.render(families)
+
+    def shutdown(self) -> None:
+        for task in self._pollers:
+            task.cancel()
+        for replica in self.replicas:
+            self._ray.kill(replica.actor, no_restart=True)
+        if self._started_ray:
+            self._ray.shutdown()

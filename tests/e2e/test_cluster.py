@@ -1,0 +1,137 @@
+"""`kvserve serve --data-parallel-size 2`: two engine replicas as Ray actors behind one
+OpenAI server. Their greedy outputs match one engine's, /metrics reports each replica and the
+total, and a replica whose process is killed costs only its own requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.entrypoints.openai.launch import server_process
+
+pytest.importorskip("ray")
+
+MAX_TOKENS = 12
+LONG = 400  # tokens of the requests a kill interrupts
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir: Path) -> Iterator[str]:
+    flags = ["--data-parallel-size", "2", "--router", "round-robin",
+             "--kv-cache-memory", "0.02"]
+    with server_process(str(llama_dir), flags, timeout=300) as url:
+        yield url
+
+
+def complete(server: str, prompt: str, **extra: object) -> dict:
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+    response = httpx.post(f"{server}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def metric(server: str, name: str, replica: str) -> float:
+    text = httpx.get(f"{server}/metrics").text
+    match = re.search(rf'^{name}{{[^}}]*replica="{replica}"[^}}]*}} (\S+)$', text, re.MULTILINE)
+    assert match, f"{name} for replica {replica} missing from /metrics"
+    return float(match.group(1))
+
+
+def replicas(server: str) -> list[dict]:
+    return httpx.get(f"{server}/replicas").json()
+
+
+def wait_for(condition, what: str, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
+        time.sleep(0.1)
+
+
+def test_replicas_answer_as_one_engine(server: str, llama_dir: Path) -> None:
+    prompts = [f"def function_{i}(x):" for i in range(6)]
+    served = [complete(server, p)["choices"][0]["text"] for p in prompts]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    expected = LLM(str(llama_dir)).generate(prompts, greedy)
+    assert served == [out.outputs[0].text for out in expected]
+    assert [r["healthy"] for r in replicas(server)] == [True, True]
+    for replica in ("0", "1"):
+        assert metric(server, "kvserve_cluster_routed_requests_total", replica) >= 3
+        assert metric(server, "kvserve_generation_tokens_total", replica) >= 3 * MAX_TOKENS
+    assert (metric(server, "kvserve_generation_tokens_total", "all")
+            == metric(server, "kvserve_generation_tokens_total", "0")
+            + metric(server, "kvserve_generation_tokens_total", "1"))
+
+
+def test_a_stream_closed_early_frees_its_blocks(server: str) -> None:
+    body = {"prompt": "def g(x):", "max_tokens": LONG, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then the client leaves
+    wait_for(lambda: metric(server, "kvserve_num_requests_running", "all") == 0,
+             "the abort")
+    assert metric(server, "kvserve_kv_blocks_used", "all") == 0
+
+
+@dataclass
+class StreamRecord:
+    started: threading.Event = field(default_factory=threading.Event)
+    tokens: int = 0
+    finish_reason: str | None = None
+    error: dict | None = None
+
+
+def read_stream(server: str, prompt: str, record: StreamRecord) -> None:
+    body = {"prompt": prompt, "max_tokens": LONG, "temperature": 0, "stream": True,
+            "ignore_eos": True, "logprobs": 0}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=300) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if "error" in event:
+                record.error = event["error"]
+                continue
+            choice = event["choices"][0]
+            record.tokens += len(choice["logprobs"]["tokens"])
+            record.finish_reason = choice["finish_reason"] or record.finish_reason
+            record.started.set()
+
+
+def test_a_killed_replica_costs_only_its_own_requests(server: str) -> None:
+    records = [StreamRecord() for _ in range(4)]
+    threads = [threading.Thread(target=read_stream, args=(server, f"def h{i}(x):", r))
+               for i, r in enumerate(records)]
+    for thread in threads:
+        thread.start()
+    for record in records:
+        assert record.started.wait(120), "a stream never started"
+    victim = replicas(server)[0]
+    assert victim["num_requests"] == 2  # round-robin: two streams on each replica
+    os.kill(victim["pid"], signal.SIGKILL)
+    for thread in threads:
+        thread.join(300)
+    failed = [r for r in records if r.error is not None]
+    assert len(failed) == 2
+    assert all(r.error["code"] == "request_failed" and r.tokens < LONG for r in failed)
+    assert all(r.finish_reason == "length" and r.tokens == LONG
+               for r in records if r.error is None)
+    # The survivor keeps serving at once; the dead one comes back as a new process.
+    assert complete(server, "def after(x):")["choices"][0]["finish_reason"] == "length"
+    wait_for(lambda: all(r["healthy"] for r in replicas(server)), "the restart", 240)
+    assert replicas(server)[0]["pid"] != victim["pid"]
+    assert metric(server, "kvserve_kv_blocks_used", "1") == 0
+    assert metric(server, "kvserve_kv_blocks_used", "all") == 0
