@@ -7,6 +7,7 @@ import argparse
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvserve.benchmarks import (
+        cluster,
         kernels,
         latency,
         offload,
@@ -33,3 +34,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     priority.add_parser(bench_sub)
     offload.add_parser(bench_sub)
     streaming.add_parser(bench_sub)
+    cluster.add_parser(bench_sub)

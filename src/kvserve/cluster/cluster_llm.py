@@ -30,7 +30,7 @@ from kvserve.engine.input_processor import (
 )
 from kvserve.entrypoints.async_llm import RequestStream
 from kvserve.errors import EngineOverloadedError, RequestFailedError
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import EngineStats, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -236,6 +236,11 @@ class ClusterLLM:
         """Each replica's state, for `GET /cluster/replicas`."""
         return [{"replica": r.index, "healthy": r.healthy, "pid": r.pid,
                  "num_requests": len(r.requests)} for r in self.replicas]
+
+    async def replica_stats(self) -> list[EngineStats]:
+        """Every serving replica's `EngineStats`."""
+        return await asyncio.gather(*(r.actor.stats.remote() for r in self.replicas
+                                      if r.healthy))
 
     async def render_metrics(self) -> bytes:
         healthy = [r for r in self.replicas if r.healthy]
