@@ -65,6 +65,7 @@ class Request:
     priority: int = 0  # under the priority policy, lower values are served first
     tenant: str | None = None  # under the fair policy, tenants share the token budget
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, chained
+    generator_state: bytes | None = None  # a migrated request's seeded sampler, until resumed
 
     @property
     def num_cached_tokens(self) -> int:

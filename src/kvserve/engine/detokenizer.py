@@ -24,6 +24,11 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
 
+    def __getstate__(self) -> dict:
+        """Pickled without the tokenizer (a migrated request's detokenizer is given the
+        destination's own)."""
+        return {**self.__dict__, "tokenizer": None}
+
     def update(self, new_token_ids: list[int]) -> str | None:
         """Appends tokens and extends `text`; returns the stop string hit, if any (the text is
         then cut just before it)."""

@@ -4,7 +4,9 @@ around an EngineCore."""
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+
+import torch
 
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler.output import TokenLogprobs
@@ -21,6 +23,17 @@ from kvserve.engine.input_processor import (
 from kvserve.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class MigratedRequest:
+    """A request detached from one engine to go on in another: the caller's request with its
+    completion so far (engine Request, detokenizer and output), and the KV of its computed
+    blocks from `first_block` on; the earlier blocks were sent ahead while it still ran."""
+
+    parent: ParentRequest
+    first_block: int
+    kv: torch.Tensor
 
 
 class LLMEngine:
@@ -86,6 +99,71 @@ class LLMEngine:
         self.core.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for child_id in ids:
             self._child_to_parent.pop(child_id, None)
+
+    def export_kv(self, request_id: str, first_block: int = 0, full_only: bool = False
+                  ) -> torch.Tensor | None:
+        """A copy of a running request's KV, its computed blocks from `first_block` on (only
+        the full ones, which no step writes again, with `full_only`); None when the request
+        cannot migrate: not running, n > 1, or in a streaming window, whose keys shift."""
+        parent = self._parents.get(request_id)
+        if parent is None or len(parent.sequences) != 1 or self.core.kv_cache.window_blocks:
+            return None
+        request = parent.sequences[0].request
+        if request.status != RequestStatus.RUNNING:
+            return None
+        kv = self.core.kv_cache
+        blocks = kv.computed_block_ids(request)
+        if full_only:
+            blocks = blocks[:request.num_cached_tokens // kv.block_size]
+        return self.core.runner.read_kv_blocks(blocks[first_block:])
+
+    def receive_kv(self, kv: torch.Tensor) -> list[int]:
+        """Host blocks holding KV sent ahead of a migrating request; none when they do not
+        fit in the swap space (the request then brings all of its KV when it comes)."""
+        host_blocks = self.core.kv_cache.allocate_host_blocks(len(kv)) if len(kv) else None
+        if host_blocks is None:
+            return []
+        self.core.runner.write_host_blocks(host_blocks, kv)
+        return host_blocks
+
+    def detach(self, request_id: str, first_block: int) -> MigratedRequest | None:
+        """Stops a running request here and returns all it needs to go on in another engine,
+        its KV from `first_block` on included; None when it cannot migrate (see
+        `export_kv`), or has fewer blocks than were sent ahead (preempted since)."""
+        kv = self.export_kv(request_id, first_block)
+        if kv is None:
+            return None
+        parent = self._parents[request_id]
+        request = parent.sequences[0].request
+        if self.core.kv_cache.num_blocks_for(request.num_cached_tokens) < first_block:
+            return None
+        request.generator_state = self.core.runner.generator_state(request.request_id)
+        self.core.scheduler.detach_request(request.request_id)
+        del self._parents[request_id]
+        self._child_to_parent.pop(request.request_id, None)
+        return MigratedRequest(parent, first_block, kv)
+
+    def attach(self, migrated: MigratedRequest, received: list[int]) -> None:
+        """Goes on with a request detached from another engine; `received` are the host
+        blocks holding the KV it sent ahead. Its KV is swapped in when it is scheduled, or
+        recomputed when the swap space cannot take it."""
+        parent = migrated.parent
+        if parent.request_id in self._parents:
+            raise ValueError(f"request_id {parent.request_id!r} is already in use")
+        seq = parent.sequences[0]
+        seq.detokenizer.tokenizer = self.tokenizer
+        request = seq.request
+        kv = self.core.kv_cache
+        tail = kv.allocate_host_blocks(len(migrated.kv)) if len(migrated.kv) else []
+        host_blocks = None
+        if tail is not None and len(received) == migrated.first_block:
+            self.core.runner.write_host_blocks(tail, migrated.kv)
+            host_blocks = received + tail
+        else:
+            kv.free_host_blocks(received + (tail or []))
+        self._parents[parent.request_id] = parent
+        self._child_to_parent[request.request_id] = (parent, seq)
+        self.core.scheduler.attach_request(request, host_blocks)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

@@ -60,7 +60,8 @@ class ModelRunner:
             self.states.pop(request_id, None)
         for new in sched.new_requests:
             self.states[new.request_id] = self.sampler.new_state(
-                new.sampling_params, new.prompt_token_ids, new.eos_token_ids)
+                new.sampling_params, new.prompt_token_ids, new.eos_token_ids,
+                new.output_token_ids, new.generator_state)
         failed = self._transfer(sched.transfers) if sched.transfers else []
         if sched.is_empty:
             return ModelRunnerOutput([], [], failed_promotions=failed)
@@ -107,6 +108,26 @@ class ModelRunner:
                   if disk is None or not disk.read_into(block_hash, host.block(host_block))]
         host.to_device(transfers.to_device)
         return failed
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the given device blocks in host memory, block-major as host blocks lie:
+        [blocks, layers, K/V, kv heads, block_size, head_dim]."""
+        ids = torch.tensor(block_ids, device=self.kv_cache.device)
+        return self.kv_cache.index_select(3, ids).permute(3, 0, 1, 2, 4, 5).cpu()
+
+    def write_host_blocks(self, host_blocks: list[int], kv: torch.Tensor) -> None:
+        """Fills host blocks with KV from `read_kv_blocks` (of another engine)."""
+        assert self.host_kv_cache is not None
+        self.host_kv_cache.wait()
+        self.host_kv_cache.blocks[torch.tensor(host_blocks)] = kv.to(
+            self.host_kv_cache.blocks.dtype)
+
+    def generator_state(self, request_id: str) -> bytes | None:
+        """The state of a request's seeded generator, for it to resume elsewhere."""
+        state = self.states.get(request_id)
+        if state is None or state.generator is None:
+            return None
+        return state.generator.get_state().numpy().tobytes()
 
     def _shift_keys(self, block_ids: list[int], num_positions: int) -> None:
         """Moves the cached keys of `block_ids` `num_positions` back: rotary embeddings turn

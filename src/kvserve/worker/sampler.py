@@ -42,14 +42,21 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def new_state(self, params: SamplingParams, prompt_token_ids: list[int],
-                  eos_token_ids: tuple[int, ...]) -> SamplingState:
+                  eos_token_ids: tuple[int, ...], output_token_ids: tuple[int, ...] = (),
+                  generator_state: bytes | None = None) -> SamplingState:
+        """A request's state; one migrated from another engine resumes its outputs so far
+        and its seeded generator's `generator_state`."""
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            if generator_state is not None:
+                generator.set_state(torch.frombuffer(bytearray(generator_state),
+                                                     dtype=torch.uint8))
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += list(eos_token_ids)
-        return SamplingState(params, prompt_token_ids, stop_ids, generator=generator)
+        return SamplingState(params, prompt_token_ids, stop_ids, list(output_token_ids),
+                             generator)
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         logprobs = self._raw_logprobs(logits, states)

@@ -202,6 +202,28 @@ class KVCacheManager:
         self.transfers.to_host.extend(zip(device, host, strict=True))
         self.pool.free(table[::-1])
 
+    def computed_block_ids(self, request: Request) -> list[int]:
+        """The device blocks holding the request's computed tokens, the last maybe partial."""
+        table = self.block_tables.get(request.request_id, [])
+        return table[:self.num_blocks_for(request.num_cached_tokens)]
+
+    def allocate_host_blocks(self, count: int) -> list[int] | None:
+        """Swap-space blocks for KV arriving from another engine; None when too few are free."""
+        pool = self.host_pool
+        if pool is None or count > pool.num_free_blocks:
+            return None
+        return pool.allocate(count)
+
+    def free_host_blocks(self, host_blocks: list[int]) -> None:
+        if host_blocks:
+            assert self.host_pool is not None
+            self.host_pool.free(host_blocks)
+
+    def adopt_swapped(self, request: Request, host_blocks: list[int]) -> None:
+        """Makes a request whose computed KV fills `host_blocks` swapped out here."""
+        assert len(host_blocks) == self.num_blocks_for(request.num_cached_tokens)
+        self.host_tables[request.request_id] = host_blocks
+
     def swap_in(self, request: Request, num_new_tokens: int) -> bool:
         """Gives a swapped-out request device blocks for its computed tokens plus
         `num_new_tokens` and copies its KV back in; False, changing nothing, when the pool

@@ -9,12 +9,16 @@ from kvserve.sampling_params import SamplingParams
 
 @dataclass(slots=True, frozen=True)
 class NewRequestData:
-    """Sent the first time a request is scheduled; the runner keeps it until the request ends."""
+    """Sent the first time a request is scheduled; the runner keeps it until the request ends.
+    A request migrated from another engine brings the tokens it generated there and its
+    seeded generator's state, so its sampling goes on as if it had not moved."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...] = ()
+    generator_state: bytes | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -51,13 +51,16 @@ class Scheduler:
         self.num_recomputed_tokens = 0  # tokens computed again after recompute preemptions
         self._dropped: dict[str, int] = {}  # request id -> computed tokens its preemption dropped
 
-    def add_request(self, request: Request) -> None:
-        """Queues a validated request at the back of the waiting queue."""
+    def add_request(self, request: Request, first_in_line: bool = False) -> None:
+        """Queues a validated request at the back of the waiting queue (or its front)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.policy.on_added(request)
-        self.waiting.append(request)
+        if first_in_line:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -179,10 +182,13 @@ class Scheduler:
         self.running.append(request)
         if request.request_id not in self._started_ids:
             self._started_ids.add(request.request_id)
-            request.scheduled_time = time.monotonic()
+            if request.scheduled_time is None:  # a migrated request keeps its first
+                request.scheduled_time = time.monotonic()
             out.new_requests.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params,
-                request.eos_token_ids))
+                request.eos_token_ids, tuple(request.output_token_ids),
+                request.generator_state))
+            request.generator_state = None
         return num_new
 
     def _defer_prefills_for(self, request: Request, chunks: dict[str, int]) -> int:
@@ -287,6 +293,31 @@ class Scheduler:
                 self._finish(request, status)
             updated.append(request)
         return updated
+
+    def detach_request(self, request_id: str) -> Request | None:
+        """Takes a running request out of this engine unfinished, to go on in another
+        (migration): its blocks return to the pool and the runner drops its state. Call it
+        after copying its KV out. None when it is not running here."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.RUNNING:
+            return None
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        self.policy.on_finished(request)
+        del self.requests[request_id]
+        self._started_ids.discard(request_id)
+        self._finished_ids.add(request_id)
+        return request
+
+    def attach_request(self, request: Request, host_blocks: list[int] | None) -> None:
+        """Queues, first in line, a request migrated from another engine: its computed
+        tokens' KV waits in `host_blocks` to be swapped in, or, without them, is recomputed."""
+        if host_blocks is None:
+            request.num_computed_tokens = request.num_evicted_tokens = 0
+        else:
+            self.kv_cache.adopt_swapped(request, host_blocks)
+        request.status = RequestStatus.PREEMPTED
+        self.add_request(request, first_in_line=True)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Ends the given requests (stop string hit, or aborted) and frees their blocks;
