@@ -1,6 +1,7 @@
 """`kvserve serve --data-parallel-size 2`: two engine replicas as Ray actors behind one
 OpenAI server. Their greedy outputs match one engine's, /metrics reports each replica and the
-total, and a replica whose process is killed costs only its own requests."""
+total, a request migrated back and forth while it streams ends as it would have unmoved, and
+a replica whose process is killed costs only its own requests."""
 
 from __future__ import annotations
 
@@ -48,6 +49,13 @@ def metric(server: str, name: str, replica: str) -> float:
     return float(match.group(1))
 
 
+def metric_total(server: str, name: str) -> float:
+    """A front-end metric (no replica label), summed over its labels."""
+    text = httpx.get(f"{server}/metrics").text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text,
+                                            re.MULTILINE))
+
+
 def replicas(server: str) -> list[dict]:
     return httpx.get(f"{server}/replicas").json()
 
@@ -84,6 +92,30 @@ def test_a_stream_closed_early_frees_its_blocks(server: str) -> None:
     wait_for(lambda: metric(server, "kvserve_num_requests_running", "all") == 0,
              "the abort")
     assert metric(server, "kvserve_kv_blocks_used", "all") == 0
+
+
+def test_a_request_migrated_mid_stream_streams_on_unbroken(server: str, llama_dir: Path
+                                                           ) -> None:
+    body = {"prompt": "def moving(x):", "max_tokens": LONG, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    text, moves = "", []
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            text += json.loads(line.removeprefix("data: "))["choices"][0]["text"]
+            if len(moves) < 3:  # back and forth while it decodes
+                source = next(r["replica"] for r in replicas(server) if r["num_requests"])
+                moves += httpx.post(f"{server}/replicas/migrate", json={
+                    "source": source, "destination": 1 - source}).json()
+    assert [m["migrated"] for m in moves] == [True, True, True]
+    greedy = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
+    assert text == LLM(str(llama_dir)).generate(["def moving(x):"], greedy)[0].outputs[0].text
+    assert metric_total(server, "kvserve_cluster_migrations_total") == 3
+    assert metric_total(server, "kvserve_cluster_migration_downtime_seconds_count") == 3
+    wait_for(lambda: metric(server, "kvserve_num_requests_running", "all") == 0, "the end")
+    assert metric(server, "kvserve_kv_blocks_used", "all") == 0
+    assert metric(server, "kvserve_kv_host_blocks_used", "all") == 0
 
 
 @dataclass

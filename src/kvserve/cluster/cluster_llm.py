@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # How often the front end asks a dead replica's restarted process whether it is up.
 RESTART_POLL_SECONDS = 0.5
+# How often load balancing compares the replicas' loads.
+BALANCE_SECONDS = 0.05
 
 
 def import_ray() -> Any:
@@ -58,6 +60,9 @@ class InFlight:
     stream: RequestStream
     replica: int
     started: bool = False  # the client has had output: a re-run elsewhere cannot continue it
+    num_tokens: int = 0  # prompt and output tokens, as of the last output
+    moving_to: int | None = None  # the destination of a migration under way
+    detached_at: float | None = None  # when the source stopped it for the migration
 
 
 @dataclass
@@ -73,11 +78,15 @@ class ClusterLLM:
     """Takes `EngineConfig.create`'s options for every replica, plus the cluster's own."""
 
     def __init__(self, model: str, data_parallel_size: int = 2, router: str = "round-robin",
-                 ray_address: str | None = None,
+                 ray_address: str | None = None, migration_threshold: int = 0,
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
                  model_name: str | None = None, **engine_options: Any) -> None:
+        """`migration_threshold` > 0 turns on load balancing by migration."""
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        if migration_threshold < 0 or migration_threshold == 1:
+            raise ValueError(f"migration_threshold must be 0 (off) or >= 2, got "
+                             f"{migration_threshold}")
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         ray = import_ray()
@@ -103,6 +112,7 @@ class ClusterLLM:
         self.inputs = InputProcessor(tokenizer, limits)
         self.router = make_router(router, data_parallel_size, limits.num_kv_blocks)
         self.max_waiting_requests = max_waiting_requests * data_parallel_size
+        self.migration_threshold = migration_threshold
         self.metrics = ClusterMetrics(model_name or model)
         self._ray = ray
         self._in_flight: dict[str, InFlight] = {}
@@ -170,15 +180,35 @@ class ClusterLLM:
 
     def abort(self, request_id: str) -> None:
         request = self._in_flight.pop(request_id, None)
-        if request is not None:
-            replica = self.replicas[request.replica]
-            replica.requests.discard(request_id)
-            if replica.healthy:
-                replica.actor.abort.remote(request_id)
+        if request is None:
+            return
+        self.replicas[request.replica].requests.discard(request_id)
+        for index in (request.replica, request.moving_to):
+            if index is not None and self.replicas[index].healthy:
+                self.replicas[index].actor.abort.remote(request_id)
 
     def _start_pollers(self) -> None:
         if not self._pollers:
             self._pollers = [asyncio.create_task(self._poll(r)) for r in self.replicas]
+            if self.migration_threshold:
+                self._pollers.append(asyncio.create_task(self._balance()))
+
+    async def _balance(self) -> None:
+        """Moves one running request at a time from the busiest replica to the idlest while
+        their requests in flight differ by `migration_threshold` or more (Llumnix's load
+        balancing)."""
+        while True:
+            await asyncio.sleep(BALANCE_SECONDS)
+            healthy = [r for r in self.replicas if r.healthy]
+            if len(healthy) < 2:
+                continue
+            loads = self.loads()
+            busiest = max(healthy, key=lambda r: loads[r.index].num_requests)
+            idlest = min(healthy, key=lambda r: loads[r.index].num_requests)
+            gap = loads[busiest.index].num_requests - loads[idlest.index].num_requests
+            movable = self._movable(busiest.index)
+            if gap >= self.migration_threshold and movable:
+                await self.migrate_request(movable[0], idlest.index)
 
     async def _poll(self, replica: Replica) -> None:
         while True:
@@ -193,14 +223,95 @@ class ClusterLLM:
     def _deliver(self, replica: Replica, request_id: str,
                  item: RequestOutput | BaseException) -> None:
         request = self._in_flight.get(request_id)
-        if request is None or request.replica != replica.index:
+        if request is None:
             return  # aborted meanwhile
+        if replica.index == request.moving_to:
+            self._switch(request)
+        elif replica.index != request.replica:
+            return  # from the source of a finished migration: older than what followed
         if isinstance(item, BaseException) or item.finished:
             del self._in_flight[request_id]
             replica.requests.discard(request_id)
         else:
             request.started = True
+            request.num_tokens = (len(item.prompt_token_ids)
+                                  + len(item.outputs[0].token_ids))
         request.stream.put(item)
+
+    def _switch(self, request: InFlight) -> None:
+        """Points a migrating request at its destination, on its first output there."""
+        assert request.moving_to is not None
+        request_id = request.parent.request_id
+        self.replicas[request.replica].requests.discard(request_id)
+        self.replicas[request.moving_to].requests.add(request_id)
+        request.replica, request.moving_to = request.moving_to, None
+        if request.detached_at is not None:
+            self.metrics.downtime.labels(self.metrics.model_name).observe(
+                time.monotonic() - request.detached_at)
+            request.detached_at = None
+
+    async def migrate_request(self, request_id: str, destination: int) -> dict[str, Any]:
+        """Moves a running request to another replica while it decodes (Llumnix): its full
+        KV blocks go ahead while the source keeps running it, then the source stops it and
+        the rest of its KV and state follow. The blocks travel from replica to replica
+        through Ray's object store, never through the front end. Its stream switches over
+        at its first output from the destination."""
+        request = self._in_flight.get(request_id)
+        if request is None or not request.started or request.moving_to is not None:
+            return {"request_id": request_id, "migrated": False}
+        source, target = self.replicas[request.replica], self.replicas[destination]
+        if source is target or not (source.healthy and target.healthy):
+            return {"request_id": request_id, "migrated": False}
+        start = time.monotonic()
+        request.moving_to = destination
+        model = self.metrics.model_name
+        try:
+            received = await target.actor.receive_kv.remote(
+                source.actor.export_kv.remote(request_id))
+            request.detached_at = time.monotonic()
+            migrated = source.actor.detach.remote(request_id, len(received))
+            moved = await target.actor.attach.remote(migrated, received)
+        except self._ray.exceptions.RayActorError as e:
+            # A replica died mid-move, perhaps after the source let the request go.
+            self.metrics.migrations.labels(model, "failed").inc()
+            if self._in_flight.pop(request_id, None) is not None:
+                source.requests.discard(request_id)
+                self.metrics.failed.labels(model).inc()
+                request.stream.put(RequestFailedError(
+                    f"moving this request from replica {source.index} to {destination} "
+                    f"failed: {e}"))
+            for replica in (source, target):
+                if replica.healthy:
+                    replica.actor.abort.remote(request_id)
+            return {"request_id": request_id, "migrated": False}
+        if not moved:  # it finished, or was preempted, before the source let it go
+            request.moving_to = request.detached_at = None
+            self.metrics.migrations.labels(model, "skipped").inc()
+            return {"request_id": request_id, "migrated": False}
+        if request_id not in self._in_flight:  # the client left during the move
+            target.actor.abort.remote(request_id)
+        self.metrics.migrations.labels(model, "done").inc()
+        return {"request_id": request_id, "migrated": True, "source": source.index,
+                "destination": destination, "seconds": time.monotonic() - start}
+
+    async def migrate(self, source: int, destination: int, num_requests: int
+                      ) -> list[dict[str, Any]]:
+        """Moves up to `num_requests` running requests from one replica to another, the
+        shortest first (the least KV to copy)."""
+        for name, index in (("source", source), ("destination", destination)):
+            if not 0 <= index < len(self.replicas):
+                raise ValueError(f"{name}: replica {index} does not exist (there are "
+                                 f"{len(self.replicas)})")
+        if source == destination:
+            raise ValueError("destination: must differ from source")
+        return [await self.migrate_request(request_id, destination)
+                for request_id in self._movable(source)[:num_requests]]
+
+    def _movable(self, index: int) -> list[str]:
+        """A replica's running requests that may migrate, shortest first."""
+        requests = [self._in_flight[i] for i in self.replicas[index].requests]
+        return [r.parent.request_id for r in sorted(requests, key=lambda r: r.num_tokens)
+                if r.started and r.moving_to is None and r.params.n == 1]
 
     async def _recover(self, replica: Replica, error: Exception) -> None:
         """Re-runs or fails the dead replica's requests, then waits for Ray's restart."""

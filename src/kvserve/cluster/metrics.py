@@ -43,7 +43,7 @@ class _Families(Collector):
 
 
 class ClusterMetrics:
-    """The front end's own metrics: routing decisions, replica failures and re-runs."""
+    """The front end's own metrics: routing, replica failures and re-runs, migrations."""
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -65,6 +65,17 @@ class ClusterMetrics:
             "kvserve_cluster_replica_recovery_seconds",
             "From a replica's death to its restarted process serving again",
             ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self.migrations = Counter(
+            "kvserve_cluster_migrations",
+            "Running requests moved between replicas, by outcome (done; skipped: finished "
+            "or preempted first; failed: a replica died)",
+            ["model_name", "outcome"], registry=self.registry)
+        self.downtime = Histogram(
+            "kvserve_cluster_migration_downtime_seconds",
+            "From the source stopping a migrating request to its first output from the "
+            "destination: the stall its client sees", ["model_name"],
+            buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def render(self, per_replica: dict[int, list[Metric]]) -> bytes:
         registry = CollectorRegistry()

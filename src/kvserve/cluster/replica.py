@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kvserve.engine.input_processor import ParentRequest, RequestLimits
+from kvserve.engine.llm_engine import MigratedRequest
 from kvserve.entrypoints.async_llm import AsyncLLM
 from kvserve.outputs import EngineStats, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -38,6 +39,9 @@ class Outbox:
         if old is None or (isinstance(old, RequestOutput) and not old.finished):
             self._items[request_id] = item
         self._ready.set()
+
+    def discard(self, request_id: str) -> None:
+        self._items.pop(request_id, None)
 
     async def take(self) -> list[ReplicaItem]:
         await self._ready.wait()
@@ -83,6 +87,40 @@ class EngineReplica:
 
     async def abort(self, request_id: str) -> None:
         self.llm.abort(request_id)
+
+    async def export_kv(self, request_id: str) -> torch.Tensor | None:
+        """The full blocks of a running request's KV, sent ahead of its migration."""
+        return await self.llm.call_on_engine(
+            lambda: self.llm.engine.export_kv(request_id, full_only=True))
+
+    async def receive_kv(self, kv: torch.Tensor | None) -> list[int]:
+        """Host blocks holding KV sent ahead of a request migrating here."""
+        if kv is None:
+            return []
+        return await self.llm.call_on_engine(lambda: self.llm.engine.receive_kv(kv))
+
+    async def release_kv(self, host_blocks: list[int]) -> None:
+        """Frees received KV whose request did not come after all."""
+        kv_cache = self.llm.engine.core.kv_cache
+        await self.llm.call_on_engine(lambda: kv_cache.free_host_blocks(host_blocks))
+
+    async def detach(self, request_id: str, first_block: int) -> MigratedRequest | None:
+        assert self._outbox is not None, "start() must be called first"
+        migrated = await self.llm.detach(request_id, first_block)
+        if migrated is not None:
+            self._outbox.discard(request_id)
+        return migrated
+
+    async def attach(self, migrated: MigratedRequest | None, received: list[int]) -> bool:
+        """Goes on with a request detached from another replica; False (releasing what was
+        received) when the detach found nothing to move."""
+        assert self._outbox is not None, "start() must be called first"
+        if migrated is None:
+            await self.release_kv(received)
+            return False
+        request_id = migrated.parent.request_id
+        await self.llm.attach(migrated, received, ReplicaSink(self._outbox, request_id))
+        return True
 
     async def outputs(self) -> list[ReplicaItem]:
         """Waits for at least one output, then returns every one since the last call."""

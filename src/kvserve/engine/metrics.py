@@ -104,9 +104,17 @@ class EngineMetrics:
         self._times: dict[str, RequestTimes] = {}
 
     def on_arrival(self, request_id: str, arrival: float, num_completions: int,
-                   priority: int = 0, tenant: str | None = None) -> None:
+                   priority: int = 0, tenant: str | None = None,
+                   num_output_tokens: int = 0) -> None:
+        """A request this engine now serves; one migrated in brings `num_output_tokens`,
+        and its first token, counted where it was produced, is not counted again."""
         self._times[request_id] = RequestTimes(
-            arrival, num_completions, (self._model, str(priority), self._tenant_label(tenant)))
+            arrival, num_completions, (self._model, str(priority), self._tenant_label(tenant)),
+            time.monotonic() if num_output_tokens else None, num_output_tokens)
+
+    def on_migrated_out(self, request_id: str) -> None:
+        """A request that goes on in another engine, which counts the rest of it."""
+        self._times.pop(request_id, None)
 
     def _tenant_label(self, tenant: str | None) -> str:
         if tenant is None:

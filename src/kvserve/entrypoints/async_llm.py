@@ -16,19 +16,20 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import generate_latest
 
 from kvserve.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
 from kvserve.engine.input_processor import ParentRequest, PromptType
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.llm_engine import LLMEngine, MigratedRequest
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.errors import EngineOverloadedError, RequestFailedError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class OutputSink(Protocol):
@@ -155,6 +156,53 @@ class AsyncLLM:
         """On the engine thread: ends the request and counts it as aborted."""
         self.engine.abort_request(request_id)
         self.metrics.on_abort(request_id)
+
+    async def call_on_engine(self, function: Callable[[], T]) -> T:
+        """Runs `function` on the engine thread between steps; returns what it returns."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def command() -> None:
+            try:
+                result = function()
+            except Exception as e:  # noqa: BLE001 (raised in the caller instead)
+                loop.call_soon_threadsafe(future.set_exception, e)
+                return
+            loop.call_soon_threadsafe(future.set_result, result)
+
+        self._commands.put(command)
+        return await future
+
+    async def detach(self, request_id: str, first_block: int) -> MigratedRequest | None:
+        """`LLMEngine.detach` between steps; the request's outputs stop here."""
+
+        def detach() -> MigratedRequest | None:
+            migrated = self.engine.detach(request_id, first_block)
+            if migrated is not None:
+                self._sinks.pop(request_id, None)
+                self.metrics.on_migrated_out(request_id)
+            return migrated
+
+        return await self.call_on_engine(detach)
+
+    async def attach(self, migrated: MigratedRequest, received: list[int],
+                     sink: OutputSink) -> None:
+        """`LLMEngine.attach` between steps; the request's outputs go to `sink` from now."""
+        parent = migrated.parent
+        request = parent.sequences[0].request
+
+        def attach() -> None:
+            self.engine.attach(migrated, received)
+            self._sinks[parent.request_id] = sink
+            self.metrics.on_arrival(parent.request_id, request.arrival_time, 1,
+                                    parent.priority, parent.tenant, request.num_output_tokens)
+
+        await self.call_on_engine(attach)
+
+    async def migrate(self, source: int, destination: int, num_requests: int
+                      ) -> list[dict[str, Any]]:
+        raise ValueError("source: one engine has no replica to migrate to (serve with "
+                         "--data-parallel-size 2 or more)")
 
     def describe(self) -> list[dict[str, Any]]:
         """The one replica this is, in `ClusterLLM.describe`'s form."""

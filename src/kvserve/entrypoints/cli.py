@@ -40,7 +40,8 @@ def _serve(args: argparse.Namespace) -> None:
         from kvserve.cluster.cluster_llm import ClusterLLM
 
         llm = ClusterLLM(**options, data_parallel_size=args.data_parallel_size,
-                         router=args.router, ray_address=args.ray_address)
+                         router=args.router, ray_address=args.ray_address,
+                         migration_threshold=args.migration_threshold)
     else:
         from kvserve.entrypoints.async_llm import AsyncLLM
 
@@ -114,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ray-address", default=None,
                      help="join this Ray cluster (e.g. ray://host:10001 or auto) instead of "
                           "starting a local one")
+    srv.add_argument("--migration-threshold", type=int, default=0,
+                     help="live migration for load balancing: while one replica has this many "
+                          "requests more than another, move its running requests there as "
+                          "they decode (default 0: off; POST /replicas/migrate moves them by "
+                          "hand)")
     srv.set_defaults(func=_serve)
 
     mk = sub.add_parser("make-model", help="write a random-weight HF checkpoint")

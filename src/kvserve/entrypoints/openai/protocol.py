@@ -114,3 +114,11 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class MigrateRequest(BaseModel):
+    """POST /replicas/migrate: move running requests from one replica to another."""
+
+    source: int
+    destination: int
+    num_requests: int = Field(default=1, ge=1)

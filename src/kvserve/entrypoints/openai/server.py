@@ -29,6 +29,7 @@ from kvserve.entrypoints.openai.protocol import (
     CompletionRequest,
     ErrorInfo,
     ErrorResponse,
+    MigrateRequest,
 )
 from kvserve.entrypoints.openai.serving import ServingBackend, now, sse
 from kvserve.entrypoints.openai.serving_chat import ChatServer
@@ -215,6 +216,10 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
     @app.get("/replicas")
     async def replicas() -> list[dict[str, Any]]:
         return llm.describe()
+
+    @app.post("/replicas/migrate")
+    async def migrate(body: MigrateRequest) -> list[dict[str, Any]]:
+        return await llm.migrate(body.source, body.destination, body.num_requests)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

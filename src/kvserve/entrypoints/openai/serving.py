@@ -30,6 +30,9 @@ class ServingBackend(Protocol):
 
     def describe(self) -> list[dict[str, Any]]: ...
 
+    async def migrate(self, source: int, destination: int, num_requests: int
+                      ) -> list[dict[str, Any]]: ...
+
     def shutdown(self) -> None: ...
 
 
