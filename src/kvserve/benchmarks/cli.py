@@ -10,6 +10,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         cluster,
         kernels,
         latency,
+        migration,
         offload,
         preemption,
         prefix,
@@ -35,3 +36,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     offload.add_parser(bench_sub)
     streaming.add_parser(bench_sub)
     cluster.add_parser(bench_sub)
+    migration.add_parser(bench_sub)

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
+import statistics
 import time
 from typing import Any
 
 from kvserve.benchmarks.prefix import medians, table_row
 from kvserve.benchmarks.report import print_table, save_json
+from kvserve.benchmarks.serve import RequestResult
 from kvserve.benchmarks.workloads import Workload, shared_prefix
 from kvserve.cluster.router import ROUTERS
 from kvserve.config import ModelConfig
@@ -26,32 +29,47 @@ from kvserve.outputs import EngineStats
 from kvserve.sampling_params import SamplingParams
 
 
-async def closed_loop(llm: Any, work: Workload, concurrency: int) -> tuple[float, list[float]]:
-    """Runs the workload with `concurrency` clients; the wall time and every TTFT."""
-    pending = iter(zip(work.prompts, work.output_lens, strict=True))
-    ttfts: list[float] = []
-
-    async def client() -> None:
-        for prompt, output_len in pending:
-            params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-            start = time.monotonic()
-            first = None
-            async for out in llm.generate({"prompt_token_ids": prompt}, params):
-                if first is None and out.outputs[0].token_ids:
-                    first = time.monotonic()
-            ttfts.append((first or time.monotonic()) - start)
-
-    start = time.monotonic()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    return time.monotonic() - start, ttfts
+async def one_request(llm: Any, prompt: list[int], output_len: int) -> RequestResult:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    result = RequestResult(ok=True)
+    async for out in llm.generate({"prompt_token_ids": prompt}, params):
+        if not result.ttft and out.outputs[0].token_ids:
+            result.ttft = time.perf_counter() - start
+    result.e2e = time.perf_counter() - start
+    result.output_tokens = len(out.outputs[0].token_ids)
+    return result
 
 
-def summarize(work: Workload, wall: float, ttfts: list[float], stats: list[EngineStats]
-              ) -> dict[str, float]:
+async def drive(llm: Any, work: Workload, concurrency: int | None = None,
+                rate: float | None = None, seed: int = 0) -> tuple[list[RequestResult], float]:
+    """Runs the workload through `llm` (an `AsyncLLM` or a `ClusterLLM`) with `concurrency`
+    closed-loop clients, or arriving as a Poisson process at `rate` per second; returns each
+    request's timings and the wall time."""
+    rng = random.Random(seed)
+    gate = asyncio.Semaphore(concurrency or len(work.prompts))
+
+    async def send(prompt: list[int], output_len: int) -> RequestResult:
+        async with gate:
+            return await one_request(llm, prompt, output_len)
+
+    start = time.perf_counter()
+    tasks = []
+    for prompt, output_len in zip(work.prompts, work.output_lens, strict=True):
+        tasks.append(asyncio.create_task(send(prompt, output_len)))
+        if rate:
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
+
+
+def summarize(work: Workload, results: list[RequestResult], wall: float,
+              stats: list[EngineStats]) -> dict[str, float]:
     queries = sum(s.prefix_cache_queries for s in stats)
     hits = sum(s.prefix_cache_hits for s in stats)
     return {"wall s": wall, "req/s": len(work.prompts) / wall,
-            "out tok/s": work.num_output_tokens / wall, "mean TTFT s": sum(ttfts) / len(ttfts),
+            "out tok/s": work.num_output_tokens / wall,
+            "mean TTFT s": statistics.fmean(r.ttft for r in results),
             "hit rate %": 100 * hits / queries if queries else 0.0}
 
 
@@ -60,8 +78,8 @@ def single_run(args: argparse.Namespace, work: Workload, kv_bytes: int) -> dict[
 
     llm = AsyncLLM(**{**engine_kwargs(args), "kv_cache_memory": kv_bytes})
     try:
-        wall, ttfts = asyncio.run(closed_loop(llm, work, args.concurrency))
-        return summarize(work, wall, ttfts, [llm.engine.stats()])
+        results, wall = asyncio.run(drive(llm, work, args.concurrency))
+        return summarize(work, results, wall, [llm.engine.stats()])
     finally:
         llm.shutdown()
 
@@ -74,8 +92,8 @@ def cluster_run(args: argparse.Namespace, router: str, work: Workload, kv_bytes:
                      data_parallel_size=args.data_parallel_size, router=router)
 
     async def measure() -> dict[str, float]:
-        wall, ttfts = await closed_loop(llm, work, args.concurrency)
-        return summarize(work, wall, ttfts, await llm.replica_stats())
+        results, wall = await drive(llm, work, args.concurrency)
+        return summarize(work, results, wall, await llm.replica_stats())
 
     try:
         return asyncio.run(measure())

@@ -59,6 +59,16 @@ def shared_prefix(num_groups: int, group_size: int, prefix_len: int, suffix_len:
                     [output_len] * len(prompts))
 
 
+def alternating(num_prompts: int, prompt_len: int, long_output: int, short_output: int,
+                vocab_size: int, seed: int = 0) -> Workload:
+    """Long and short generations in turn: round-robin over two replicas sends every long
+    one to the first, a load that only moving requests can even out."""
+    work = fixed(num_prompts, prompt_len, 0, vocab_size, seed)
+    outputs = [long_output if i % 2 == 0 else short_output for i in range(num_prompts)]
+    return Workload(f"{num_prompts} x {prompt_len} -> {long_output} and {short_output} in "
+                    "turn", work.prompts, outputs)
+
+
 @dataclass(frozen=True)
 class ChatScript:
     """Conversations replayed turn by turn: one system prompt shared by every chat (as one

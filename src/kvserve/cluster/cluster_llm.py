@@ -90,7 +90,8 @@ class ClusterLLM:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         ray = import_ray()
-        EngineConfig.create(model, **engine_options)  # bad options fail here, not per replica
+        # Bad options fail here, not in every replica.
+        self.max_num_seqs = EngineConfig.create(model, **engine_options).scheduler.max_num_seqs
         tokenizer = load_tokenizer(model)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
@@ -195,7 +196,8 @@ class ClusterLLM:
 
     async def _balance(self) -> None:
         """Moves one running request at a time from the busiest replica to the idlest while
-        their requests in flight differ by `migration_threshold` or more (Llumnix's load
+        their requests in flight differ by `migration_threshold` or more and the idlest has
+        a free slot in its running batch, where the request goes on at once (Llumnix's load
         balancing)."""
         while True:
             await asyncio.sleep(BALANCE_SECONDS)
@@ -207,7 +209,8 @@ class ClusterLLM:
             idlest = min(healthy, key=lambda r: loads[r.index].num_requests)
             gap = loads[busiest.index].num_requests - loads[idlest.index].num_requests
             movable = self._movable(busiest.index)
-            if gap >= self.migration_threshold and movable:
+            has_room = loads[idlest.index].num_requests < self.max_num_seqs
+            if gap >= self.migration_threshold and has_room and movable:
                 await self.migrate_request(movable[0], idlest.index)
 
     async def _poll(self, replica: Replica) -> None:
@@ -246,8 +249,9 @@ class ClusterLLM:
         self.replicas[request.moving_to].requests.add(request_id)
         request.replica, request.moving_to = request.moving_to, None
         if request.detached_at is not None:
-            self.metrics.downtime.labels(self.metrics.model_name).observe(
-                time.monotonic() - request.detached_at)
+            downtime = time.monotonic() - request.detached_at
+            self.metrics.downtime.labels(self.metrics.model_name).observe(downtime)
+            self.metrics.downtimes.append(downtime)
             request.detached_at = None
 
     async def migrate_request(self, request_id: str, destination: int) -> dict[str, Any]:

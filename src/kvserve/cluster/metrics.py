@@ -4,6 +4,7 @@ the front end's own counters."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -71,6 +72,7 @@ class ClusterMetrics:
             "Running requests moved between replicas, by outcome (done; skipped: finished "
             "or preempted first; failed: a replica died)",
             ["model_name", "outcome"], registry=self.registry)
+        self.downtimes: deque[float] = deque(maxlen=10_000)  # the latest, for percentiles
         self.downtime = Histogram(
             "kvserve_cluster_migration_downtime_seconds",
             "From the source stopping a migrating request to its first output from the "

@@ -1,0 +1,100 @@
+"""`kvserve bench migration`: live migration (Llumnix) on an imbalanced load.
+
+Two replicas behind a round-robin router get long and short generations in turn, so every
+long one lands on the first replica: it fills its `--max-num-seqs` slots and queues what
+follows, while the second idles between short requests. The same Poisson arrivals run with
+migration off and on (`--migration-threshold`): on, running requests move from the busier
+replica to the idler one as they decode. Reported: TTFT and TPOT percentiles, migrations and
+their downtime (the stall a moved request's client sees), medians of `--runs`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from kvserve.benchmarks.cluster import drive
+from kvserve.benchmarks.prefix import medians
+from kvserve.benchmarks.report import print_table, save_json
+from kvserve.benchmarks.serve import percentile
+from kvserve.benchmarks.workloads import Workload, alternating
+from kvserve.config import ModelConfig
+from kvserve.engine_args import add_engine_args, engine_kwargs
+
+
+def measure(args: argparse.Namespace, work: Workload, threshold: int) -> dict[str, float]:
+    from kvserve.cluster.cluster_llm import ClusterLLM
+
+    llm = ClusterLLM(**engine_kwargs(args), data_parallel_size=2, router="round-robin",
+                     migration_threshold=threshold)
+
+    async def run() -> dict[str, float]:
+        results, wall = await drive(llm, work, rate=args.rate, seed=args.workload_seed)
+        ttft = [r.ttft for r in results]
+        tpot = [r.tpot for r in results]
+        downtimes = list(llm.metrics.downtimes)
+        ms = 1e3
+        return {"wall s": wall, "TTFT p50 ms": percentile(ttft, 50) * ms,
+                "TTFT p99 ms": percentile(ttft, 99) * ms,
+                "TPOT p50 ms": percentile(tpot, 50) * ms,
+                "TPOT p99 ms": percentile(tpot, 99) * ms,
+                "migrations": len(downtimes),
+                "downtime p50 ms": percentile(downtimes, 50) * ms if downtimes else 0.0,
+                "downtime p99 ms": percentile(downtimes, 99) * ms if downtimes else 0.0}
+
+    try:
+        return asyncio.run(run())
+    finally:
+        llm.shutdown()
+
+
+def run(args: argparse.Namespace) -> None:
+    import ray
+
+    model = ModelConfig.from_pretrained(args.model)
+    work = alternating(args.num_prompts, args.prompt_len, args.long_output,
+                       args.short_output, model.vocab_size, args.workload_seed)
+    print(f"{work.name}, Poisson at {args.rate} req/s; 2 replicas, round-robin, "
+          f"max_num_seqs {args.max_num_seqs}", flush=True)
+    ray.init(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    configs = {"no migration": 0, f"migration (threshold {args.migration_threshold})":
+               args.migration_threshold}
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label in configs}
+    for i in range(args.runs):
+        for label, threshold in configs.items():
+            runs[label].append(measure(args, work, threshold))
+            last = runs[label][-1]
+            print(f"  run {i + 1}, {label}: TTFT p99 {last['TTFT p99 ms']:.0f} ms, "
+                  f"{last['migrations']} migrations", flush=True)
+    ray.shutdown()
+    results = {label: medians(r) for label, r in runs.items()}
+    rows = [{"config": label, **{k: round(v, 1) for k, v in median.items()}}
+            for label, median in results.items()]
+    print_table(rows, title=f"{work.name}, {args.model} (median of {args.runs})")
+    off, on = results.values()
+    ratios = {"TTFT p99, no migration / migration": round(
+        off["TTFT p99 ms"] / on["TTFT p99 ms"], 2),
+              "TTFT p50, no migration / migration": round(
+        off["TTFT p50 ms"] / on["TTFT p50 ms"], 2),
+              "downtime p50 / TPOT p50": round(on["downtime p50 ms"] / on["TPOT p50 ms"], 2)}
+    print_table([ratios], title="ratios")
+    save_json(args.json, {"benchmark": "migration", "model": args.model, "rows": rows,
+                          "ratios": ratios})
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("migration", help="live migration between two replicas (Ray) on an "
+                                         "imbalanced load, against no migration")
+    add_engine_args(p)
+    p.set_defaults(max_num_seqs=4)
+    p.add_argument("--num-prompts", type=int, default=60)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--long-output", type=int, default=128)
+    p.add_argument("--short-output", type=int, default=16)
+    p.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
+    p.add_argument("--migration-threshold", type=int, default=2)
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--runs", type=int, default=3, help="runs per configuration; the median "
+                                                       "is reported")
+    p.add_argument("--json", default=None, help="write the results to this file")
+    p.set_defaults(func=run)
