@@ -213,6 +213,9 @@ class SchedulerConfig:
     policy: str = "chunked"  # or "prefill_first" (see core/scheduler/scheduler.py)
     scheduling_policy: str = "fcfs"  # who goes first (see core/scheduler/policy.py)
     preemption_mode: str = "auto"  # what happens to a preempted request's KV
+    # A disaggregated cluster's prefill replica: a request stops after its first token, its
+    # KV held until it moves to a decode replica.
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         for name, choices in (("policy", SCHEDULER_POLICIES),
@@ -270,8 +273,8 @@ class EngineConfig:
                scheduling_policy: str = "fcfs", preemption_mode: str = "auto",
                swap_space: int = 4 * GiB, kv_offload_host: int = 0,
                kv_offload_dir: str | None = None, kv_offload_disk: int = 16 * GiB,
-               streaming_window: int = 0, attention_sinks: int | None = None
-               ) -> EngineConfig:
+               streaming_window: int = 0, attention_sinks: int | None = None,
+               prefill_only: bool = False) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
             model=ModelConfig.from_pretrained(model, dtype, device),
@@ -287,7 +290,8 @@ class EngineConfig:
                                       max_model_len=max_model_len or 0,
                                       policy=scheduler_policy,
                                       scheduling_policy=scheduling_policy,
-                                      preemption_mode=preemption_mode),
+                                      preemption_mode=preemption_mode,
+                                      prefill_only=prefill_only),
             seed=seed,
             device=device,
             enforce_eager=enforce_eager,

@@ -1,7 +1,8 @@
 """`kvserve serve --data-parallel-size 2`: two engine replicas as Ray actors behind one
 OpenAI server. Their greedy outputs match one engine's, /metrics reports each replica and the
-total, a request migrated back and forth while it streams ends as it would have unmoved, and
-a replica whose process is killed costs only its own requests."""
+total, a request migrated back and forth while it streams ends as it would have unmoved,
+prefill and decode disaggregated over two replicas answer alike, and a replica whose process
+is killed costs only its own requests."""
 
 from __future__ import annotations
 
@@ -116,6 +117,22 @@ def test_a_request_migrated_mid_stream_streams_on_unbroken(server: str, llama_di
     wait_for(lambda: metric(server, "kvserve_num_requests_running", "all") == 0, "the end")
     assert metric(server, "kvserve_kv_blocks_used", "all") == 0
     assert metric(server, "kvserve_kv_host_blocks_used", "all") == 0
+
+
+def test_disaggregated_prefill_and_decode_answer_as_one_engine(llama_dir: Path) -> None:
+    flags = ["--prefill-replicas", "1", "--decode-replicas", "1", "--kv-cache-memory", "0.02"]
+    prompts = [f"def split_{i}(x):" for i in range(4)]
+    with server_process(str(llama_dir), flags, timeout=300) as url:
+        assert [r["role"] for r in replicas(url)] == ["prefill", "decode"]
+        served = [complete(url, p)["choices"][0]["text"] for p in prompts]
+        # Every request moved once, after its first token; the prefill replica decoded none.
+        assert metric_total(url, "kvserve_cluster_migrations_total") == len(prompts)
+        assert metric(url, "kvserve_cluster_routed_requests_total", "0") == len(prompts)
+        assert metric(url, "kvserve_generation_tokens_total", "0") == len(prompts)
+        wait_for(lambda: metric(url, "kvserve_num_requests_running", "all") == 0, "the end")
+        assert metric(url, "kvserve_kv_blocks_used", "all") == 0
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    assert served == [o.outputs[0].text for o in LLM(str(llama_dir)).generate(prompts, greedy)]
 
 
 @dataclass

@@ -61,6 +61,12 @@ def test_migrated_requests_finish_as_if_unmoved(llama_dir: Path, unmoved, swap_b
     assert all(bool(blocks) == bool(swap_blocks) for blocks in sent_ahead.values())
     for _ in range(3):  # the source keeps decoding while the bulk is on its way
         source.step()
+    # The destination serves others meanwhile; the KV received is held, not leaked, when
+    # they end (the engine checks its blocks whenever it runs out of requests).
+    destination.add_request({"prompt_token_ids": [5, 6, 7]},
+                            SamplingParams(temperature=0.0, max_tokens=3))
+    while destination.has_unfinished_requests():
+        destination.step()
     for request_id in ids:
         migrated = source.detach(request_id, len(sent_ahead[request_id]))
         assert migrated is not None

@@ -65,6 +65,38 @@ class InFlight:
     detached_at: float | None = None  # when the source stopped it for the migration
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Which replicas take new requests (`entry`) and which decode them: all of them, or,
+    disaggregated, the first `num_prefill` and the rest."""
+
+    num_replicas: int
+    num_prefill: int = 0
+
+    @classmethod
+    def of(cls, data_parallel_size: int, prefill_replicas: int, decode_replicas: int
+           ) -> Layout:
+        if not prefill_replicas and not decode_replicas:
+            if data_parallel_size < 1:
+                raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+            return cls(data_parallel_size)
+        if prefill_replicas < 1 or decode_replicas < 1:
+            raise ValueError(f"prefill_replicas and decode_replicas must both be >= 1, got "
+                             f"{prefill_replicas} and {decode_replicas}")
+        return cls(prefill_replicas + decode_replicas, prefill_replicas)
+
+    @property
+    def entry(self) -> range:
+        return range(self.num_prefill or self.num_replicas)
+
+    @property
+    def decode(self) -> range:
+        return range(self.num_prefill, self.num_replicas)
+
+    def is_prefill(self, index: int) -> bool:
+        return index < self.num_prefill
+
+
 @dataclass
 class Replica:
     index: int
@@ -79,11 +111,14 @@ class ClusterLLM:
 
     def __init__(self, model: str, data_parallel_size: int = 2, router: str = "round-robin",
                  ray_address: str | None = None, migration_threshold: int = 0,
+                 prefill_replicas: int = 0, decode_replicas: int = 0,
                  max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
                  model_name: str | None = None, **engine_options: Any) -> None:
-        """`migration_threshold` > 0 turns on load balancing by migration."""
-        if data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        """`migration_threshold` > 0 turns on load balancing by migration. With
+        `prefill_replicas` and `decode_replicas` (instead of `data_parallel_size`), prompts
+        run on the first and move, once prefilled, to the second (DistServe)."""
+        self.layout = Layout.of(data_parallel_size, prefill_replicas, decode_replicas)
+        data_parallel_size = self.layout.num_replicas
         if migration_threshold < 0 or migration_threshold == 1:
             raise ValueError(f"migration_threshold must be 0 (off) or >= 2, got "
                              f"{migration_threshold}")
@@ -104,20 +139,22 @@ class ClusterLLM:
             max_task_retries=0)(EngineReplica)
         logger.info("starting %d replicas of %s (%s each)", data_parallel_size, model,
                     "1 GPU" if on_gpu else f"{cpus} CPU threads")
-        self.replicas = [Replica(i, actor_class.remote(model, cpus, **engine_options))
-                         for i in range(data_parallel_size)]
+        self.replicas = [Replica(i, actor_class.remote(
+            model, cpus, **engine_options, prefill_only=self.layout.is_prefill(i)))
+            for i in range(data_parallel_size)]
         limits = ray.get([r.actor.start.remote() for r in self.replicas])[0]
         for replica, pid in zip(self.replicas, ray.get([r.actor.pid.remote()
                                                         for r in self.replicas]), strict=True):
             replica.pid = pid
         self.inputs = InputProcessor(tokenizer, limits)
-        self.router = make_router(router, data_parallel_size, limits.num_kv_blocks)
+        self.router = make_router(router, len(self.layout.entry), limits.num_kv_blocks)
         self.max_waiting_requests = max_waiting_requests * data_parallel_size
         self.migration_threshold = migration_threshold
         self.metrics = ClusterMetrics(model_name or model)
         self._ray = ray
         self._in_flight: dict[str, InFlight] = {}
         self._pollers: list[asyncio.Task[None]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()  # prefilled requests moving to decode
 
     @property
     def num_waiting(self) -> int:
@@ -132,9 +169,6 @@ class ClusterLLM:
             raise EngineOverloadedError(
                 f"the waiting queue is full (max_waiting_requests="
                 f"{self.max_waiting_requests // len(self.replicas)} per replica); retry later")
-        if not any(r.healthy for r in self.replicas):
-            raise EngineOverloadedError("no replica is serving (all are restarting); retry "
-                                        "later")
         self._start_pollers()
         streams = []
         for parent, max_tokens in prepared:
@@ -157,11 +191,18 @@ class ClusterLLM:
     def _route(self, parent: ParentRequest) -> int:
         hashes = prompt_block_hashes(parent.prompt_token_ids, self.inputs.limits.block_size,
                                      parent.cache_salt)
-        index = self.router.route(hashes, self.loads())
+        index = self.router.route(hashes, self.loads()[:len(self.layout.entry)])
         if not self.replicas[index].healthy:
-            healthy = [r for r in self.replicas if r.healthy]
-            index = min(healthy, key=lambda r: len(r.requests)).index
+            index = self._least_loaded(self.layout.entry)
         return index
+
+    def _least_loaded(self, among: range) -> int:
+        """The healthy replica among these with the fewest requests in flight."""
+        healthy = [self.replicas[i] for i in among if self.replicas[i].healthy]
+        if not healthy:
+            raise EngineOverloadedError("no replica is serving (all are restarting); retry "
+                                        "later")
+        return min(healthy, key=lambda r: len(r.requests)).index
 
     def loads(self) -> list[ReplicaLoad]:
         """Each replica's requests, as the front end counts them (no replica is asked)."""
@@ -201,7 +242,7 @@ class ClusterLLM:
         balancing)."""
         while True:
             await asyncio.sleep(BALANCE_SECONDS)
-            healthy = [r for r in self.replicas if r.healthy]
+            healthy = [self.replicas[i] for i in self.layout.decode if self.replicas[i].healthy]
             if len(healthy) < 2:
                 continue
             loads = self.loads()
@@ -239,6 +280,11 @@ class ClusterLLM:
             request.started = True
             request.num_tokens = (len(item.prompt_token_ids)
                                   + len(item.outputs[0].token_ids))
+            if self.layout.is_prefill(replica.index) and request.moving_to is None:
+                destination = self._least_loaded(self.layout.decode)
+                self._tasks.add(task := asyncio.create_task(
+                    self.migrate_request(request_id, destination)))
+                task.add_done_callback(self._tasks.discard)
         request.stream.put(item)
 
     def _switch(self, request: InFlight) -> None:
@@ -275,8 +321,8 @@ class ClusterLLM:
             request.detached_at = time.monotonic()
             migrated = source.actor.detach.remote(request_id, len(received))
             moved = await target.actor.attach.remote(migrated, received)
-        except self._ray.exceptions.RayActorError as e:
-            # A replica died mid-move, perhaps after the source let the request go.
+        except self._ray.exceptions.RayError as e:
+            # A replica died, or failed, mid-move: perhaps after the source let it go.
             self.metrics.migrations.labels(model, "failed").inc()
             if self._in_flight.pop(request_id, None) is not None:
                 source.requests.discard(request_id)
@@ -324,12 +370,12 @@ class ClusterLLM:
         model = self.metrics.model_name
         self.metrics.replica_failures.labels(model, str(replica.index)).inc()
         logger.warning("replica %d (pid %s) failed: %s", replica.index, replica.pid, error)
-        healthy = [r for r in self.replicas if r.healthy]
+        can_rerun = any(self.replicas[i].healthy for i in self.layout.entry)
         for request_id in sorted(replica.requests):
             request = self._in_flight[request_id]
-            if not request.started and healthy:
+            if not request.started and can_rerun:
                 self.metrics.rerun.labels(model).inc()
-                self._send(request, min(healthy, key=lambda r: len(r.requests)).index)
+                self._send(request, self._least_loaded(self.layout.entry))
                 continue
             del self._in_flight[request_id]
             self.metrics.failed.labels(model).inc()
@@ -348,8 +394,10 @@ class ClusterLLM:
         logger.warning("replica %d is serving again (pid %d)", replica.index, replica.pid)
 
     def describe(self) -> list[dict[str, Any]]:
-        """Each replica's state, for `GET /cluster/replicas`."""
+        """Each replica's state, for `GET /replicas`."""
         return [{"replica": r.index, "healthy": r.healthy, "pid": r.pid,
+                 "role": "prefill" if self.layout.is_prefill(r.index) else (
+                     "decode" if self.layout.num_prefill else "both"),
                  "num_requests": len(r.requests)} for r in self.replicas]
 
     async def replica_stats(self) -> list[EngineStats]:
@@ -366,7 +414,7 @@ class ClusterLLM:
         return self.metrics.render(families)
 
     def shutdown(self) -> None:
-        for task in self._pollers:
+        for task in [*self._pollers, *self._tasks]:
             task.cancel()
         for replica in self.replicas:
             self._ray.kill(replica.actor, no_restart=True)

@@ -38,6 +38,9 @@ class EngineCore:
         costs = PreemptionCosts(host.seconds_per_block() if host is not None else 0.0)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, costs)
         self.execute_seconds = 0.0  # in the model runner, which waits for the device
+        # The last step had nothing to compute or copy: until a request is added, aborted
+        # or moved, the next would not either.
+        self.idle = False
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -48,6 +51,7 @@ class EngineCore:
     def step(self) -> CoreStep:
         """Runs one batch."""
         sched = self.scheduler.schedule()
+        self.idle = sched.is_empty and not sched.transfers
         start = time.perf_counter()
         result = self.runner.execute_model(sched)
         seconds = time.perf_counter() - start

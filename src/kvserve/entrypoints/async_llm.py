@@ -220,7 +220,8 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         while True:
-            if not self._apply_commands(block=not self.engine.has_unfinished_requests()):
+            idle = not self.engine.has_unfinished_requests() or self.engine.core.idle
+            if not self._apply_commands(block=idle):
                 return
             if not self.engine.has_unfinished_requests():
                 continue

@@ -36,12 +36,18 @@ def _serve(args: argparse.Namespace) -> None:
     name = args.served_model_name or args.model
     options = dict(engine_kwargs(args), model_name=name,
                    max_waiting_requests=args.max_waiting_requests)
-    if args.data_parallel_size > 1 or args.ray_address:
+    disaggregated = args.prefill_replicas or args.decode_replicas
+    if disaggregated and args.data_parallel_size > 1:
+        raise ValueError("--data-parallel-size: give it or --prefill-replicas with "
+                         "--decode-replicas, not both")
+    if args.data_parallel_size > 1 or args.ray_address or disaggregated:
         from kvserve.cluster.cluster_llm import ClusterLLM
 
         llm = ClusterLLM(**options, data_parallel_size=args.data_parallel_size,
                          router=args.router, ray_address=args.ray_address,
-                         migration_threshold=args.migration_threshold)
+                         migration_threshold=args.migration_threshold,
+                         prefill_replicas=args.prefill_replicas,
+                         decode_replicas=args.decode_replicas)
     else:
         from kvserve.entrypoints.async_llm import AsyncLLM
 
@@ -115,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ray-address", default=None,
                      help="join this Ray cluster (e.g. ray://host:10001 or auto) instead of "
                           "starting a local one")
+    srv.add_argument("--prefill-replicas", type=int, default=0,
+                     help="disaggregated serving (DistServe): replicas that only prefill; "
+                          "each prompt's KV then moves to one of --decode-replicas")
+    srv.add_argument("--decode-replicas", type=int, default=0,
+                     help="replicas that take prefilled requests and decode them")
     srv.add_argument("--migration-threshold", type=int, default=0,
                      help="live migration for load balancing: while one replica has this many "
                           "requests more than another, move its running requests there as "

@@ -112,14 +112,14 @@ class ModelRunner:
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of the given device blocks in host memory, block-major as host blocks lie:
         [blocks, layers, K/V, kv heads, block_size, head_dim]."""
-        ids = torch.tensor(block_ids, device=self.kv_cache.device)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
         return self.kv_cache.index_select(3, ids).permute(3, 0, 1, 2, 4, 5).cpu()
 
     def write_host_blocks(self, host_blocks: list[int], kv: torch.Tensor) -> None:
         """Fills host blocks with KV from `read_kv_blocks` (of another engine)."""
         assert self.host_kv_cache is not None
         self.host_kv_cache.wait()
-        self.host_kv_cache.blocks[torch.tensor(host_blocks)] = kv.to(
+        self.host_kv_cache.blocks[torch.tensor(host_blocks, dtype=torch.long)] = kv.to(
             self.host_kv_cache.blocks.dtype)
 
     def generator_state(self, request_id: str) -> bytes | None:

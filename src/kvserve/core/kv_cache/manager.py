@@ -63,6 +63,7 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self.host_tables: dict[str, list[int]] = {}  # of requests swapped out
         self._host_releasing: list[int] = []  # read by this step's swap-ins
+        self._incoming: set[int] = set()  # host blocks of KV sent ahead of a migrating request
         self._num_cached: dict[str, int] = {}  # leading blocks of each table registered
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found computed (in any tier)
@@ -212,16 +213,22 @@ class KVCacheManager:
         pool = self.host_pool
         if pool is None or count > pool.num_free_blocks:
             return None
-        return pool.allocate(count)
+        host_blocks = pool.allocate(count)
+        self._incoming.update(host_blocks)
+        return host_blocks
 
     def free_host_blocks(self, host_blocks: list[int]) -> None:
+        """Returns blocks of `allocate_host_blocks` whose request did not come after all."""
         if host_blocks:
             assert self.host_pool is not None
+            self._incoming.difference_update(host_blocks)
             self.host_pool.free(host_blocks)
 
     def adopt_swapped(self, request: Request, host_blocks: list[int]) -> None:
-        """Makes a request whose computed KV fills `host_blocks` swapped out here."""
+        """Makes a request whose computed KV fills `host_blocks` (of `allocate_host_blocks`)
+        swapped out here."""
         assert len(host_blocks) == self.num_blocks_for(request.num_cached_tokens)
+        self._incoming.difference_update(host_blocks)
         self.host_tables[request.request_id] = host_blocks
 
     def swap_in(self, request: Request, num_new_tokens: int) -> bool:
@@ -309,7 +316,8 @@ class KVCacheManager:
             assert self.pool.block_hashes[block_id] == block_hash, f"block {block_id} hash"
         assert sum(h is not None for h in self.pool.block_hashes) == len(self.pool.cached)
         if self.host_pool is not None:
-            host = [b for t in self.host_tables.values() for b in t] + self._host_releasing
+            host = ([b for t in self.host_tables.values() for b in t] + self._host_releasing
+                    + list(self._incoming))
             assert len(set(host)) == len(host), f"a host block is held twice: {host}"
             assert self.host_pool.num_free_blocks + len(host) == self.host_pool.num_blocks, (
                 f"{self.host_pool.num_blocks - self.host_pool.num_free_blocks} host blocks "

@@ -98,6 +98,8 @@ class Scheduler:
         for request in candidates:
             if request.status != RequestStatus.RUNNING or budget == 0:
                 continue
+            if self.config.prefill_only and request.num_output_tokens:
+                continue  # prefilled: held until it moves to a decode replica
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_new = self.kv_cache.slide_window(request, num_new)
             while not self.kv_cache.allocate_slots(request, num_new):

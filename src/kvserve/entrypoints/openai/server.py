@@ -122,7 +122,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    return None if task.cancelled() else task.result()
+    return task.result() if task.done() and not task.cancelled() else None
 
 
 async def _until_disconnected(request: Request, events: AsyncIterator[str]
