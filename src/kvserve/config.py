@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,18 @@ class ModelConfig:
             quantization=(QuantConfig.from_hf(raw["quantization_config"])
                           if raw.get("quantization_config") else None),
         )
+
+    def shard(self, num_ranks: int) -> ModelConfig:
+        """One tensor-parallel rank's share: its attention heads, KV heads and MLP columns."""
+        if num_ranks == 1:
+            return self
+        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self, name) % num_ranks:
+                raise ValueError(f"tensor_parallel_size ({num_ranks}) must divide the model's "
+                                 f"{name} ({getattr(self, name)})")
+        return replace(self, num_heads=self.num_heads // num_ranks,
+                       num_kv_heads=self.num_kv_heads // num_ranks,
+                       intermediate_size=self.intermediate_size // num_ranks)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -249,8 +261,16 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     enforce_eager: bool = False  # CUDA: never replay captured graphs
+    tensor_parallel_size: int = 1  # ranks, each with 1/T of the heads and MLP columns
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
+        self.model.shard(self.tensor_parallel_size)  # raises if the heads do not divide
+        if self.tensor_parallel_size > 1 and self.cache.kv_offload_dir is not None:
+            raise ValueError("kv_offload_dir: the disk tier does not run with "
+                             "tensor_parallel_size > 1 yet")
         limit = self.model.max_position_embeddings
         if self.scheduler.max_model_len == 0 or self.scheduler.max_model_len > limit:
             if self.scheduler.max_model_len > limit:
@@ -274,7 +294,7 @@ class EngineConfig:
                swap_space: int = 4 * GiB, kv_offload_host: int = 0,
                kv_offload_dir: str | None = None, kv_offload_disk: int = 16 * GiB,
                streaming_window: int = 0, attention_sinks: int | None = None,
-               prefill_only: bool = False) -> EngineConfig:
+               prefill_only: bool = False, tensor_parallel_size: int = 1) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
             model=ModelConfig.from_pretrained(model, dtype, device),
@@ -295,6 +315,7 @@ class EngineConfig:
             seed=seed,
             device=device,
             enforce_eager=enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
         )
 
     @property
@@ -307,7 +328,9 @@ class EngineConfig:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return self.model.kv_bytes_per_token * self.cache.block_size
+        """Of one rank's share of a block (its KV heads), which `kv_cache_memory` and the
+        host tiers' sizes count in."""
+        return self.model.kv_bytes_per_token * self.cache.block_size // self.tensor_parallel_size
 
     @property
     def num_host_kv_blocks(self) -> int:

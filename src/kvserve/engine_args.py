@@ -57,6 +57,10 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--enable-prefix-caching", dict(action=argparse.BooleanOptionalAction, default=True,
                                      help="reuse the KV of prompt heads already computed "
                                           "(default on)")),
+    ("--tensor-parallel-size", dict(type=int, default=1,
+                                    help="split each layer over this many processes "
+                                         "(torch.distributed: gloo on CPU, NCCL on CUDA, "
+                                         "one GPU each)")),
     ("--enforce-eager", dict(action="store_true",
                              help="CUDA: run every step eagerly, never replaying CUDA graphs")),
 )

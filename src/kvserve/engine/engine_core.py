@@ -11,6 +11,7 @@ from kvserve.core.scheduler.output import TokenLogprobs
 from kvserve.core.scheduler.preemption import PreemptionCosts
 from kvserve.core.scheduler.scheduler import Scheduler
 from kvserve.request import Request
+from kvserve.worker.executor import TensorParallelExecutor
 from kvserve.worker.model_runner import ModelRunner
 
 
@@ -27,15 +28,15 @@ class CoreStep:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = (ModelRunner(config) if config.tensor_parallel_size == 1
+                       else TensorParallelExecutor(config))
         self.kv_cache = KVCacheManager(
             self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
             config.num_host_kv_blocks, config.num_offload_kv_blocks, config.num_disk_kv_blocks,
             config.sink_blocks, config.cache.streaming_window)
-        if self.runner.disk_kv is not None and self.kv_cache.tiers is not None:
-            self.kv_cache.tiers.add_disk_blocks(self.runner.disk_kv.scan())
-        host = self.runner.host_kv_cache
-        costs = PreemptionCosts(host.seconds_per_block() if host is not None else 0.0)
+        if self.kv_cache.tiers is not None:
+            self.kv_cache.tiers.add_disk_blocks(self.runner.disk_blocks())
+        costs = PreemptionCosts(self.runner.swap_seconds_per_block())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, costs)
         self.execute_seconds = 0.0  # in the model runner, which waits for the device
         # The last step had nothing to compute or copy: until a request is added, aborted

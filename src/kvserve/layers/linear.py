@@ -23,6 +23,7 @@ from torch import nn
 from kvserve.quantization.gptq import QuantizedWeight
 from kvserve.quantization.kernels import QuantizedKernel, choose_kernel
 from kvserve.quantization.squeezellm import LutWeight
+from kvserve.worker.tensor_parallel import all_reduce, rank_slice, tp_group
 
 
 def _onednn_available() -> bool:
@@ -32,9 +33,14 @@ def _onednn_available() -> bool:
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, parallel: str | None = None) -> None:
+        """`in_features` and `output_sizes` are this rank's; `parallel` says how a
+        checkpoint's full tensors split among tensor-parallel ranks: "column" (by output
+        rows: each shard's rows) or "row" (by input columns; the outputs are then summed
+        over the ranks)."""
         super().__init__()
         self.in_features = in_features
+        self.parallel = parallel
         self.output_sizes = list(output_sizes)
         out = sum(output_sizes)
         self.weight = torch.empty(in_features, out, dtype=dtype)
@@ -45,17 +51,23 @@ class Linear(nn.Module):
         self.form = "transposed"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        summed = self.parallel == "row" and tp_group().size > 1
+        bias = None if summed else self.bias  # added once, after the ranks' sum
         if self.kernel is not None:
             out = self.kernel.matmul(x)
-            return out if self.bias is None else out + self.bias
-        if self.form == "packed":
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias,
-                                                      "none", [], "")
-        if self.form == "out_major":
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
-            return x @ self.weight
-        return torch.addmm(self.bias, x, self.weight)
+            out = out if bias is None else out + bias
+        elif self.form == "packed":
+            out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, bias,
+                                                     "none", [], "")
+        elif self.form == "out_major":
+            out = F.linear(x, self.weight, bias)
+        else:
+            out = x @ self.weight if bias is None else torch.addmm(bias, x, self.weight)
+        if summed:
+            all_reduce(out)
+            if self.bias is not None:
+                out = out + self.bias
+        return out
 
     @property
     def weight_bytes(self) -> int:
@@ -73,6 +85,14 @@ class Linear(nn.Module):
         """Copies a checkpoint tensor (`[out, in]` weight, quantized or not, or `[out]` bias)
         into its shard."""
         assert self.form == "transposed", "load() after prepare()"
+        if self.parallel is not None and tp_group().size > 1:
+            if isinstance(tensor, QuantizedWeight | LutWeight):
+                raise ValueError("quantized weights do not split among tensor-parallel ranks "
+                                 "yet")
+            if self.parallel == "column":
+                tensor = rank_slice(tensor, 0)
+            elif kind == "weight":
+                tensor = rank_slice(tensor, 1)
         start = sum(self.output_sizes[:shard])
         size = self.output_sizes[shard]
         expected = (size, self.in_features) if kind == "weight" else (size,)

@@ -1,4 +1,6 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): pure math over flat token batches.
+Built from one tensor-parallel rank's `ModelConfig.shard`, it holds that rank's heads and MLP
+columns; embedding, norms and LM head are whole on every rank.
 
 Inputs are all the step's tokens flattened to [N]; attention finds each token's sequence and
 cache slots through the forward context, so prefill chunks and decodes share one forward.
@@ -29,8 +31,8 @@ class Attention(nn.Module):
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias,
-                               cfg.dtype)
-        self.o_proj = Linear(q_size, [cfg.hidden_size], False, cfg.dtype)
+                               cfg.dtype, parallel="column")
+        self.o_proj = Linear(q_size, [cfg.hidden_size], False, cfg.dtype, parallel="row")
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
@@ -53,8 +55,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, False,
-                                   cfg.dtype)
-        self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size], False, cfg.dtype)
+                                   cfg.dtype, parallel="column")
+        self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size], False, cfg.dtype,
+                                parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -25,7 +25,7 @@ from kvserve.worker.sampler import Sampler, SamplingState
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        mc = config.model
+        mc = config.model.shard(config.tensor_parallel_size)
         self.device = config.device
         self.model = load_model(mc, get_attention_backend(config.device, mc.head_dim),
                                 config.device)
@@ -109,6 +109,15 @@ class ModelRunner:
         host.to_device(transfers.to_device)
         return failed
 
+    def swap_seconds_per_block(self) -> float:
+        """The measured cost of moving a block to host memory and back, per block and way
+        (0 without swap space)."""
+        return self.host_kv_cache.seconds_per_block() if self.host_kv_cache is not None else 0.0
+
+    def disk_blocks(self) -> list[bytes]:
+        """The hashes of the blocks the disk tier holds from earlier runs."""
+        return self.disk_kv.scan() if self.disk_kv is not None else []
+
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of the given device blocks in host memory, block-major as host blocks lie:
         [blocks, layers, K/V, kv heads, block_size, head_dim]."""
@@ -142,7 +151,8 @@ class ModelRunner:
         """Decode steps replay CUDA graphs unless `enforce_eager`; graphs need a backend that
         takes padding rows (the Triton one). Elsewhere, the padded path runs eagerly."""
         backend = self.model.layers[0].self_attn.backend
-        if self.config.enforce_eager or not backend.takes_padding_rows:
+        if (self.config.enforce_eager or not backend.takes_padding_rows
+                or self.config.tensor_parallel_size > 1):
             return None
         return DecodeGraphs(self.model, self.inputs, self.config.scheduler.max_num_seqs,
                             capture=torch.device(self.device).type == "cuda")

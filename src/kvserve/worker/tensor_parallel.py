@@ -1,0 +1,60 @@
+"""Tensor parallelism over torch.distributed (Megatron's split): each rank holds 1/T of the
+attention heads, KV heads and MLP columns. Layers that produce heads or MLP columns are
+column-parallel (each rank computes its own outputs); the layers after them are
+row-parallel (each rank multiplies its slice of the inputs, then the ranks sum their
+partial outputs). Gloo on CPU, NCCL on CUDA. A process outside any group is rank 0 of 1.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    rank: int = 0
+    size: int = 1
+
+
+_group = TensorParallelGroup()
+
+
+def tp_group() -> TensorParallelGroup:
+    return _group
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_tensor_parallel(rank: int, size: int, port: int, device: str) -> None:
+    """Joins this process to the group of `size` ranks rendezvousing on localhost:`port`."""
+    global _group
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    _group = TensorParallelGroup(rank, size)
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sums `x` over the ranks, in place."""
+    if _group.size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def rank_slice(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """This rank's slice of a full checkpoint tensor along `dim`."""
+    if _group.size == 1:
+        return tensor
+    if tensor.shape[dim] % _group.size:
+        raise ValueError(f"dimension {dim} ({tensor.shape[dim]}) does not divide among "
+                         f"{_group.size} tensor-parallel ranks")
+    return tensor.chunk(_group.size, dim)[_group.rank]
