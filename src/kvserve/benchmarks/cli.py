@@ -8,6 +8,7 @@ import argparse
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvserve.benchmarks import (
         cluster,
+        disagg,
         kernels,
         latency,
         migration,
@@ -37,3 +38,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     streaming.add_parser(bench_sub)
     cluster.add_parser(bench_sub)
     migration.add_parser(bench_sub)
+    disagg.add_parser(bench_sub)

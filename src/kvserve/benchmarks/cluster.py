@@ -20,7 +20,7 @@ from typing import Any
 
 from kvserve.benchmarks.prefix import medians, table_row
 from kvserve.benchmarks.report import print_table, save_json
-from kvserve.benchmarks.serve import RequestResult
+from kvserve.benchmarks.serve import RequestResult, percentile
 from kvserve.benchmarks.workloads import Workload, shared_prefix
 from kvserve.cluster.router import ROUTERS
 from kvserve.config import ModelConfig
@@ -61,6 +61,37 @@ async def drive(llm: Any, work: Workload, concurrency: int | None = None,
             await asyncio.sleep(rng.expovariate(rate))
     results = await asyncio.gather(*tasks)
     return list(results), time.perf_counter() - start
+
+
+def measure_serving(args: argparse.Namespace, work: Workload, cluster: dict[str, Any],
+                    rate: float) -> dict[str, float]:
+    """Poisson arrivals at `rate` through a `ClusterLLM` with the engine flags and these
+    cluster options: latency percentiles, goodput (requests within `args.slo_ttft` and
+    `args.slo_tpot` per second) and migrations with their downtime."""
+    from kvserve.cluster.cluster_llm import ClusterLLM
+
+    llm = ClusterLLM(**engine_kwargs(args), **cluster)
+
+    async def run() -> dict[str, float]:
+        results, wall = await drive(llm, work, rate=rate, seed=args.workload_seed)
+        ttft = [r.ttft for r in results]
+        tpot = [r.tpot for r in results]
+        good = sum(r.ttft <= args.slo_ttft and r.tpot <= args.slo_tpot for r in results)
+        downtimes = list(llm.metrics.downtimes)
+        ms = 1e3
+        return {"wall s": wall, "TTFT p50 ms": percentile(ttft, 50) * ms,
+                "TTFT p99 ms": percentile(ttft, 99) * ms,
+                "TPOT p50 ms": percentile(tpot, 50) * ms,
+                "TPOT p99 ms": percentile(tpot, 99) * ms,
+                "SLO met %": 100 * good / len(results), "goodput req/s": good / wall,
+                "migrations": len(downtimes),
+                "downtime p50 ms": percentile(downtimes, 50) * ms if downtimes else 0.0,
+                "downtime p99 ms": percentile(downtimes, 99) * ms if downtimes else 0.0}
+
+    try:
+        return asyncio.run(run())
+    finally:
+        llm.shutdown()
 
 
 def summarize(work: Workload, results: list[RequestResult], wall: float,

@@ -11,41 +11,13 @@ their downtime (the stall a moved request's client sees), medians of `--runs`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 
-from kvserve.benchmarks.cluster import drive
+from kvserve.benchmarks.cluster import measure_serving
 from kvserve.benchmarks.prefix import medians
 from kvserve.benchmarks.report import print_table, save_json
-from kvserve.benchmarks.serve import percentile
-from kvserve.benchmarks.workloads import Workload, alternating
+from kvserve.benchmarks.workloads import alternating
 from kvserve.config import ModelConfig
-from kvserve.engine_args import add_engine_args, engine_kwargs
-
-
-def measure(args: argparse.Namespace, work: Workload, threshold: int) -> dict[str, float]:
-    from kvserve.cluster.cluster_llm import ClusterLLM
-
-    llm = ClusterLLM(**engine_kwargs(args), data_parallel_size=2, router="round-robin",
-                     migration_threshold=threshold)
-
-    async def run() -> dict[str, float]:
-        results, wall = await drive(llm, work, rate=args.rate, seed=args.workload_seed)
-        ttft = [r.ttft for r in results]
-        tpot = [r.tpot for r in results]
-        downtimes = list(llm.metrics.downtimes)
-        ms = 1e3
-        return {"wall s": wall, "TTFT p50 ms": percentile(ttft, 50) * ms,
-                "TTFT p99 ms": percentile(ttft, 99) * ms,
-                "TPOT p50 ms": percentile(tpot, 50) * ms,
-                "TPOT p99 ms": percentile(tpot, 99) * ms,
-                "migrations": len(downtimes),
-                "downtime p50 ms": percentile(downtimes, 50) * ms if downtimes else 0.0,
-                "downtime p99 ms": percentile(downtimes, 99) * ms if downtimes else 0.0}
-
-    try:
-        return asyncio.run(run())
-    finally:
-        llm.shutdown()
+from kvserve.engine_args import add_engine_args
 
 
 def run(args: argparse.Namespace) -> None:
@@ -62,7 +34,9 @@ def run(args: argparse.Namespace) -> None:
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in configs}
     for i in range(args.runs):
         for label, threshold in configs.items():
-            runs[label].append(measure(args, work, threshold))
+            runs[label].append(measure_serving(
+                args, work, dict(data_parallel_size=2, router="round-robin",
+                                 migration_threshold=threshold), args.rate))
             last = runs[label][-1]
             print(f"  run {i + 1}, {label}: TTFT p99 {last['TTFT p99 ms']:.0f} ms, "
                   f"{last['migrations']} migrations", flush=True)
@@ -93,6 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--short-output", type=int, default=16)
     p.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
     p.add_argument("--migration-threshold", type=int, default=2)
+    p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds, for goodput")
+    p.add_argument("--slo-tpot", type=float, default=0.1, help="seconds, for goodput")
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--runs", type=int, default=3, help="runs per configuration; the median "
                                                        "is reported")

@@ -257,12 +257,35 @@ class ClusterLLM:
     async def _poll(self, replica: Replica) -> None:
         while True:
             try:
-                items = await replica.actor.outputs.remote()
+                items, handoffs = await replica.actor.outputs.remote()
             except self._ray.exceptions.RayActorError as e:
                 await self._recover(replica, e)
                 continue
             for request_id, item in items:
                 self._deliver(replica, request_id, item)
+            for request_id, migrated in handoffs:
+                self._tasks.add(task := asyncio.create_task(
+                    self._take_over(replica, request_id, migrated)))
+                task.add_done_callback(self._tasks.discard)
+
+    async def _take_over(self, source: Replica, request_id: str, migrated: Any) -> None:
+        """Sends a request a prefill replica has let go, KV and all, to the decode replica
+        with the fewest requests."""
+        request = self._in_flight.get(request_id)
+        target = self.replicas[self._least_loaded(self.layout.decode)]
+        if request is not None:
+            request.moving_to, request.detached_at = target.index, time.monotonic()
+        model = self.metrics.model_name
+        try:
+            await target.actor.attach.remote(migrated, [])
+        except self._ray.exceptions.RayError as e:
+            self.metrics.migrations.labels(model, "failed").inc()
+            self._fail(request_id, source, f"moving this prefilled request to replica "
+                                           f"{target.index} failed: {e}")
+            return
+        self.metrics.migrations.labels(model, "done").inc()
+        if request_id not in self._in_flight:  # the client left meanwhile
+            target.actor.abort.remote(request_id)
 
     def _deliver(self, replica: Replica, request_id: str,
                  item: RequestOutput | BaseException) -> None:
@@ -280,11 +303,6 @@ class ClusterLLM:
             request.started = True
             request.num_tokens = (len(item.prompt_token_ids)
                                   + len(item.outputs[0].token_ids))
-            if self.layout.is_prefill(replica.index) and request.moving_to is None:
-                destination = self._least_loaded(self.layout.decode)
-                self._tasks.add(task := asyncio.create_task(
-                    self.migrate_request(request_id, destination)))
-                task.add_done_callback(self._tasks.discard)
         request.stream.put(item)
 
     def _switch(self, request: InFlight) -> None:
@@ -324,15 +342,10 @@ class ClusterLLM:
         except self._ray.exceptions.RayError as e:
             # A replica died, or failed, mid-move: perhaps after the source let it go.
             self.metrics.migrations.labels(model, "failed").inc()
-            if self._in_flight.pop(request_id, None) is not None:
-                source.requests.discard(request_id)
-                self.metrics.failed.labels(model).inc()
-                request.stream.put(RequestFailedError(
-                    f"moving this request from replica {source.index} to {destination} "
-                    f"failed: {e}"))
-            for replica in (source, target):
-                if replica.healthy:
-                    replica.actor.abort.remote(request_id)
+            self._fail(request_id, source, f"moving this request from replica {source.index} "
+                                           f"to {destination} failed: {e}")
+            if target.healthy:
+                target.actor.abort.remote(request_id)
             return {"request_id": request_id, "migrated": False}
         if not moved:  # it finished, or was preempted, before the source let it go
             request.moving_to = request.detached_at = None
@@ -343,6 +356,16 @@ class ClusterLLM:
         self.metrics.migrations.labels(model, "done").inc()
         return {"request_id": request_id, "migrated": True, "source": source.index,
                 "destination": destination, "seconds": time.monotonic() - start}
+
+    def _fail(self, request_id: str, replica: Replica, message: str) -> None:
+        """Ends a request with an error (its replica is told to drop it too)."""
+        request = self._in_flight.pop(request_id, None)
+        replica.requests.discard(request_id)
+        if replica.healthy:
+            replica.actor.abort.remote(request_id)
+        if request is not None:
+            self.metrics.failed.labels(self.metrics.model_name).inc()
+            request.stream.put(RequestFailedError(message))
 
     async def migrate(self, source: int, destination: int, num_requests: int
                       ) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ class Outbox:
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._items: dict[str, RequestOutput | BaseException] = {}
+        self._handoffs: list[MigratedRequest] = []
         self._ready = asyncio.Event()
 
     def put(self, request_id: str, item: RequestOutput | BaseException) -> None:
@@ -40,14 +41,23 @@ class Outbox:
             self._items[request_id] = item
         self._ready.set()
 
+    def hand_off(self, migrated: MigratedRequest) -> None:
+        """Thread-safe: a prefilled request to send on, after its outputs so far."""
+        self._loop.call_soon_threadsafe(self._add_handoff, migrated)
+
+    def _add_handoff(self, migrated: MigratedRequest) -> None:
+        self._handoffs.append(migrated)
+        self._ready.set()
+
     def discard(self, request_id: str) -> None:
         self._items.pop(request_id, None)
 
-    async def take(self) -> list[ReplicaItem]:
+    async def take(self) -> tuple[list[ReplicaItem], list[MigratedRequest]]:
         await self._ready.wait()
         self._ready.clear()
         items, self._items = self._items, {}
-        return list(items.items())
+        handoffs, self._handoffs = self._handoffs, []
+        return list(items.items()), handoffs
 
 
 class ReplicaSink:
@@ -61,6 +71,9 @@ class ReplicaSink:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.outbox.put(self.request_id, item)
+
+    def hand_off(self, migrated: MigratedRequest) -> None:
+        self.outbox.hand_off(migrated)
 
 
 class EngineReplica:
@@ -122,10 +135,16 @@ class EngineReplica:
         await self.llm.attach(migrated, received, ReplicaSink(self._outbox, request_id))
         return True
 
-    async def outputs(self) -> list[ReplicaItem]:
-        """Waits for at least one output, then returns every one since the last call."""
+    async def outputs(self) -> tuple[list[ReplicaItem], list[tuple[str, Any]]]:
+        """Waits for at least one output, then returns every one since the last call, and
+        the requests prefilled here to go on at a decode replica: each as its id and an
+        object reference, so that the KV goes from replica to replica, never through the
+        front end."""
+        import ray
+
         assert self._outbox is not None, "start() must be called first"
-        return await self._outbox.take()
+        items, handoffs = await self._outbox.take()
+        return items, [(m.parent.request_id, ray.put(m)) for m in handoffs]
 
     async def stats(self) -> EngineStats:
         return self.llm.engine.stats()

@@ -33,9 +33,12 @@ T = TypeVar("T")
 
 
 class OutputSink(Protocol):
-    """Where the engine thread hands a request's outputs, or the error that ended it."""
+    """Where the engine thread hands a request's outputs, or the error that ended it; and,
+    on a prefill replica, the prefilled request itself, to go on elsewhere."""
 
     def put(self, item: RequestOutput | BaseException) -> None: ...
+
+    def hand_off(self, migrated: MigratedRequest) -> None: ...
 
 
 class StreamOwner(Protocol):
@@ -69,6 +72,9 @@ class RequestStream:
             raise item
         self.finished = item.finished
         return item
+
+    def hand_off(self, migrated: MigratedRequest) -> None:
+        raise AssertionError("only a cluster's prefill replica hands requests off")
 
     def close(self) -> None:
         if not self.finished:
@@ -237,6 +243,18 @@ class AsyncLLM:
                         else self._sinks.get(out.request_id))
                 if sink is not None:
                     sink.put(_snapshot(out))
+                    if not out.finished and self.engine.config.scheduler.prefill_only:
+                        self._hand_off(out.request_id, sink)
+
+    def _hand_off(self, request_id: str, sink: OutputSink) -> None:
+        """On a prefill replica, between steps: detaches a prefilled request at once, with
+        all of its KV, for the sink to send on to a decode replica."""
+        migrated = self.engine.detach(request_id, 0)
+        if migrated is None:
+            return
+        self._sinks.pop(request_id, None)
+        self.metrics.on_migrated_out(request_id)
+        sink.hand_off(migrated)
 
     def _apply_commands(self, block: bool) -> bool:
         """Runs queued commands (waiting for one if `block`); False once shut down."""
