@@ -18,6 +18,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         priority,
         quantized,
         serve,
+        simulate,
         step,
         streaming,
         throughput,
@@ -39,3 +40,4 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     cluster.add_parser(bench_sub)
     migration.add_parser(bench_sub)
     disagg.add_parser(bench_sub)
+    simulate.add_validation_parser(bench_sub)

@@ -77,6 +77,7 @@ def _quantize(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvserve.benchmarks import simulate
     from kvserve.benchmarks.cli import add_bench_parser
     from kvserve.cluster.router import ROUTERS
     from kvserve.evals import perplexity, streaming
@@ -171,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     qt.set_defaults(func=_quantize)
 
     add_bench_parser(sub)
+    simulate.add_parser(sub)
     evals = sub.add_parser("eval", help="model quality through the engine")
     evals_sub = evals.add_subparsers(dest="eval", required=True)
     perplexity.add_parser(evals_sub)

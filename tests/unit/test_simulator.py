@@ -1,0 +1,96 @@
+"""The cluster simulator: the real scheduler and KV manager on a fitted step cost. Its
+cost fit recovers a linear model, a lone request's latency is the model's arithmetic, and
+prefix-aware routing, migration and disaggregation act on simulated replicas as they do on
+real ones."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve.cluster.simulator import (
+    ClusterSpec,
+    SimRequest,
+    Simulation,
+    StepCostModel,
+    poisson_arrivals,
+)
+from kvserve.config import EngineConfig
+from kvserve.tools.checkpoint_files import write_json
+from kvserve.tools.make_model import PRESETS, hf_config
+
+COST = StepCostModel(fixed=0.010, per_decode=0.001, per_prefill_token=0.0001)
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
+    folder = tmp_path_factory.mktemp("shapes")
+    write_json(folder / "config.json", hf_config(PRESETS["tiny"]))
+    return EngineConfig.create(str(folder), kv_cache_memory=2 << 20, max_num_seqs=8)
+
+
+def test_the_fit_recovers_a_linear_cost() -> None:
+    def step_ms(decodes: int, chunk: int, context: int) -> float:
+        return 1e3 * (0.01 + 0.001 * decodes + 0.0001 * chunk + 2e-6 * decodes * context)
+
+    runs = [{"context": ctx, "rows": [{"decodes": d, "chunk": c, "step ms": step_ms(d, c, ctx)}
+                                      for d in (1, 8) for c in (0, 64, 256)]}
+            for ctx in (64, 512)]
+    fitted = StepCostModel.fit(runs)
+    assert fitted.fixed == pytest.approx(0.01, abs=1e-6)
+    assert fitted.per_decode == pytest.approx(0.001, abs=1e-6)
+    assert fitted.per_prefill_token == pytest.approx(0.0001, abs=1e-8)
+    assert fitted.per_context_token == pytest.approx(2e-6, abs=1e-9)
+
+
+def test_a_lone_request_costs_what_the_model_says(config: EngineConfig) -> None:
+    timing = Simulation(ClusterSpec(config, COST, 1)).run(
+        [SimRequest(0.0, list(range(3, 103)), 5)])["0"]
+    prefill = COST.fixed + 100 * COST.per_prefill_token  # 100 tokens in one chunk
+    assert timing.ttft == pytest.approx(prefill)
+    assert timing.tpot == pytest.approx(COST.fixed + COST.per_decode)
+
+
+def shared_heads(num_groups: int, per_group: int) -> list[SimRequest]:
+    arrivals = poisson_arrivals(num_groups * per_group, 50.0, seed=0)
+    groups = [g for g in range(num_groups) for _ in range(per_group)]
+    random.Random(0).shuffle(groups)
+    return [SimRequest(t, [10 + g] * 64 + [1000 + i] * 8, 4)
+            for i, (t, g) in enumerate(zip(arrivals, groups, strict=True))]
+
+
+def test_prefix_aware_routing_keeps_groups_together(config: EngineConfig) -> None:
+    def hit_rate(router: str) -> float:
+        sim = Simulation(ClusterSpec(config, COST, 4, router=router))
+        sim.run(shared_heads(8, 6))
+        kvs = [r.scheduler.kv_cache for r in sim.replicas]
+        return sum(kv.prefix_cache_hits for kv in kvs) / sum(kv.prefix_cache_queries
+                                                             for kv in kvs)
+
+    assert hit_rate("prefix-aware") > hit_rate("round-robin")
+
+
+def test_disaggregated_requests_decode_only_on_decode_replicas(config: EngineConfig) -> None:
+    sim = Simulation(ClusterSpec(config, COST, 3, num_prefill=1))
+    timings = sim.run(shared_heads(4, 5))
+    assert all(t.num_tokens == 4 for t in timings.values())
+    assert sim.num_migrations == len(timings)  # each moved once, after its first token
+    assert all(not r.scheduler.has_unfinished_requests() for r in sim.replicas)
+    assert sim.replicas[0].scheduler.kv_cache.num_used_host_blocks == 0
+
+
+def test_migration_evens_out_an_imbalanced_load(config: EngineConfig) -> None:
+    arrivals = poisson_arrivals(40, 20.0, seed=1)
+    requests = [SimRequest(t, list(range(3, 40)), 200 if i % 2 == 0 else 8)
+                for i, t in enumerate(arrivals)]
+
+    def p99_ttft(threshold: int) -> tuple[float, int]:
+        sim = Simulation(ClusterSpec(config, COST, 2, migration_threshold=threshold))
+        ttfts = sorted(t.ttft for t in sim.run(requests).values())
+        return ttfts[int(0.99 * (len(ttfts) - 1))], sim.num_migrations
+
+    still, moved = p99_ttft(0), p99_ttft(2)
+    assert still[1] == 0 and moved[1] > 0
+    assert moved[0] < still[0]
+
