@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,7 @@ from kvserve.engine.input_processor import (
     PromptType,
     load_tokenizer,
 )
-from kvserve.entrypoints.async_llm import RequestStream
+from kvserve.entrypoints.async_llm import RequestStream, StreamingLLM
 from kvserve.errors import EngineOverloadedError, RequestFailedError
 from kvserve.outputs import EngineStats, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -106,7 +105,7 @@ class Replica:
     requests: set[str] = field(default_factory=set)
 
 
-class ClusterLLM:
+class ClusterLLM(StreamingLLM):
     """Takes `EngineConfig.create`'s options for every replica, plus the cluster's own."""
 
     def __init__(self, model: str, data_parallel_size: int = 2, router: str = "round-robin",
@@ -178,15 +177,6 @@ class ClusterLLM:
             self._send(request, self._route(parent))
             streams.append(stream)
         return streams
-
-    async def generate(self, prompt: PromptType, params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        stream = self.add_requests([prompt], params)[0]
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
 
     def _route(self, parent: ParentRequest) -> int:
         hashes = prompt_block_hashes(parent.prompt_token_ids, self.inputs.limits.block_size,

@@ -82,7 +82,25 @@ class RequestStream:
             self._owner.abort(self.request_id)
 
 
-class AsyncLLM:
+class StreamingLLM:
+    """What one engine (`AsyncLLM`) and a cluster (`ClusterLLM`) share: a request's outputs
+    as an async iterator, over their `add_requests`."""
+
+    def add_requests(self, prompts: list[PromptType], params: SamplingParams
+                     ) -> list[RequestStream]:
+        raise NotImplementedError
+
+    async def generate(self, prompt: PromptType, params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        stream = self.add_requests([prompt], params)[0]
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+
+class AsyncLLM(StreamingLLM):
     """Takes `EngineConfig.create`'s options plus `max_waiting_requests` and `model_name`."""
 
     def __init__(self, model: str, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
@@ -124,15 +142,6 @@ class AsyncLLM:
             self.add_prepared(parent, params, max_tokens, stream)
             streams.append(stream)
         return streams
-
-    async def generate(self, prompt: PromptType, params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        stream = self.add_requests([prompt], params)[0]
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.close()
 
     def add_prepared(self, parent: ParentRequest, params: SamplingParams, max_tokens: int,
                      sink: OutputSink) -> None:
