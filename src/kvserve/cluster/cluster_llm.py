@@ -262,7 +262,11 @@ class ClusterLLM(StreamingLLM):
         """Sends a request a prefill replica has let go, KV and all, to the decode replica
         with the fewest requests."""
         request = self._in_flight.get(request_id)
-        target = self.replicas[self._least_loaded(self.layout.decode)]
+        try:
+            target = self.replicas[self._least_loaded(self.layout.decode)]
+        except EngineOverloadedError as e:
+            self._fail(request_id, source, f"no decode replica takes this request: {e}")
+            return
         if request is not None:
             request.moving_to, request.detached_at = target.index, time.monotonic()
         model = self.metrics.model_name
