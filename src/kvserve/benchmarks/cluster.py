@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import time
 from typing import Any
 
 from kvserve.benchmarks.prefix import medians, table_row
 from kvserve.benchmarks.report import print_table, save_json
-from kvserve.benchmarks.serve import RequestResult, percentile
+from kvserve.benchmarks.serve import RequestResult, percentile, send_all
 from kvserve.benchmarks.workloads import Workload, shared_prefix
 from kvserve.cluster.router import ROUTERS
 from kvserve.config import ModelConfig
@@ -46,21 +45,8 @@ async def drive(llm: Any, work: Workload, concurrency: int | None = None,
     """Runs the workload through `llm` (an `AsyncLLM` or a `ClusterLLM`) with `concurrency`
     closed-loop clients, or arriving as a Poisson process at `rate` per second; returns each
     request's timings and the wall time."""
-    rng = random.Random(seed)
-    gate = asyncio.Semaphore(concurrency or len(work.prompts))
-
-    async def send(prompt: list[int], output_len: int) -> RequestResult:
-        async with gate:
-            return await one_request(llm, prompt, output_len)
-
-    start = time.perf_counter()
-    tasks = []
-    for prompt, output_len in zip(work.prompts, work.output_lens, strict=True):
-        tasks.append(asyncio.create_task(send(prompt, output_len)))
-        if rate:
-            await asyncio.sleep(rng.expovariate(rate))
-    results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+    return await send_all(work, lambda prompt, n: one_request(llm, prompt, n), rate,
+                          concurrency, seed)
 
 
 def measure_serving(args: argparse.Namespace, work: Workload, cluster: dict[str, Any],

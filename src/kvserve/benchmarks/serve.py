@@ -16,7 +16,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -86,33 +86,43 @@ async def probe_health(client: httpx.AsyncClient, url: str, stop: asyncio.Event,
         await asyncio.sleep(interval)
 
 
+async def send_all(workload: Workload,
+                   request: Callable[[list[int], int], Awaitable[RequestResult]],
+                   rate: float | None, concurrency: int | None, seed: int
+                   ) -> tuple[list[RequestResult], float]:
+    """Sends every request of the workload through `request(prompt, output_len)`: arriving
+    as a Poisson process at `rate` per second, at most `concurrency` at a time; returns
+    their results and the wall time."""
+    rng = random.Random(seed)
+    gate = asyncio.Semaphore(concurrency or len(workload.prompts))
+
+    async def send(prompt: list[int], output_len: int) -> RequestResult:
+        async with gate:
+            return await request(prompt, output_len)
+
+    start = time.perf_counter()
+    tasks = []
+    for prompt, output_len in zip(workload.prompts, workload.output_lens, strict=True):
+        tasks.append(asyncio.create_task(send(prompt, output_len)))
+        if rate:
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - start
+
+
 async def run_load(url: str, model: str, workload: Workload, rate: float | None,
                    concurrency: int | None, seed: int) -> tuple[list[RequestResult], float,
                                                                 list[float]]:
     """Sends every request (Poisson at `rate`, or `concurrency` at a time); returns the
     results, the wall time and the /health latencies seen meanwhile."""
-    rng = random.Random(seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client, \
             httpx.AsyncClient(timeout=30) as health_client:
         stop, health = asyncio.Event(), []
         prober = asyncio.create_task(probe_health(health_client, url, stop, health))
-        gate = asyncio.Semaphore(concurrency) if concurrency else None
-
-        async def send(prompt: list[int], output_len: int) -> RequestResult:
-            if gate is None:
-                return await one_request(client, url, model, prompt, output_len)
-            async with gate:
-                return await one_request(client, url, model, prompt, output_len)
-
-        start = time.perf_counter()
-        tasks = []
-        for prompt, output_len in zip(workload.prompts, workload.output_lens, strict=True):
-            tasks.append(asyncio.create_task(send(prompt, output_len)))
-            if rate:
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        wall = time.perf_counter() - start
+        results, wall = await send_all(
+            workload, lambda prompt, n: one_request(client, url, model, prompt, n), rate,
+            concurrency, seed)
         stop.set()
         await prober
     return list(results), wall, health
