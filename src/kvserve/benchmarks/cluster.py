@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvserve.benchmarks.prefix import medians, table_row
@@ -47,6 +48,18 @@ async def drive(llm: Any, work: Workload, concurrency: int | None = None,
     request's timings and the wall time."""
     return await send_all(work, lambda prompt, n: one_request(llm, prompt, n), rate,
                           concurrency, seed)
+
+
+def alternate_runs(configs: dict[str, Callable[[], dict[str, float]]], num_runs: int,
+                   show: Callable[[dict[str, float]], str]) -> dict[str, dict[str, float]]:
+    """Measures every configuration `num_runs` times, alternating them so that drift hits
+    them alike, printing `show(result)` after each; returns each one's medians."""
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label in configs}
+    for i in range(num_runs):
+        for label, measure in configs.items():
+            runs[label].append(measure())
+            print(f"  run {i + 1}, {label}: {show(runs[label][-1])}", flush=True)
+    return {label: medians(r) for label, r in runs.items()}
 
 
 def measure_serving(args: argparse.Namespace, work: Workload, cluster: dict[str, Any],
@@ -142,14 +155,9 @@ def run(args: argparse.Namespace) -> None:
             raise ValueError(f"--routers: {router!r} is not one of {', '.join(ROUTERS)}")
         configs[f"{replicas} replicas, {router}"] = (
             lambda router=router: cluster_run(args, router, work, kv_bytes))
-    runs: dict[str, list[dict[str, float]]] = {label: [] for label in configs}
-    for i in range(args.runs):  # configurations alternate, so drift hits them alike
-        for label, measure in configs.items():
-            runs[label].append(measure())
-            print(f"  run {i + 1}, {label}: {runs[label][-1]['wall s']:.1f} s, hit rate "
-                  f"{runs[label][-1]['hit rate %']:.1f} %", flush=True)
+    results = alternate_runs(configs, args.runs, lambda r: f"{r['wall s']:.1f} s, hit rate "
+                                                           f"{r['hit rate %']:.1f} %")
     ray.shutdown()
-    results = {label: medians(r) for label, r in runs.items()}
     rows = [table_row(label, median) for label, median in results.items()]
     print_table(rows, title=f"{work.name}, {args.model} (median of {args.runs})")
     ratios = {}

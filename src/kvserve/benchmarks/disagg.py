@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.benchmarks.cluster import measure_serving
-from kvserve.benchmarks.prefix import medians
+from kvserve.benchmarks.cluster import alternate_runs, measure_serving
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import fixed
 from kvserve.config import ModelConfig
@@ -39,15 +38,11 @@ def run(args: argparse.Namespace) -> None:
     ray.init(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     rows, ratios = [], {}
     for rate in args.rates:
-        runs: dict[str, list[dict[str, float]]] = {label: [] for label in configs}
-        for i in range(args.runs):
-            for label, cluster in configs.items():
-                runs[label].append(measure_serving(args, work, cluster, rate))
-                last = runs[label][-1]
-                print(f"  {rate} req/s, run {i + 1}, {label}: goodput "
-                      f"{last['goodput req/s']:.2f} req/s, SLO met {last['SLO met %']:.0f} %",
-                      flush=True)
-        results = {label: medians(r) for label, r in runs.items()}
+        results = alternate_runs(
+            {label: lambda cluster=cluster, rate=rate: measure_serving(args, work, cluster, rate)
+             for label, cluster in configs.items()}, args.runs,
+            lambda r, rate=rate: f"at {rate} req/s, goodput {r['goodput req/s']:.2f} req/s, "
+                                 f"SLO met {r['SLO met %']:.0f} %")
         for label, median in results.items():
             rows.append({"rate": rate, "config": label,
                          **{k: round(v, 2 if "req/s" in k else 1) for k, v in median.items()

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.benchmarks.cluster import measure_serving
-from kvserve.benchmarks.prefix import medians
+from kvserve.benchmarks.cluster import alternate_runs, measure_serving
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import alternating
 from kvserve.config import ModelConfig
@@ -29,19 +28,15 @@ def run(args: argparse.Namespace) -> None:
     print(f"{work.name}, Poisson at {args.rate} req/s; 2 replicas, round-robin, "
           f"max_num_seqs {args.max_num_seqs}", flush=True)
     ray.init(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-    configs = {"no migration": 0, f"migration (threshold {args.migration_threshold})":
-               args.migration_threshold}
-    runs: dict[str, list[dict[str, float]]] = {label: [] for label in configs}
-    for i in range(args.runs):
-        for label, threshold in configs.items():
-            runs[label].append(measure_serving(
-                args, work, dict(data_parallel_size=2, router="round-robin",
-                                 migration_threshold=threshold), args.rate))
-            last = runs[label][-1]
-            print(f"  run {i + 1}, {label}: TTFT p99 {last['TTFT p99 ms']:.0f} ms, "
-                  f"{last['migrations']} migrations", flush=True)
+    configs = {label: lambda threshold=threshold: measure_serving(
+        args, work, dict(data_parallel_size=2, router="round-robin",
+                         migration_threshold=threshold), args.rate)
+               for label, threshold in (("no migration", 0), (
+                   f"migration (threshold {args.migration_threshold})",
+                   args.migration_threshold))}
+    results = alternate_runs(configs, args.runs, lambda r: f"TTFT p99 {r['TTFT p99 ms']:.0f} "
+                                                           f"ms, {r['migrations']} migrations")
     ray.shutdown()
-    results = {label: medians(r) for label, r in runs.items()}
     rows = [{"config": label, **{k: round(v, 1) for k, v in median.items()}}
             for label, median in results.items()]
     print_table(rows, title=f"{work.name}, {args.model} (median of {args.runs})")
