@@ -1,11 +1,12 @@
 """The cluster simulator: the real scheduler and KV manager on a fitted step cost. Its
-cost fit recovers a linear model, a lone request's latency is the model's arithmetic, and
-prefix-aware routing, migration and disaggregation act on simulated replicas as they do on
-real ones."""
+cost fits recover a linear model, an engine traces each step's work, a lone request's latency
+is the model's arithmetic, and prefix-aware routing, migration and disaggregation act on
+simulated replicas as they do on real ones."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -17,8 +18,12 @@ from kvserve.cluster.simulator import (
     poisson_arrivals,
 )
 from kvserve.config import EngineConfig
+from kvserve.core.scheduler.output import StepShape
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.sampling_params import SamplingParams
 from kvserve.tools.checkpoint_files import write_json
 from kvserve.tools.make_model import PRESETS, hf_config
+from tests.conftest import random_prompts
 
 COST = StepCostModel(fixed=0.010, per_decode=0.001, per_prefill_token=0.0001)
 
@@ -42,6 +47,41 @@ def test_the_fit_recovers_a_linear_cost() -> None:
     assert fitted.per_decode == pytest.approx(0.001, abs=1e-6)
     assert fitted.per_prefill_token == pytest.approx(0.0001, abs=1e-8)
     assert fitted.per_context_token == pytest.approx(2e-6, abs=1e-9)
+
+
+def test_the_trace_fit_recovers_a_linear_cost_through_stalls() -> None:
+    steps = []
+    for i in range(200):
+        decodes, prompt = 1 + i % 6, 256 * (i % 5 == 0)
+        seconds = 0.01 + 0.001 * decodes + 0.0001 * prompt
+        stalled = i % 7 == 3  # a step that lost the CPU for a while
+        steps.append((StepShape(decodes, prompt, 100 * decodes), seconds + 0.05 * stalled))
+    fitted = StepCostModel.fit_trace(steps, "test")
+    assert fitted.fixed == pytest.approx(0.01)
+    assert fitted.per_decode == pytest.approx(0.001)
+    assert fitted.per_prefill_token == pytest.approx(0.0001)
+
+
+def test_the_trace_fit_needs_both_kinds_of_step() -> None:
+    with pytest.raises(ValueError, match="only decode"):
+        StepCostModel.fit_trace([(StepShape(2, 0, 50), 0.01)], "test")
+
+
+def test_an_engine_traces_the_work_of_its_steps(llama_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig.create(str(llama_dir), max_num_batched_tokens=32))
+    engine.trace_steps(on=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for prompt in random_prompts([40, 9]):
+        engine.add_request({"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    trace = engine.trace_steps(on=False)
+    assert sum(shape.num_prefill_tokens for shape, _ in trace) == 40 + 9
+    assert sum(shape.num_decodes for shape, _ in trace) == 2 * 5
+    assert all(seconds > 0 for _, seconds in trace)
+    engine.add_request({"prompt_token_ids": [5] * 8}, params)
+    engine.step()
+    assert engine.trace_steps(on=False) == []  # no longer tracing
 
 
 def test_a_lone_request_costs_what_the_model_says(config: EngineConfig) -> None:

@@ -134,10 +134,7 @@ def run(args: argparse.Namespace) -> None:
     cost = cost_model(args, config)
     work = workload(args, config.model.vocab_size)
     requests = sim_requests(work, args.rate, args.workload_seed)
-    print(f"{work.name}, Poisson at {args.rate} req/s; step cost from {cost.source}: "
-          f"{cost.fixed * 1e3:.2f} ms + {cost.per_decode * 1e3:.3f} ms/decode + "
-          f"{cost.per_prefill_token * 1e3:.4f} ms/prefill token + "
-          f"{cost.per_context_token * 1e6:.3f} us/context token; SLOs TTFT <= "
+    print(f"{work.name}, Poisson at {args.rate} req/s; step cost {cost}; SLOs TTFT <= "
           f"{args.slo_ttft} s, TPOT <= {args.slo_tpot * 1e3:.0f} ms", flush=True)
     rows = []
     for replicas in args.replicas:
@@ -244,53 +241,72 @@ def engine_overhead(args: argparse.Namespace) -> float:
 
 
 def validate(args: argparse.Namespace) -> None:
+    """Per replica count: a real run of the workload, beside simulations of it with the step
+    cost fitted two ways: to steps timed alone (`kvserve bench step`'s way) and to the steps
+    the replicas traced while serving a calibration run (another seed of the workload)."""
     import ray
-
-    from kvserve.benchmarks.cluster import drive
 
     config = engine_config(args)
     work = workload(args, config.model.vocab_size)
+    calibration = workload(replace_seed(args, args.workload_seed + 1), config.model.vocab_size)
     requests = sim_requests(work, args.rate, args.workload_seed)
     ray.init(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     rows, ratios = [], {}
     for replicas in args.replicas:
-        cost = measured_costs(args, max(1, args.cpus // replicas))
-        spec = ClusterSpec(config, cost, replicas, router="least-loaded")
-        sim = Simulation(spec)
-        timings = list(sim.run(requests).values())
-        simulated = summarize(timings, args.slo_ttft, args.slo_tpot)
-        measured = measure_real(args, work, replicas, drive)
-        for label, values in (("measured", measured), ("simulated", simulated)):
-            rows.append({"replicas": replicas, "run": label,
-                         **{k: round(values[k], 1) for k in PERCENTILES}})
-        for key in PERCENTILES:
-            ratios[f"{replicas} replica(s), {key}"] = round(simulated[key] / measured[key], 2)
+        isolated = measured_costs(args, max(1, args.cpus // replicas))
+        traced, measured = measure_real(args, work, calibration, replicas)
+        runs = {"measured": measured}
+        for label, cost in (("simulated, steps alone", isolated),
+                            ("simulated, traced steps", traced)):
+            print(f"{replicas} replica(s), {label}: step cost {cost}", flush=True)
+            spec = ClusterSpec(config, cost, replicas, router="least-loaded")
+            runs[label] = summarize(list(Simulation(spec).run(requests).values()),
+                                    args.slo_ttft, args.slo_tpot)
+            for key in PERCENTILES:
+                ratios.setdefault(key, {})[f"{replicas} replica(s), {label}"] = round(
+                    runs[label][key] / measured[key], 2)
+        rows += [{"replicas": replicas, "run": label, **{k: round(v[k], 1) for k in PERCENTILES}}
+                 for label, v in runs.items()]
     ray.shutdown()
     print_table(rows, title=f"{work.name} at {args.rate} req/s, {args.model}")
-    print_table([{"metric": k, "simulated / measured": v} for k, v in ratios.items()],
-                title="simulated / measured")
-    save_json(args.json, {"benchmark": "simulator", "rows": rows, "ratios": ratios})
+    table = [{"simulation": name, **{k: ratios[k][name] for k in PERCENTILES}}
+             for name in ratios[PERCENTILES[0]]]
+    print_table(table, title="simulated / measured")
+    save_json(args.json, {"benchmark": "simulator", "rows": rows, "ratios": table})
+
+
+def replace_seed(args: argparse.Namespace, seed: int) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "workload_seed": seed})
 
 
 PERCENTILES = ("TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms")
 
 
-def measure_real(args: argparse.Namespace, work: Workload, replicas: int, drive: Any
-                 ) -> dict[str, float]:
+def measure_real(args: argparse.Namespace, work: Workload, calibration: Workload,
+                 replicas: int) -> tuple[StepCostModel, dict[str, float]]:
+    """Serves `calibration` on `replicas` replicas while they trace their steps, then `work`;
+    returns the step cost fitted to the trace and `work`'s latency percentiles."""
     import asyncio
 
+    from kvserve.benchmarks.cluster import drive
     from kvserve.cluster.cluster_llm import ClusterLLM
 
     llm = ClusterLLM(**engine_kwargs(args), data_parallel_size=replicas,
                      router="least-loaded")
 
-    async def run_it() -> dict[str, float]:
+    async def run_it() -> tuple[StepCostModel, dict[str, float]]:
+        await llm.trace_steps(on=True)
+        await drive(llm, calibration, rate=args.rate, seed=args.workload_seed + 1)
+        trace = await llm.trace_steps(on=False)
+        cost = StepCostModel.fit_trace(trace, f"{len(trace)} steps traced on {replicas} "
+                                              "replica(s)")
         results, _ = await drive(llm, work, rate=args.rate, seed=args.workload_seed)
         ms = 1e3
         ttft, tpot = [r.ttft for r in results], [r.tpot for r in results]
-        return {"TTFT p50 ms": percentile(ttft, 50) * ms, "TTFT p99 ms": percentile(ttft, 99)
-                * ms, "TPOT p50 ms": percentile(tpot, 50) * ms,
-                "TPOT p99 ms": percentile(tpot, 99) * ms}
+        return cost, {"TTFT p50 ms": percentile(ttft, 50) * ms,
+                      "TTFT p99 ms": percentile(ttft, 99) * ms,
+                      "TPOT p50 ms": percentile(tpot, 50) * ms,
+                      "TPOT p99 ms": percentile(tpot, 99) * ms}
 
     try:
         return asyncio.run(run_it())
@@ -303,7 +319,7 @@ def add_validation_parser(sub: argparse._SubParsersAction) -> None:
                                          "replicas on this machine")
     add_engine_args(p)
     add_workload_args(p)
-    p.set_defaults(num_requests=60, rate=2.0, prompt_len=256, output_len=32)
+    p.set_defaults(num_requests=100, rate=2.0, prompt_len=256, output_len=32)
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     p.add_argument("--cpus", type=int, default=2, help="cores the replicas share")
     p.set_defaults(func=validate)

@@ -21,6 +21,7 @@ from kvserve.cluster.replica import EngineReplica
 from kvserve.cluster.router import ReplicaLoad, make_router
 from kvserve.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
 from kvserve.core.kv_cache.hashing import prompt_block_hashes
+from kvserve.core.scheduler.output import StepShape
 from kvserve.engine.input_processor import (
     InputProcessor,
     ParentRequest,
@@ -421,6 +422,12 @@ class ClusterLLM(StreamingLLM):
         """Every serving replica's `EngineStats`."""
         return await asyncio.gather(*(r.actor.stats.remote() for r in self.replicas
                                       if r.healthy))
+
+    async def trace_steps(self, on: bool) -> list[tuple[StepShape, float]]:
+        """The steps every serving replica traced (see `LLMEngine.trace_steps`), together."""
+        traces = await asyncio.gather(*(r.actor.trace_steps.remote(on) for r in self.replicas
+                                        if r.healthy))
+        return [step for trace in traces for step in trace]
 
     async def render_metrics(self) -> bytes:
         healthy = [r for r in self.replicas if r.healthy]

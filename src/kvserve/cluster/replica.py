@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvserve.core.scheduler.output import StepShape
 from kvserve.engine.input_processor import ParentRequest, RequestLimits
 from kvserve.engine.llm_engine import MigratedRequest
 from kvserve.entrypoints.async_llm import AsyncLLM
@@ -148,6 +149,9 @@ class EngineReplica:
 
     async def stats(self) -> EngineStats:
         return self.llm.engine.stats()
+
+    async def trace_steps(self, on: bool) -> list[tuple[StepShape, float]]:
+        return await self.llm.call_on_engine(lambda: self.llm.engine.trace_steps(on))
 
     async def metric_families(self) -> list[Any]:
         """This replica's Prometheus metric families, for the front end to merge."""

@@ -1,7 +1,8 @@
 """A cluster in simulated time, in the manner of Vidur: the real `Scheduler`, `KVCacheManager`
 and router decide everything; only the model's forward pass is replaced, by a step-cost
-model fitted from `kvserve bench step` JSON (any device's). A step that would run on a
-replica advances that replica's clock by the cost of the step's work instead.
+model fitted from `kvserve bench step` JSON (any device's) or from the steps a serving engine
+traced. A step that would run on a replica advances that replica's clock by the cost of the
+step's work instead.
 
 The simulated front end does what `ClusterLLM` does: routes each request among the entry
 replicas, moves prefilled requests from prefill to decode replicas (disaggregated), and
@@ -26,7 +27,7 @@ from kvserve.cluster.router import ReplicaLoad, make_router
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache.hashing import prompt_block_hashes
 from kvserve.core.kv_cache.manager import KVCacheManager
-from kvserve.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.scheduler.output import ModelRunnerOutput, SchedulerOutput, StepShape
 from kvserve.core.scheduler.scheduler import Scheduler
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -78,12 +79,43 @@ class StepCostModel:
     def load(cls, paths: list[str]) -> StepCostModel:
         return cls.fit([json.loads(Path(p).read_text()) for p in paths])
 
+    @classmethod
+    def fit_trace(cls, steps: list[tuple[StepShape, float]], source: str) -> StepCostModel:
+        """From the steps an engine traced while serving (`LLMEngine.trace_steps`), which
+        carry what steps timed alone miss: the serving loop's and the other replicas' share
+        of the CPU. Medians keep the stalls of a busy machine from skewing the fit: the
+        decode-only steps' median time per batch size gives the fixed and per-decode costs
+        (a line weighted by each size's count, with the decodes' context folded in), and
+        the median of what a prefill token adds to a step gives the prefill cost."""
+        by_size: dict[int, list[float]] = {}
+        for shape, seconds in steps:
+            if not shape.num_prefill_tokens:
+                by_size.setdefault(shape.num_decodes, []).append(seconds)
+        if not by_size or len(by_size) == len(steps):
+            raise ValueError("fitting a step cost to a trace needs steps that only decode "
+                             "and steps with prompt tokens; trace a workload with both")
+        sizes = sorted(by_size)
+        medians = np.array([statistics.median(by_size[n]) for n in sizes])
+        weight = np.sqrt([len(by_size[n]) for n in sizes])
+        x = np.array([[1.0, n] for n in sizes])
+        coef = (np.linalg.lstsq(x * weight[:, None], medians * weight, rcond=None)[0]
+                if len(sizes) > 1 else np.array([medians[0], 0.0]))
+        fixed, per_decode = (max(float(c), 0.0) for c in coef)
+        per_token = [(seconds - fixed - per_decode * shape.num_decodes)
+                     / shape.num_prefill_tokens for shape, seconds in steps
+                     if shape.num_prefill_tokens]
+        return cls(fixed, per_decode, max(statistics.median(per_token), 0.0), source=source)
+
+    def __str__(self) -> str:
+        return (f"{self.fixed * 1e3:.2f} ms + {self.per_decode * 1e3:.3f} ms/decode + "
+                f"{self.per_prefill_token * 1e3:.4f} ms/prefill token + "
+                f"{self.per_context_token * 1e6:.3f} us/context token (from {self.source})")
+
     def step_seconds(self, sched: SchedulerOutput) -> float:
-        decodes = [s for s in sched.scheduled if len(s.token_ids) == 1]
-        prefill = sum(len(s.token_ids) for s in sched.scheduled if len(s.token_ids) > 1)
-        context = sum(s.num_computed_tokens for s in decodes)
-        return (self.fixed + self.per_decode * len(decodes) + self.per_prefill_token * prefill
-                + self.per_context_token * context)
+        shape = sched.shape
+        return (self.fixed + self.per_decode * shape.num_decodes
+                + self.per_prefill_token * shape.num_prefill_tokens
+                + self.per_context_token * shape.num_context_tokens)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache.manager import KVCacheManager
-from kvserve.core.scheduler.output import TokenLogprobs
+from kvserve.core.scheduler.output import StepShape, TokenLogprobs
 from kvserve.core.scheduler.preemption import PreemptionCosts
 from kvserve.core.scheduler.scheduler import Scheduler
 from kvserve.request import Request
@@ -18,11 +18,13 @@ from kvserve.worker.model_runner import ModelRunner
 @dataclass(slots=True)
 class CoreStep:
     """What a step produced: the requests that got a token, with that token's logprobs, and
-    the prompt logprobs computed (request id -> first position scored, entries)."""
+    the prompt logprobs computed (request id -> first position scored, entries), and the
+    work it did."""
 
     updated: list[Request]
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]
+    shape: StepShape
 
 
 class EngineCore:
@@ -62,4 +64,5 @@ class EngineCore:
         by_id = dict(zip(result.request_ids, result.logprobs, strict=True))
         if not self.scheduler.has_unfinished_requests():
             self.kv_cache.check_integrity()
-        return CoreStep(updated, [by_id[r.request_id] for r in updated], result.prompt_logprobs)
+        return CoreStep(updated, [by_id[r.request_id] for r in updated], result.prompt_logprobs,
+                        sched.shape)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvserve.config import EngineConfig
-from kvserve.core.scheduler.output import TokenLogprobs
+from kvserve.core.scheduler.output import StepShape, TokenLogprobs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.input_processor import (
@@ -45,6 +45,14 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[ParentRequest, CompletionState]] = {}
         self.step_seconds = 0.0
+        # Each step's work and seconds while tracing (see `trace_steps`), for fitting a
+        # simulator's step cost to the engine as it serves.
+        self._step_trace: list[tuple[StepShape, float]] | None = None
+
+    def trace_steps(self, on: bool) -> list[tuple[StepShape, float]]:
+        """Returns the steps traced so far, and starts a new trace if `on` (else stops)."""
+        traced, self._step_trace = self._step_trace or [], [] if on else None
+        return traced
 
     @property
     def max_model_len(self) -> int:
@@ -224,7 +232,10 @@ class LLMEngine:
                 for seq in parent.sequences:
                     self._child_to_parent.pop(seq.request.request_id, None)
             outputs.append(out)
-        self.step_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.step_seconds += seconds
+        if self._step_trace is not None and step.shape.num_tokens:
+            self._step_trace.append((step.shape, seconds))
         return outputs
 
     def _logprob_dict(self, sampled: int, lp: TokenLogprobs) -> dict[int, Logprob]:

@@ -55,6 +55,20 @@ class KVTransfers:
                     or self.to_device or self.shift)
 
 
+@dataclass(slots=True, frozen=True)
+class StepShape:
+    """What a step computes, in the terms its cost grows with: decodes, prompt tokens, and
+    the cached tokens the decodes attend to."""
+
+    num_decodes: int
+    num_prefill_tokens: int
+    num_context_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decodes + self.num_prefill_tokens
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -70,6 +84,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def shape(self) -> StepShape:
+        decodes = [s for s in self.scheduled if len(s.token_ids) == 1]
+        return StepShape(len(decodes), self.num_scheduled_tokens - len(decodes),
+                         sum(s.num_computed_tokens for s in decodes))
 
 
 # One token's logprobs: (top-k token ids, their logprobs, the token's logprob, its rank).
