@@ -62,6 +62,17 @@ def test_decode_matches_dense_attention(backend, window):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_bfloat16_decode_matches_float32_attention_of_the_same_values(backend):
+    """bfloat16 inputs, float32 arithmetic: only the output's rounding differs."""
+    q, cache, meta, dense = paged_case([1, 3, 4, 9, 17])
+    q16, cache16 = q.bfloat16(), cache.bfloat16()
+    expected = dense_reference(q16.float(), [d.bfloat16().float() for d in dense], None, 0.25)
+    out = BACKENDS[backend]().decode(q16, cache16, meta, 0.25)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
 def test_kernel_builds_on_this_machine():
     """CI machines have a compiler; a silent fallback to the slow path would hide a break."""
     assert load_kernel() is not None

@@ -31,7 +31,7 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        if q.dtype != torch.float32 or q.shape[-1] % 16:
+        if q.dtype not in (torch.float32, torch.bfloat16) or q.shape[-1] % 16:
             return super().decode(q, kv_cache, meta, scale)
         block_tables, seq_lens = meta.decode_tables(kv_cache.shape[3])
         out = self.kernel.paged_decode_attention(

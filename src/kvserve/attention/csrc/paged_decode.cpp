@@ -1,6 +1,7 @@
 // Paged decode attention for CPU: one query token per sequence, keys and values read in place
 // from the block pool (no gather copy), all query heads of a GQA group served by one pass over
-// their shared KV head. Work is split over (sequence, kv head) pairs.
+// their shared KV head. Work is split over (sequence, kv head) pairs. float32 or bfloat16
+// tensors; bfloat16 rows are widened to float32 as they are read, and all arithmetic is float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -46,50 +47,55 @@ inline void axpy(float* out, float p, const float* v, int64_t n) {
 }
 #endif
 
-}  // namespace
+// A row of n values as float32: the row itself, or its widening into `buf`.
+inline const float* widen(const float* src, float*, int64_t) { return src; }
 
-// q: [B, Hq, D]; kv_cache: [2, Hkv, num_blocks, block_size, D]; block_tables: [B, W] int64;
-// seq_lens: [B] int64. Keys at positions < seq_len - window are skipped when window > 0.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     double scale, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && kv_cache.scalar_type() == torch::kFloat,
-              "paged_decode_attention: float32 only");
-  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous() &&
-                  seq_lens.is_contiguous(),
-              "paged_decode_attention: inputs must be contiguous");
-  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
-  const int64_t block_size = kv_cache.size(3), width = block_tables.size(1);
-  TORCH_CHECK(head_dim % kLanes == 0, "paged_decode_attention: head_dim % 16 != 0");
+inline const float* widen(const at::BFloat16* src, float* buf, int64_t n) {
+#ifdef __AVX512F__
+  for (int64_t d = 0; d < n; d += kLanes) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+    _mm512_storeu_ps(buf + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw),
+                                                                    16)));
+  }
+#else
+  for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(src[d]);
+#endif
+  return buf;
+}
+
+inline void narrow(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+
+inline void narrow(const float* src, at::BFloat16* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<at::BFloat16>(src[d]);
+}
+
+template <typename T>
+void decode(const T* q_ptr, const T* k_base, const T* v_base, const int64_t* tables,
+            const int64_t* lens, T* out_ptr, int64_t batch, int64_t num_heads,
+            int64_t num_kv_heads, int64_t head_stride, int64_t block_size, int64_t width,
+            int64_t head_dim, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
-  auto out = torch::zeros_like(q);
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_base = kv_cache.data_ptr<float>();
-  const float* v_base = k_base + num_kv_heads * num_blocks * block_size * head_dim;
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  float* out_ptr = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    std::vector<float> scores, queries(group * head_dim), acc(group * head_dim), row(head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
       const int64_t len = lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       scores.assign(group * n, 0.f);
-      const float* qg = q_ptr + (b * num_heads + h * group) * head_dim;
+      const float* qg = widen(q_ptr + (b * num_heads + h * group) * head_dim, queries.data(),
+                              group * head_dim);
       const int64_t* table = tables + b * width;
-      const float* k_head = k_base + h * num_blocks * block_size * head_dim;
-      const float* v_head = v_base + h * num_blocks * block_size * head_dim;
+      const T* k_head = k_base + h * head_stride;
+      const T* v_head = v_base + h * head_stride;
       for (int64_t t = first; t < len; ++t) {
-        const float* k = k_head + (table[t / block_size] * block_size + t % block_size) * head_dim;
+        const float* k = widen(
+            k_head + (table[t / block_size] * block_size + t % block_size) * head_dim,
+            row.data(), head_dim);
         for (int64_t g = 0; g < group; ++g)
-          scores[g * n + (t - first)] = dot(qg + g * head_dim, k, head_dim) * fscale;
+          scores[g * n + (t - first)] = dot(qg + g * head_dim, k, head_dim) * scale;
       }
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = 0; g < group && n > 0; ++g) {
         float* s = scores.data() + g * n;
         const float max = *std::max_element(s, s + n);
         float total = 0.f;
@@ -97,14 +103,54 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
         const float inv = 1.f / total;
         for (int64_t i = 0; i < n; ++i) s[i] *= inv;
       }
-      float* og = out_ptr + (b * num_heads + h * group) * head_dim;
+      std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = first; t < len; ++t) {
-        const float* v = v_head + (table[t / block_size] * block_size + t % block_size) * head_dim;
+        const float* v = widen(
+            v_head + (table[t / block_size] * block_size + t % block_size) * head_dim,
+            row.data(), head_dim);
         for (int64_t g = 0; g < group; ++g)
-          axpy(og + g * head_dim, scores[g * n + (t - first)], v, head_dim);
+          axpy(acc.data() + g * head_dim, scores[g * n + (t - first)], v, head_dim);
       }
+      narrow(acc.data(), out_ptr + (b * num_heads + h * group) * head_dim, group * head_dim);
     }
   });
+}
+
+}  // namespace
+
+// q: [B, Hq, D]; kv_cache: [2, Hkv, num_blocks, block_size, D] of q's dtype; block_tables:
+// [B, W] int64; seq_lens: [B] int64. Keys at positions < seq_len - window are skipped when
+// window > 0.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     double scale, int64_t window) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) &&
+                  kv_cache.scalar_type() == dtype,
+              "paged_decode_attention: float32 or bfloat16 q and kv_cache of one dtype");
+  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous() &&
+                  seq_lens.is_contiguous(),
+              "paged_decode_attention: inputs must be contiguous");
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
+  const int64_t block_size = kv_cache.size(3), width = block_tables.size(1);
+  TORCH_CHECK(head_dim % kLanes == 0, "paged_decode_attention: head_dim % 16 != 0");
+  const int64_t head_stride = num_blocks * block_size * head_dim;
+  auto out = torch::empty_like(q);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  if (dtype == torch::kFloat) {
+    const float* k = kv_cache.data_ptr<float>();
+    decode(q.data_ptr<float>(), k, k + num_kv_heads * head_stride, tables, lens,
+           out.data_ptr<float>(), batch, num_heads, num_kv_heads, head_stride, block_size,
+           width, head_dim, fscale, window);
+  } else {
+    const at::BFloat16* k = kv_cache.data_ptr<at::BFloat16>();
+    decode(q.data_ptr<at::BFloat16>(), k, k + num_kv_heads * head_stride, tables, lens,
+           out.data_ptr<at::BFloat16>(), batch, num_heads, num_kv_heads, head_stride,
+           block_size, width, head_dim, fscale, window);
+  }
   return out;
 }
 
