@@ -15,6 +15,10 @@ from kvserve.tools.make_model import make_model
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The tests compare float32 outputs token for token (with transformers, across batch shapes):
+# `--dtype auto` must mean float32 on every machine, bfloat16 CPUs included.
+os.environ["KVSERVE_CPU_BF16"] = "0"
+
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
 # The tiny Mistral's window is 64 tokens, so prompts of a few hundred tokens cross it.
 SLIDING_WINDOW = 64

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,6 +22,8 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 SCHEDULER_POLICIES = ("chunked", "prefill_first")
@@ -127,8 +130,12 @@ class ModelConfig:
 
 def resolve_dtype(dtype: str | torch.dtype, raw: dict[str, Any], device: str = "cpu"
                   ) -> torch.dtype:
-    """`auto` is the checkpoint's dtype, except that float32 checkpoints run in bfloat16 on
-    CUDA, whose tensor cores have no float32 rate worth serving at."""
+    """`auto` is the checkpoint's dtype, except:
+    - on CUDA, float32 checkpoints run in bfloat16: tensor cores have no float32 rate worth
+      serving at;
+    - on CPU, every checkpoint runs in bfloat16 where the CPU multiplies it natively
+      (AVX512-BF16 or AMX: half the bytes per decode step, and faster GEMMs) and in float32
+      where it does not (bfloat16 is then emulated, several times slower than float32)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
@@ -137,9 +144,30 @@ def resolve_dtype(dtype: str | torch.dtype, raw: dict[str, Any], device: str = "
         dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
         if device.startswith("cuda") and _DTYPES.get(dtype) == torch.float32:
             dtype = "bfloat16"
+        elif device == "cpu" and dtype in _DTYPES:
+            native = cpu_has_native_bf16()
+            dtype = "bfloat16" if native else "float32"
+            logger.info("dtype auto: %s (%s)", dtype, "the CPU multiplies bfloat16 natively"
+                        if native else "no AVX512-BF16 or AMX on this CPU")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return _DTYPES[dtype]
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bfloat16 matmul instructions (AVX512-BF16 or AMX-BF16), from
+    /proc/cpuinfo's flags (False where there is none). `KVSERVE_CPU_BF16=0` or `1` overrides
+    it, to reproduce float32 results on any machine."""
+    forced = os.environ.get("KVSERVE_CPU_BF16")
+    if forced is not None:
+        return forced == "1"
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                  if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:

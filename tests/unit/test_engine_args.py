@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
 from kvserve.config import GiB, resolve_dtype
@@ -36,9 +37,19 @@ def test_defaults_survive_the_round_trip():
 
 def test_auto_dtype_is_bfloat16_on_cuda_for_float32_checkpoints_only():
     assert resolve_dtype("auto", {"torch_dtype": "float32"}, "cuda") == torch.bfloat16
-    assert resolve_dtype("auto", {"torch_dtype": "float32"}, "cpu") == torch.float32
     assert resolve_dtype("auto", {"torch_dtype": "float16"}, "cuda:0") == torch.float16
     assert resolve_dtype("float32", {}, "cuda") == torch.float32
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_auto_dtype_on_cpu_follows_native_bfloat16(native: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVE_CPU_BF16", native)
+    want = torch.bfloat16 if native == "1" else torch.float32
+    for checkpoint in ("float32", "bfloat16", "float16"):
+        assert resolve_dtype("auto", {"torch_dtype": checkpoint}, "cpu") == want
+    assert resolve_dtype("float32", {"torch_dtype": "bfloat16"}, "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", {}, "cpu") == torch.bfloat16
 
 
 def test_bench_serve_hands_every_engine_flag_to_its_servers():
