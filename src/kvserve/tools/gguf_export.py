@@ -1,0 +1,145 @@
+"""A Llama checkpoint folder as a GGUF file, llama.cpp's format, written with the `gguf`
+package's writer: so that llama.cpp runs on the very same weights as kvserve and
+transformers in `kvserve bench ... --baseline llamacpp`.
+
+Matmul weights and the embedding are written in the requested dtype (float32 or bfloat16),
+norms in float32. llama.cpp's Llama graph rotates adjacent pairs of q/k dimensions, so their
+rows are reordered from the checkpoint's rotate-half order as kvserve's own loader does. The
+tokenizer goes in as GGUF's byte-level BPE (`gpt2`) vocabulary, padded to the model's vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.layers.rotary import to_interleaved
+from kvserve.models.loader import checkpoint_files, iter_checkpoint
+
+logger = logging.getLogger(__name__)
+
+GGUF_DTYPES = (torch.float32, torch.bfloat16)
+# Checkpoint tensor name pieces -> GGUF names (`{}` is the layer).
+_LAYER_TENSORS = {
+    "input_layernorm.weight": "blk.{}.attn_norm.weight",
+    "self_attn.q_proj.weight": "blk.{}.attn_q.weight",
+    "self_attn.k_proj.weight": "blk.{}.attn_k.weight",
+    "self_attn.v_proj.weight": "blk.{}.attn_v.weight",
+    "self_attn.o_proj.weight": "blk.{}.attn_output.weight",
+    "post_attention_layernorm.weight": "blk.{}.ffn_norm.weight",
+    "mlp.gate_proj.weight": "blk.{}.ffn_gate.weight",
+    "mlp.up_proj.weight": "blk.{}.ffn_up.weight",
+    "mlp.down_proj.weight": "blk.{}.ffn_down.weight",
+}
+_GLOBAL_TENSORS = {"model.embed_tokens.weight": "token_embd.weight",
+                   "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def cached_gguf(model: str | Path, dtype: torch.dtype, cache_dir: Path | None = None
+                ) -> Path:
+    """The GGUF of `model` in `dtype`, converted on first use and kept under `cache_dir`
+    (~/.cache/kvserve/gguf), keyed by the checkpoint files' names, sizes and modification
+    times."""
+    cache_dir = cache_dir or Path.home() / ".cache" / "kvserve" / "gguf"
+    folder = Path(model)
+    files = [folder / "config.json", *checkpoint_files(folder)]
+    stamp = json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+    digest = hashlib.sha256(f"{folder.resolve()}{stamp}".encode()).hexdigest()[:16]
+    path = cache_dir / f"{folder.name}-{digest}-{str(dtype).removeprefix('torch.')}.gguf"
+    if not path.is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        logger.info("converting %s to GGUF (%s): %s", folder, dtype, path)
+        partial = path.with_suffix(".partial")
+        export_gguf(folder, dtype, partial)
+        partial.rename(path)
+    return path
+
+
+def export_gguf(model: str | Path, dtype: torch.dtype, out: Path) -> None:
+    import gguf
+
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"dtype: GGUF export writes float32 or bfloat16, got {dtype}")
+    folder = Path(model)
+    cfg = ModelConfig.from_pretrained(folder, "float32")
+    if cfg.architecture != "LlamaForCausalLM":
+        raise ValueError(f"model: GGUF export supports LlamaForCausalLM checkpoints, not "
+                         f"{cfg.architecture}")
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_name(folder.name)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == torch.bfloat16
+                         else gguf.LlamaFileType.ALL_F32)
+    _add_tokenizer(writer, folder, cfg)
+    for name, tensor in iter_checkpoint(folder):
+        gguf_name = _gguf_name(name)
+        if gguf_name is None:
+            raise ValueError(f"model: no GGUF name for checkpoint tensor {name!r}")
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensor = to_interleaved(tensor, cfg.head_dim)
+        data = tensor.float().numpy()
+        if data.ndim == 2 and dtype == torch.bfloat16:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.BF16),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(gguf_name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _gguf_name(name: str) -> str | None:
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    parts = name.split(".", 3)  # model.layers.{i}.{rest}
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_TENSORS:
+        return _LAYER_TENSORS[parts[3]].format(parts[2])
+    return None
+
+
+def _add_tokenizer(writer: object, folder: Path, cfg: ModelConfig) -> None:
+    import gguf
+
+    assert isinstance(writer, gguf.GGUFWriter)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    if spec["model"]["type"] != "BPE":
+        raise ValueError(f"model: GGUF export needs a BPE tokenizer, got {spec['model']['type']}")
+    by_id = {i: token for token, i in spec["model"]["vocab"].items()}
+    special = {t["id"]: t["content"] for t in spec.get("added_tokens", [])}
+    by_id.update(special)
+    tokens, types = [], []
+    for i in range(cfg.vocab_size):
+        if i in by_id:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    raw = json.loads((folder / "config.json").read_text())
+    if raw.get("bos_token_id") is not None:
+        writer.add_bos_token_id(int(raw["bos_token_id"]))
+    if cfg.eos_token_ids:
+        writer.add_eos_token_id(cfg.eos_token_ids[0])

@@ -1,0 +1,55 @@
+"""GGUF export for llama.cpp: every tensor under its GGUF name in the requested dtype, q/k
+rows in llama.cpp's adjacent-pair rotary order, and the vocabulary padded to the model's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.layers.rotary import to_interleaved
+from kvserve.models.loader import iter_checkpoint
+from kvserve.tools.gguf_export import cached_gguf, export_gguf
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gguf_holds_the_checkpoint(llama_dir: Path, tmp_path: Path, dtype: torch.dtype
+                                       ) -> None:
+    out = tmp_path / "model.gguf"
+    export_gguf(llama_dir, dtype, out)
+    reader = gguf.GGUFReader(str(out))
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = ModelConfig.from_pretrained(llama_dir, "float32")
+    checkpoint = dict(iter_checkpoint(llama_dir))
+    assert len(tensors) == len(checkpoint)
+    q = tensors["blk.0.attn_q.weight"]
+    want = gguf.GGMLQuantizationType.BF16 if dtype == torch.bfloat16 else \
+        gguf.GGMLQuantizationType.F32
+    assert q.tensor_type == want
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    expected = to_interleaved(checkpoint["model.layers.0.self_attn.q_proj.weight"],
+                              cfg.head_dim).to(dtype).float()
+    got = np.array(q.data)
+    got = (torch.from_numpy(got.view(np.int16).astype(np.int32) << 16).view(torch.float32)
+           if dtype == torch.bfloat16 else torch.from_numpy(got))
+    assert torch.equal(got.reshape(expected.shape), expected)
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == cfg.vocab_size
+
+
+def test_a_conversion_is_cached(llama_dir: Path, tmp_path: Path) -> None:
+    first = cached_gguf(llama_dir, torch.float32, tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cached_gguf(llama_dir, torch.float32, tmp_path) == first
+    assert first.stat().st_mtime_ns == stamp
+    assert cached_gguf(llama_dir, torch.bfloat16, tmp_path) != first
+
+
+def test_other_dtypes_are_refused(llama_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        export_gguf(llama_dir, torch.float16, tmp_path / "x.gguf")
