@@ -4,7 +4,7 @@ The floor is the time to stream every matmul weight once (what one decode step m
 at the bandwidth of the engine's device measured in the same run: a large copy (read + write
 bytes counted), and a large read-only sum, which is what a decode step does with its weights.
 transformers runs on the same device, eagerly and, with `--hf-compile`, with a static cache
-that it compiles.
+that it compiles; `--baseline vllm llamacpp` adds those engines (see `peers.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import statistics
 
 from kvserve.benchmarks.device import memory_bandwidth, timed, weight_bytes
 from kvserve.benchmarks.hf_baseline import hf_generate_batch, load_hf
+from kvserve.benchmarks.peers import PEERS, add_baseline_arg, latency, load_peers
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import fixed
 from kvserve.engine_args import add_engine_args, engine_kwargs
@@ -45,10 +46,12 @@ def run(args: argparse.Namespace) -> None:
         return {"engine": engine, "TTFT ms": round(ttft_s * 1e3, 1),
                 "TPOT ms": round(tpot_s * 1e3, 2), "decode tok/s": round(1 / tpot_s, 1),
                 "TPOT / floor": round(tpot_s / floor, 2),
-                "TPOT / read floor": round(tpot_s / read_floor, 2)}
+                "TPOT / read floor": round(tpot_s / read_floor, 2),
+                "kvserve TPOT speedup": round(tpot_s / tpot, 2)}
 
-    rows = [row("kvserve", statistics.median(ttft), tpot)]
-    if not args.no_hf:
+    rows = [row(f"kvserve {str(cfg.dtype).removeprefix('torch.')}", statistics.median(ttft),
+                tpot)]
+    if "hf" in args.baseline:
         hf = load_hf(args.model, cfg.dtype, device)
         for static_cache in [False, True] if args.hf_compile else [False]:
             def theirs(n: int, static_cache: bool = static_cache) -> float:
@@ -60,6 +63,10 @@ def run(args: argparse.Namespace) -> None:
             hf_tpot = (hf_full - hf_ttft) / (args.output_len - 1)
             rows.append(row("transformers static+compile" if static_cache else "transformers",
                             hf_ttft, hf_tpot))
+    for peer in load_peers([b for b in args.baseline if b in PEERS], args.model, cfg.dtype,
+                           args.prompt_len + args.output_len, device):
+        rows.append(row(peer.name, *latency(peer, prompt, args.output_len, args.runs)))
+        print_table(rows[-1:])
     rows.append({"engine": "copy-bandwidth floor", "TPOT ms": round(floor * 1e3, 2),
                  "decode tok/s": round(1 / floor, 1), "TPOT / floor": 1.0})
     rows.append({"engine": "read-bandwidth floor", "TPOT ms": round(read_floor * 1e3, 2),
@@ -80,7 +87,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    add_baseline_arg(p)
     p.add_argument("--hf-compile", action="store_true",
                    help="also time transformers with a static cache, which it compiles on CUDA")
     p.add_argument("--json", default=None)

