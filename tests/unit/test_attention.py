@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -71,6 +73,33 @@ def test_bfloat16_decode_matches_float32_attention_of_the_same_values(backend):
     out = BACKENDS[backend]().decode(q16, cache16, meta, 0.25)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif("cpu-kernel" not in BACKENDS, reason="the CPU kernel did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_fused_decode_step_matches_the_reference_forward(dtype, window):
+    """Rotary, cache write and attention in one kernel call: the same output and the same
+    cache as the reference's separate ops."""
+    lens = [1, 3, 4, 9, 17]
+    _, cache, meta, _ = paged_case(lens, window=window)
+    tables = meta.block_tables
+    slots = [int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK
+             for i, n in enumerate(lens)]
+    meta = replace(meta, slot_mapping=torch.tensor(slots))
+    gen = torch.Generator().manual_seed(1)
+    qk = torch.randn(len(lens), 6 + 2, 32, generator=gen).to(dtype)
+    v = torch.randn(len(lens), 2, 32, generator=gen).to(dtype)
+    angles = torch.randn(len(lens), 1, 16, generator=gen)
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    ref_cache, fused_cache = cache.to(dtype).clone(), cache.to(dtype).clone()
+    want = TorchPagedAttention().forward(qk.clone(), v, freqs, ref_cache, meta, 0.25)
+    got = BACKENDS["cpu-kernel"]().forward(qk.clone(), v, freqs, fused_cache, meta, 0.25)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {
+        "rtol": 2e-2, "atol": 2e-2}
+    assert not torch.equal(ref_cache, cache.to(dtype))  # the new keys and values landed
+    torch.testing.assert_close(fused_cache.float(), ref_cache.float(), **tolerance)
+    torch.testing.assert_close(got.float(), want.float(), **tolerance)
 
 
 def test_kernel_builds_on_this_machine():

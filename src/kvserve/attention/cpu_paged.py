@@ -1,9 +1,10 @@
 """The CPU attention backend: the reference's prefill path plus a C++ paged decode kernel.
 
 The kernel reads keys and values where they lie in the block pool, so a decode step streams
-the KV cache once instead of gathering it into a copy first. It is compiled on first use
-(about a minute, cached under ~/.cache/torch_extensions); if that fails, or for dtypes or head
-sizes it does not cover, the plain-torch path runs instead.
+the KV cache once instead of gathering it into a copy first; in a decode-only step it also
+rotates the new queries and keys and writes the new keys and values, in the same call. It is
+compiled on first use (about a minute, cached under ~/.cache/torch_extensions); if that fails,
+or for dtypes or head sizes it does not cover, the plain-torch path runs instead.
 """
 
 from __future__ import annotations
@@ -29,12 +30,29 @@ class CpuPagedAttention(TorchPagedAttention):
     def __init__(self, kernel: ModuleType) -> None:
         self.kernel = kernel
 
+    def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A decode-only step is one kernel call per layer: rotary, cache write and
+        attention; a step with prefill chunks takes the reference path."""
+        if meta.prefills or not self._covers(qk):
+            return super().forward(qk, v, freqs_cis, kv_cache, meta, scale)
+        block_tables, seq_lens = meta.decode_tables(kv_cache.shape[3])
+        out = self.kernel.rotate_cache_and_decode(
+            qk.contiguous(), v.contiguous(), torch.view_as_real(freqs_cis).contiguous(),
+            meta.slot_mapping, kv_cache, block_tables.contiguous(), seq_lens, scale,
+            meta.sliding_window or 0)
+        return out.view(qk.shape[0], -1)
+
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        if q.dtype not in (torch.float32, torch.bfloat16) or q.shape[-1] % 16:
+        if not self._covers(q):
             return super().decode(q, kv_cache, meta, scale)
         block_tables, seq_lens = meta.decode_tables(kv_cache.shape[3])
         out = self.kernel.paged_decode_attention(
             q.contiguous(), kv_cache, block_tables.contiguous(), seq_lens, scale,
             meta.sliding_window or 0)
         return out.view(q.shape[0], -1)
+
+    @staticmethod
+    def _covers(x: torch.Tensor) -> bool:
+        return x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] % 16 == 0

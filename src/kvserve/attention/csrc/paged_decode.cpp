@@ -2,6 +2,8 @@
 // from the block pool (no gather copy), all query heads of a GQA group served by one pass over
 // their shared KV head. Work is split over (sequence, kv head) pairs. float32 or bfloat16
 // tensors; bfloat16 rows are widened to float32 as they are read, and all arithmetic is float32.
+// For a decode-only step, `rotate_cache_and_decode` also applies the rotary embedding and
+// writes the new keys and values, which would otherwise be a dozen small torch ops per layer.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -69,11 +71,33 @@ inline void narrow(const float* src, at::BFloat16* dst, int64_t n) {
   for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<at::BFloat16>(src[d]);
 }
 
+// A decode step's new tokens, for the fused path: unrotated q and k heads ([B, Hq + Hkv, D]),
+// v heads ([B, Hkv, D]), each token's rotation as (cos, sin) pairs ([B, D / 2, 2]) and its
+// cache slot. Attention then rotates them, writes k and v into the cache, and attends.
 template <typename T>
-void decode(const T* q_ptr, const T* k_base, const T* v_base, const int64_t* tables,
-            const int64_t* lens, T* out_ptr, int64_t batch, int64_t num_heads,
-            int64_t num_kv_heads, int64_t head_stride, int64_t block_size, int64_t width,
-            int64_t head_dim, float scale, int64_t window) {
+struct NewTokens {
+  const T* qk;
+  const T* v;
+  const float* rotation;
+  const int64_t* slots;
+};
+
+// Rotates n / 2 adjacent pairs of `src` by `rotation`, as complex numbers, into `dst`.
+template <typename T>
+inline void rotate(const T* src, const float* rotation, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 2) {
+    const float a = static_cast<float>(src[i]), b = static_cast<float>(src[i + 1]);
+    const float c = rotation[i], s = rotation[i + 1];
+    dst[i] = a * c - b * s;
+    dst[i + 1] = a * s + b * c;
+  }
+}
+
+template <typename T>
+void decode(const T* q_ptr, const NewTokens<T>* fresh, T* k_base, T* v_base,
+            const int64_t* tables, const int64_t* lens, T* out_ptr, int64_t batch,
+            int64_t num_heads, int64_t num_kv_heads, int64_t head_stride, int64_t block_size,
+            int64_t width, int64_t head_dim, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, queries(group * head_dim), acc(group * head_dim), row(head_dim);
@@ -83,11 +107,28 @@ void decode(const T* q_ptr, const T* k_base, const T* v_base, const int64_t* tab
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       scores.assign(group * n, 0.f);
-      const float* qg = widen(q_ptr + (b * num_heads + h * group) * head_dim, queries.data(),
-                              group * head_dim);
+      T* k_head = k_base + h * head_stride;
+      T* v_head = v_base + h * head_stride;
+      const float* qg = queries.data();
+      if (fresh != nullptr) {
+        // This item alone writes head h of sequence b, so it reads its own write below.
+        const T* heads = fresh->qk + b * (num_heads + num_kv_heads) * head_dim;
+        const float* rotation = fresh->rotation + b * head_dim;
+        for (int64_t g = 0; g < group; ++g)
+          rotate(heads + (h * group + g) * head_dim, rotation, queries.data() + g * head_dim,
+                 head_dim);
+        const int64_t slot = fresh->slots[b];
+        if (slot >= 0) {  // -1: a padding row, which writes nothing
+          rotate(heads + (num_heads + h) * head_dim, rotation, row.data(), head_dim);
+          narrow(row.data(), k_head + slot * head_dim, head_dim);
+          const T* v_new = fresh->v + (b * num_kv_heads + h) * head_dim;
+          std::copy(v_new, v_new + head_dim, v_head + slot * head_dim);
+        }
+      } else {
+        qg = widen(q_ptr + (b * num_heads + h * group) * head_dim, queries.data(),
+                   group * head_dim);
+      }
       const int64_t* table = tables + b * width;
-      const T* k_head = k_base + h * head_stride;
-      const T* v_head = v_base + h * head_stride;
       for (int64_t t = first; t < len; ++t) {
         const float* k = widen(
             k_head + (table[t / block_size] * block_size + t % block_size) * head_dim,
@@ -116,6 +157,32 @@ void decode(const T* q_ptr, const T* k_base, const T* v_base, const int64_t* tab
   });
 }
 
+void check_inputs(const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                  const torch::Tensor& seq_lens, torch::ScalarType dtype, int64_t head_dim) {
+  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) &&
+                  kv_cache.scalar_type() == dtype,
+              "paged_decode_attention: float32 or bfloat16 q and kv_cache of one dtype");
+  TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous() &&
+                  seq_lens.is_contiguous(),
+              "paged_decode_attention: inputs must be contiguous");
+  TORCH_CHECK(head_dim % kLanes == 0, "paged_decode_attention: head_dim % 16 != 0");
+}
+
+template <typename T>
+void dispatch(const T* q, const NewTokens<T>* fresh, torch::Tensor& kv_cache,
+              const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+              torch::Tensor& out, int64_t batch, int64_t num_heads, int64_t head_dim,
+              double scale, int64_t window) {
+  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
+  const int64_t block_size = kv_cache.size(3);
+  const int64_t head_stride = num_blocks * block_size * head_dim;
+  T* k = kv_cache.data_ptr<T>();
+  decode(q, fresh, k, k + num_kv_heads * head_stride, block_tables.data_ptr<int64_t>(),
+         seq_lens.data_ptr<int64_t>(), out.data_ptr<T>(), batch, num_heads, num_kv_heads,
+         head_stride, block_size, block_tables.size(1), head_dim, static_cast<float>(scale),
+         window);
+}
+
 }  // namespace
 
 // q: [B, Hq, D]; kv_cache: [2, Hkv, num_blocks, block_size, D] of q's dtype; block_tables:
@@ -124,32 +191,43 @@ void decode(const T* q_ptr, const T* k_base, const T* v_base, const int64_t* tab
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
                                      double scale, int64_t window) {
-  const auto dtype = q.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) &&
-                  kv_cache.scalar_type() == dtype,
-              "paged_decode_attention: float32 or bfloat16 q and kv_cache of one dtype");
-  TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous() &&
-                  seq_lens.is_contiguous(),
-              "paged_decode_attention: inputs must be contiguous");
-  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
-  const int64_t block_size = kv_cache.size(3), width = block_tables.size(1);
-  TORCH_CHECK(head_dim % kLanes == 0, "paged_decode_attention: head_dim % 16 != 0");
-  const int64_t head_stride = num_blocks * block_size * head_dim;
+  check_inputs(kv_cache, block_tables, seq_lens, q.scalar_type(), q.size(2));
+  TORCH_CHECK(q.is_contiguous(), "paged_decode_attention: inputs must be contiguous");
   auto out = torch::empty_like(q);
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const float fscale = static_cast<float>(scale);
-  if (dtype == torch::kFloat) {
-    const float* k = kv_cache.data_ptr<float>();
-    decode(q.data_ptr<float>(), k, k + num_kv_heads * head_stride, tables, lens,
-           out.data_ptr<float>(), batch, num_heads, num_kv_heads, head_stride, block_size,
-           width, head_dim, fscale, window);
+  if (q.scalar_type() == torch::kFloat)
+    dispatch<float>(q.data_ptr<float>(), nullptr, kv_cache, block_tables, seq_lens, out,
+                    q.size(0), q.size(1), q.size(2), scale, window);
+  else
+    dispatch<at::BFloat16>(q.data_ptr<at::BFloat16>(), nullptr, kv_cache, block_tables,
+                           seq_lens, out, q.size(0), q.size(1), q.size(2), scale, window);
+  return out;
+}
+
+// The decode step's attention in one call: qk [B, Hq + Hkv, D] unrotated, v [B, Hkv, D],
+// rotation [B, D / 2, 2] float32 (cos, sin), slot_mapping [B] int64; returns [B, Hq, D].
+torch::Tensor rotate_cache_and_decode(torch::Tensor qk, torch::Tensor v, torch::Tensor rotation,
+                                      torch::Tensor slot_mapping, torch::Tensor kv_cache,
+                                      torch::Tensor block_tables, torch::Tensor seq_lens,
+                                      double scale, int64_t window) {
+  const int64_t batch = qk.size(0), head_dim = qk.size(2);
+  const int64_t num_heads = qk.size(1) - kv_cache.size(1);
+  check_inputs(kv_cache, block_tables, seq_lens, qk.scalar_type(), head_dim);
+  TORCH_CHECK(qk.is_contiguous() && v.is_contiguous() && rotation.is_contiguous() &&
+                  slot_mapping.is_contiguous() && v.scalar_type() == qk.scalar_type() &&
+                  rotation.scalar_type() == torch::kFloat,
+              "rotate_cache_and_decode: contiguous qk and v of one dtype, float32 rotation");
+  auto out = torch::empty({batch, num_heads, head_dim}, qk.options());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* rot = rotation.data_ptr<float>();
+  if (qk.scalar_type() == torch::kFloat) {
+    const NewTokens<float> fresh{qk.data_ptr<float>(), v.data_ptr<float>(), rot, slots};
+    dispatch<float>(nullptr, &fresh, kv_cache, block_tables, seq_lens, out, batch, num_heads,
+                    head_dim, scale, window);
   } else {
-    const at::BFloat16* k = kv_cache.data_ptr<at::BFloat16>();
-    decode(q.data_ptr<at::BFloat16>(), k, k + num_kv_heads * head_stride, tables, lens,
-           out.data_ptr<at::BFloat16>(), batch, num_heads, num_kv_heads, head_stride,
-           block_size, width, head_dim, fscale, window);
+    const NewTokens<at::BFloat16> fresh{qk.data_ptr<at::BFloat16>(),
+                                        v.data_ptr<at::BFloat16>(), rot, slots};
+    dispatch<at::BFloat16>(nullptr, &fresh, kv_cache, block_tables, seq_lens, out, batch,
+                           num_heads, head_dim, scale, window);
   }
   return out;
 }
@@ -157,5 +235,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // No Python objects are touched: let other threads (the HTTP server) run meanwhile.
   m.def("paged_decode_attention", &paged_decode_attention,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rotate_cache_and_decode", &rotate_cache_and_decode,
         py::call_guard<py::gil_scoped_release>());
 }
