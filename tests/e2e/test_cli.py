@@ -53,9 +53,12 @@ def test_bench_step_times_every_cell_and_names_a_too_small_pool(llama_dir, tmp_p
 
     out = tmp_path / "step.json"
     run = kvserve("bench", "step", "--model", str(llama_dir), "--decodes", "1", "3",
-                  "--chunks", "8", "24", "--context", "40", "--repeats", "2", "--json", str(out))
+                  "--chunks", "8", "24", "--context", "40", "--repeats", "2",
+                  "--prefill-tokens", "64", "--json", str(out))
     assert run.returncode == 0, run.stderr
-    rows = json.loads(out.read_text())["rows"]
+    saved = json.loads(out.read_text())
+    assert saved["prefill"]["prefill tokens"] == 64 and saved["prefill"]["% of peak"] > 0
+    rows = saved["rows"]
     assert [(r["decodes"], r["chunk"]) for r in rows] == [
         (1, 0), (1, 8), (1, 24), (3, 0), (3, 8), (3, 24)]
     assert all(r["chunk alone ms"] > 0 for r in rows if r["chunk"])

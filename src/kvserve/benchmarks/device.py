@@ -1,6 +1,6 @@
-"""What a benchmark needs to know of the device it runs on: when its work is done, and how
-fast it streams memory, which with the bytes a decode step must read gives the floor every
-decode step is measured against."""
+"""What a benchmark needs to know of the device it runs on: when its work is done, how fast
+it streams memory, which with the bytes a decode step must read gives the floor every decode
+step is measured against, and how fast it multiplies matrices, the ceiling of a prefill."""
 
 from __future__ import annotations
 
@@ -41,3 +41,25 @@ def memory_bandwidth(device: str | torch.device = "cpu", num_bytes: int = 1 << 3
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every matmul weight: what each decode step streams once."""
     return sum(m.weight_bytes for m in model.modules() if isinstance(m, Linear))
+
+
+def matmul_params(module: torch.nn.Module) -> int:
+    """Weights every token multiplies through in `module`'s linears: a token costs twice as
+    many FLOPs."""
+    return sum(m.in_features * sum(m.output_sizes) for m in module.modules()
+               if isinstance(m, Linear))
+
+
+def gemm_peak(device: str | torch.device, dtype: torch.dtype, size: int = 2048,
+              repeats: int = 5) -> float:
+    """Best FLOP/s of a size x size x size matmul through the engine's own `Linear` (the
+    GEMM path a prefill takes on this device, oneDNN's on CPU)."""
+    with torch.device(device):
+        layer = Linear(size, [size], False, dtype)
+        layer.weight.normal_()
+        layer.prepare()
+        x = torch.randn(size, size, dtype=dtype)
+    with torch.inference_mode():
+        layer(x)
+        seconds = min(timed(lambda: layer(x), device) for _ in range(repeats))
+    return 2 * size ** 3 / seconds

@@ -14,7 +14,7 @@ import statistics
 
 from kvserve.benchmarks.device import memory_bandwidth, timed, weight_bytes
 from kvserve.benchmarks.hf_baseline import hf_generate_batch, load_hf
-from kvserve.benchmarks.peers import PEERS, add_baseline_arg, latency, load_peers
+from kvserve.benchmarks.peers import add_baseline_arg, each_peer, latency
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import fixed
 from kvserve.engine_args import add_engine_args, engine_kwargs
@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> None:
             hf_tpot = (hf_full - hf_ttft) / (args.output_len - 1)
             rows.append(row("transformers static+compile" if static_cache else "transformers",
                             hf_ttft, hf_tpot))
-    for peer in load_peers([b for b in args.baseline if b in PEERS], args.model, cfg.dtype,
-                           args.prompt_len + args.output_len, device):
+    for peer in each_peer(args.baseline, args.model, cfg.dtype,
+                          args.prompt_len + args.output_len, device):
         rows.append(row(peer.name, *latency(peer, prompt, args.output_len, args.runs)))
         print_table(rows[-1:])
     rows.append({"engine": "copy-bandwidth floor", "TPOT ms": round(floor * 1e3, 2),

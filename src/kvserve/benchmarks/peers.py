@@ -16,6 +16,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -38,10 +39,17 @@ class Peer(Protocol):
     def request_seconds(self, prompt: list[int], output_len: int) -> float:
         """Seconds for one request alone, prompt to its last token."""
 
+    def close(self) -> None:
+        """Stops what the peer runs (processes, threads), so that it takes no CPU from the
+        next engine measured."""
+
 
 class VllmPeer:
     def __init__(self, model: str, dtype: torch.dtype, max_model_len: int) -> None:
         # vLLM's CPU backend sizes its KV cache from this (GiB), not from a memory fraction.
+        # It keeps its defaults otherwise, one core reserved for its busy-polling scheduler
+        # included: giving the model that core too (VLLM_CPU_NUM_OF_RESERVED_CPU=0) made
+        # its batch-1 decode slower on a 2-core machine, 16.9 ms against 12.6.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         from vllm import LLM
 
@@ -67,6 +75,9 @@ class VllmPeer:
     def request_seconds(self, prompt: list[int], output_len: int) -> float:
         return self._generate([prompt], [output_len])
 
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+
 
 class LlamaCppPeer:
     def __init__(self, model: str, dtype: torch.dtype, max_model_len: int) -> None:
@@ -89,16 +100,21 @@ class LlamaCppPeer:
         return time.perf_counter() - start
 
     def run(self, work: Workload) -> float:
+        """One sequence at a time: the high-level API has no batching."""
         return sum(self.request_seconds(p, n)
                    for p, n in zip(work.prompts, work.output_lens, strict=True))
 
+    def close(self) -> None:
+        self.llm.close()
 
-def load_peers(names: list[str], model: str, dtype: torch.dtype, max_model_len: int,
-               device: str) -> list[Peer]:
-    """The named peers that are installed and run on `device` (CPU only); the others are
-    reported and skipped."""
-    peers: list[Peer] = []
+
+def each_peer(names: list[str], model: str, dtype: torch.dtype, max_model_len: int,
+              device: str) -> Iterator[Peer]:
+    """The named peers that are installed and run on `device` (CPU only), one at a time,
+    each closed before the next starts; the others are reported and skipped."""
     for name in names:
+        if name not in PEERS:
+            continue
         if device != "cpu":
             print(f"  skipping {name}: its peer runs on CPU only")
             continue
@@ -107,8 +123,10 @@ def load_peers(names: list[str], model: str, dtype: torch.dtype, max_model_len: 
         except ImportError:
             print(f"  skipping {name}: not installed ({INSTALL_HINTS[name]})")
             continue
-        peers.append(peer)
-    return peers
+        try:
+            yield peer
+        finally:
+            peer.close()
 
 
 def latency(peer: Peer, prompt: list[int], output_len: int, runs: int) -> tuple[float, float]:

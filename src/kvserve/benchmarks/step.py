@@ -11,6 +11,9 @@ the per-token cost of the largest chunk alone) does as well on TPOT.
 
 Each decode-only step is also set against its roofline: the bytes it must read (every matmul
 weight once, and each sequence's KV) at the device's copy bandwidth measured in the same run.
+A prefill of `--prefill-tokens` from an empty cache is set against the device's GEMM peak
+(the engine's own matmul path, measured in the same run): the share of it that the prefill's
+matmul FLOPs reach.
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ import argparse
 import statistics
 import time
 
-from kvserve.benchmarks.device import memory_bandwidth, synchronize, weight_bytes
+from kvserve.benchmarks.device import (
+    gemm_peak,
+    matmul_params,
+    memory_bandwidth,
+    synchronize,
+    weight_bytes,
+)
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.core.kv_cache.manager import KVCacheManager
 from kvserve.core.scheduler.output import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -106,9 +115,29 @@ def run(args: argparse.Namespace) -> None:
         f"a decode step / the same chunk in a step of its own; a {chunks[-1]}-token chunk "
         f"alone costs {alone[chunks[-1]] / chunks[-1]:.2f} ms/token; roofline = "
         f"{weights / 1e6:.0f} MB of weights + the decodes' KV at {bandwidth / 1e9:.1f} GB/s"))
+    prefill = prefill_against_gemm_peak(runner, kv_cache, args)
     save_json(args.json, {"benchmark": "step", "model": args.model, "device": runner.device,
                           "context": args.context, "copy_bandwidth": bandwidth,
-                          "weight_bytes": weights, "rows": rows})
+                          "weight_bytes": weights, "rows": rows, "prefill": prefill})
+
+
+def prefill_against_gemm_peak(runner: ModelRunner, kv_cache: KVCacheManager,
+                              args: argparse.Namespace) -> dict[str, float]:
+    sched = runner.config.scheduler
+    tokens = min(args.prefill_tokens, sched.max_num_batched_tokens, sched.max_model_len)
+    steps = SyntheticSteps(runner, kv_cache, 0, tokens, 0)
+    steps.run(0, tokens)
+    seconds = statistics.median(steps.run(0, tokens) for _ in range(args.repeats))
+    flops = 2 * matmul_params(runner.model.layers) * tokens / seconds
+    peak = gemm_peak(runner.device, runner.config.model.dtype)
+    row = {"prefill tokens": tokens, "step ms": round(seconds * 1e3, 1),
+           "tok/s": round(tokens / seconds, 1), "matmul GFLOP/s": round(flops / 1e9, 1),
+           "GEMM peak GFLOP/s": round(peak / 1e9, 1), "% of peak": round(100 * flops / peak, 1)}
+    print_table([row], title=(
+        f"prefill from an empty cache, {runner.config.model.dtype}: its matmul FLOPs (2 x "
+        f"{matmul_params(runner.model.layers) / 1e6:.0f} M weights per token) against a "
+        f"2048^3 GEMM through the engine's linear layer"))
+    return row
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -121,6 +150,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="prefill chunk sizes (tokens) to add to each decode batch")
     p.add_argument("--context", type=int, default=256,
                    help="tokens already in the KV cache of every decode and of the chunk")
+    p.add_argument("--prefill-tokens", type=int, default=2048,
+                   help="the prefill set against the GEMM peak (at most the step budget "
+                        "and the model's length)")
     p.add_argument("--repeats", type=int, default=7, help="timed steps per cell; the median "
                                                           "is reported")
     p.add_argument("--json", default=None)

@@ -12,7 +12,7 @@ import torch
 
 from kvserve.benchmarks.device import synchronize
 from kvserve.benchmarks.hf_baseline import hf_generate_batch, hf_run, load_hf
-from kvserve.benchmarks.peers import PEERS, add_baseline_arg, load_peers
+from kvserve.benchmarks.peers import add_baseline_arg, each_peer
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import Workload, fixed, variable
 from kvserve.engine_args import add_engine_args, engine_kwargs
@@ -46,10 +46,6 @@ def run(args: argparse.Namespace) -> None:
     }
     selected = [workloads[w] for w in args.workloads]
     hf = load_hf(args.model, cfg.dtype, device) if "hf" in args.baseline else None
-    longest = max(len(p) + n for w in selected for p, n in zip(w.prompts, w.output_lens,
-                                                                strict=True))
-    peers = load_peers([b for b in args.baseline if b in PEERS], args.model, cfg.dtype,
-                       longest, device)
     hf_modes = {"hf": False, "hf static+compile": True} if args.hf_compile else {"hf": False}
     kvserve_run(llm, fixed(2, 16, 4, vocab))  # warm-up
     if hf is not None:
@@ -83,14 +79,19 @@ def run(args: argparse.Namespace) -> None:
                 row.update({f"{mode} best batch": best,
                             f"{mode} out tok/s": round(rates[best], 1),
                             f"ratio vs {mode}": round(ours / rates[best], 2)})
-        for peer in peers:
-            peer.run(fixed(2, 16, 4, vocab))  # first-use costs
+        rows.append(row)
+        print_table(rows[-1:])
+    longest = max(len(p) + n for w in selected for p, n in zip(w.prompts, w.output_lens,
+                                                                strict=True))
+    # Each peer runs alone, after kvserve: none keeps a process busy beside another's run.
+    for peer in each_peer(args.baseline, args.model, cfg.dtype, longest, device):
+        peer.run(fixed(2, 16, 4, vocab))  # first-use costs
+        for work, row in zip(selected, rows, strict=True):
             rate = work.num_output_tokens / statistics.median(
                 peer.run(work) for _ in range(args.runs))
             row.update({f"{peer.name} out tok/s": round(rate, 1),
-                        f"ratio vs {peer.name}": round(ours / rate, 2)})
-        rows.append(row)
-        print_table(rows[-1:])
+                        f"ratio vs {peer.name}": round(row["kvserve out tok/s"] / rate, 2)})
+            print(f"  {peer.name}, {work.name}: {rate:.1f} out tok/s", flush=True)
     print_table(rows, title=f"throughput, {args.model}, kvserve {cfg.dtype}, {device}, "
                             f"{torch.get_num_threads()} threads, temperature {args.temperature}")
     save_json(args.json, {"benchmark": "throughput", "model": args.model, "device": device,
