@@ -1,0 +1,105 @@
+// The small per-token layers of a CPU step as one op each, with the contracts of their Triton
+// counterparts (layers/triton_kernels.py): a decode step issues ~90 of them, and each costs
+// about ten torch ops when written out. float32 or bfloat16 rows; float32 arithmetic, with
+// bfloat16 results rounded where the torch ops they replace round them.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float rounded(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+template <typename T>
+void add_rms_norm_rows(const T* x, const T* weight, T* residual, T* out, int64_t rows,
+                       int64_t n, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * n;
+      float squares = 0.f;
+      for (int64_t i = 0; i < n; ++i) {
+        float v = static_cast<float>(xr[i]);
+        if (residual != nullptr) {  // the residual add happens in T, as `x + residual` does
+          v = rounded<T>(v + static_cast<float>(residual[r * n + i]));
+          residual[r * n + i] = static_cast<T>(v);
+        }
+        row[i] = v;
+        squares += v * v;
+      }
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + eps);
+      for (int64_t i = 0; i < n; ++i)
+        out[r * n + i] = static_cast<T>(static_cast<float>(weight[i]) * rounded<T>(row[i] * inv));
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gate_up + r * 2 * n;
+      const T* up = gate + n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        out[r * n + i] = static_cast<T>(rounded<T>(g / (1.f + std::exp(-g))) *
+                                        static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+void check(const torch::Tensor& x, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+              what, ": contiguous 2-D float32 or bfloat16 rows");
+}
+
+}  // namespace
+
+// RMSNorm of x's rows, after adding `residual` to x in place of residual when one is given.
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                           c10::optional<torch::Tensor> residual) {
+  check(x, "add_rms_norm");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.numel() == x.size(1),
+              "add_rms_norm: weight of x's dtype and row size");
+  if (residual) {
+    check(*residual, "add_rms_norm");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "add_rms_norm: residual of x's shape and dtype");
+  }
+  auto out = torch::empty_like(x);
+  const float feps = static_cast<float>(eps);
+  if (x.scalar_type() == torch::kFloat)
+    add_rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(),
+                      residual ? residual->data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                      x.size(0), x.size(1), feps);
+  else
+    add_rms_norm_rows(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+                      residual ? residual->data_ptr<at::BFloat16>() : nullptr,
+                      out.data_ptr<at::BFloat16>(), x.size(0), x.size(1), feps);
+  return out;
+}
+
+// silu(gate) * up for rows laid out as [gate | up].
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  check(gate_up, "silu_and_mul");
+  const int64_t n = gate_up.size(1) / 2;
+  auto out = torch::empty({gate_up.size(0), n}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat)
+    silu_and_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.size(0), n);
+  else
+    silu_and_mul_rows(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+                      gate_up.size(0), n);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
+        py::arg("residual") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>());
+}

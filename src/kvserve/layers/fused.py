@@ -1,0 +1,40 @@
+"""The fused kernels a layer's input goes to: Triton's on CUDA (where Triton is installed),
+the C++ ones of `csrc/cpu_layers.cpp` on CPU (built on first use; `KVSERVE_CPU_KERNELS=0`
+leaves them out). Both take the same arguments; None means the plain-torch path."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kvserve.cpp_extension import build
+
+logger = logging.getLogger(__name__)
+
+
+def fused_kernels(x: torch.Tensor) -> ModuleType | None:
+    if x.is_cuda:
+        return _triton()
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        return _cpu()
+    return None
+
+
+@functools.cache
+def _triton() -> ModuleType | None:
+    try:
+        from kvserve.layers import triton_kernels
+    except ImportError as e:
+        logger.warning("Triton is unavailable (%s): norms and activations run in plain torch", e)
+        return None
+    return triton_kernels
+
+
+@functools.cache
+def _cpu() -> ModuleType | None:
+    return build("kvserve_cpu_layers", Path(__file__).parent / "csrc" / "cpu_layers.cpp",
+                 "CPU norm and activation kernels")

@@ -1,0 +1,48 @@
+"""The C++ CPU norm and activation kernels against the plain-torch layers they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.layers.fused import _cpu
+from kvserve.layers.norm import RMSNorm
+
+KERNELS = _cpu()
+TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+             torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}}  # one bfloat16 rounding
+
+
+def test_the_kernels_build_on_this_machine():
+    """CI machines have a compiler; a silent fallback to the slow path would hide a break."""
+    assert KERNELS is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_the_plain_ops(dtype):
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-5, dtype)
+    norm.weight.copy_(1 + torch.randn(96, generator=gen))
+    x = torch.randn(5, 96, generator=gen).to(dtype)
+    residual = torch.randn(5, 96, generator=gen).to(dtype)
+    summed = x + residual
+    torch.testing.assert_close(KERNELS.add_rms_norm(x, norm.weight, 1e-5), norm._norm(x),
+                               **TOLERANCE[dtype])
+    updated = residual.clone()
+    out = KERNELS.add_rms_norm(x, norm.weight, 1e-5, updated)
+    assert torch.equal(updated, summed)  # the residual add rounds as torch's does
+    torch.testing.assert_close(out, norm._norm(summed), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_the_plain_ops(dtype):
+    gate_up = torch.randn(3, 2 * 80, generator=torch.Generator().manual_seed(2)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(KERNELS.silu_and_mul(gate_up), F.silu(gate) * up,
+                               **TOLERANCE[dtype])
+
+
+def test_bad_rows_are_refused():
+    with pytest.raises(RuntimeError, match="contiguous 2-D"):
+        KERNELS.silu_and_mul(torch.randn(2, 3, 8))
