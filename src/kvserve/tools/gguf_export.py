@@ -36,6 +36,15 @@ _LAYER_TENSORS = {
     "mlp.up_proj.weight": "blk.{}.ffn_up.weight",
     "mlp.down_proj.weight": "blk.{}.ffn_down.weight",
 }
+# GGUF keys (the writer's `add_<key>`) -> ModelConfig fields.
+_HYPERPARAMETERS = {
+    "context_length": "max_position_embeddings", "embedding_length": "hidden_size",
+    "block_count": "num_layers", "feed_forward_length": "intermediate_size",
+    "head_count": "num_heads", "head_count_kv": "num_kv_heads", "key_length": "head_dim",
+    "value_length": "head_dim", "rope_dimension_count": "head_dim",
+    "rope_freq_base": "rope_theta", "layer_norm_rms_eps": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
 _GLOBAL_TENSORS = {"model.embed_tokens.weight": "token_embd.weight",
                    "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
@@ -72,18 +81,8 @@ def export_gguf(model: str | Path, dtype: torch.dtype, out: Path) -> None:
                          f"{cfg.architecture}")
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_name(folder.name)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    for key, field in _HYPERPARAMETERS.items():
+        getattr(writer, f"add_{key}")(getattr(cfg, field))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == torch.bfloat16
                          else gguf.LlamaFileType.ALL_F32)
     _add_tokenizer(writer, folder, cfg)
