@@ -53,3 +53,24 @@ def test_a_conversion_is_cached(llama_dir: Path, tmp_path: Path) -> None:
 def test_other_dtypes_are_refused(llama_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="dtype"):
         export_gguf(llama_dir, torch.float16, tmp_path / "x.gguf")
+
+
+def test_llama_cpp_scores_the_next_token_as_kvserve_does(llama_dir: Path, tmp_path: Path
+                                                          ) -> None:
+    """Where llama-cpp-python is installed: the same top-5 next tokens, logprobs within
+    1e-2 (llama.cpp keeps its KV cache in float16)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from kvserve import LLM, SamplingParams
+    from tests.conftest import random_prompts
+
+    prompt = random_prompts([60], seed=4)[0]
+    path = cached_gguf(llama_dir, torch.float32, tmp_path)
+    peer = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False)
+    peer.eval(prompt)
+    theirs = torch.log_softmax(torch.tensor(peer.scores[len(prompt) - 1]), -1)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    ours = LLM(str(llama_dir), dtype="float32").generate(
+        [{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].logprobs[0]
+    assert list(ours)[:5] == torch.topk(theirs, 5).indices.tolist()
+    for token, entry in ours.items():
+        assert abs(entry.logprob - theirs[token].item()) < 1e-2
