@@ -77,11 +77,14 @@ def summarize(timings: list[Timing], slo_ttft: float, slo_tpot: float) -> dict[s
     tpot = [t.tpot for t in timings]
     end = max(t.finished or 0.0 for t in timings)
     good = sum(t.ttft <= slo_ttft and t.tpot <= slo_tpot for t in timings)
-    ms = 1e3
-    return {"req/s": len(timings) / end, "TTFT p50 ms": percentile(ttft, 50) * ms,
-            "TTFT p99 ms": percentile(ttft, 99) * ms, "TPOT p50 ms": percentile(tpot, 50) * ms,
-            "TPOT p99 ms": percentile(tpot, 99) * ms, "SLO met %": 100 * good / len(timings),
-            "goodput req/s": good / end}
+    return {"req/s": len(timings) / end, **latency_percentiles(ttft, tpot),
+            "SLO met %": 100 * good / len(timings), "goodput req/s": good / end}
+
+
+def latency_percentiles(ttft: list[float], tpot: list[float]) -> dict[str, float]:
+    """p50 and p99 of TTFT and TPOT (seconds), in ms."""
+    return {f"{name} p{q} ms": percentile(values, q) * 1e3
+            for name, values in (("TTFT", ttft), ("TPOT", tpot)) for q in (50, 99)}
 
 
 def simulate_one(spec: ClusterSpec, requests: list[SimRequest], args: argparse.Namespace
@@ -220,7 +223,8 @@ def measured_costs(args: argparse.Namespace, threads: int) -> StepCostModel:
         runs.append({"context": context, "device": f"cpu x{threads}", "rows": rows})
     overhead = engine_overhead(args)
     torch.set_num_threads(args.cpus)
-    return replace(StepCostModel.fit(runs), fixed=StepCostModel.fit(runs).fixed + overhead)
+    fitted = StepCostModel.fit(runs)
+    return replace(fitted, fixed=fitted.fixed + overhead)
 
 
 def engine_overhead(args: argparse.Namespace) -> float:
@@ -301,12 +305,7 @@ def measure_real(args: argparse.Namespace, work: Workload, calibration: Workload
         cost = StepCostModel.fit_trace(trace, f"{len(trace)} steps traced on {replicas} "
                                               "replica(s)")
         results, _ = await drive(llm, work, rate=args.rate, seed=args.workload_seed)
-        ms = 1e3
-        ttft, tpot = [r.ttft for r in results], [r.tpot for r in results]
-        return cost, {"TTFT p50 ms": percentile(ttft, 50) * ms,
-                      "TTFT p99 ms": percentile(ttft, 99) * ms,
-                      "TPOT p50 ms": percentile(tpot, 50) * ms,
-                      "TPOT p99 ms": percentile(tpot, 99) * ms}
+        return cost, latency_percentiles([r.ttft for r in results], [r.tpot for r in results])
 
     try:
         return asyncio.run(run_it())

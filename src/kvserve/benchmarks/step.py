@@ -128,14 +128,15 @@ def prefill_against_gemm_peak(runner: ModelRunner, kv_cache: KVCacheManager,
     steps = SyntheticSteps(runner, kv_cache, 0, tokens, 0)
     steps.run(0, tokens)
     seconds = statistics.median(steps.run(0, tokens) for _ in range(args.repeats))
-    flops = 2 * matmul_params(runner.model.layers) * tokens / seconds
+    weights = matmul_params(runner.model.layers)
+    flops = 2 * weights * tokens / seconds
     peak = gemm_peak(runner.device, runner.config.model.dtype)
     row = {"prefill tokens": tokens, "step ms": round(seconds * 1e3, 1),
            "tok/s": round(tokens / seconds, 1), "matmul GFLOP/s": round(flops / 1e9, 1),
            "GEMM peak GFLOP/s": round(peak / 1e9, 1), "% of peak": round(100 * flops / peak, 1)}
     print_table([row], title=(
         f"prefill from an empty cache, {runner.config.model.dtype}: its matmul FLOPs (2 x "
-        f"{matmul_params(runner.model.layers) / 1e6:.0f} M weights per token) against a "
+        f"{weights / 1e6:.0f} M weights per token) against a "
         f"2048^3 GEMM through the engine's linear layer"))
     return row
 
