@@ -1,0 +1,63 @@
+"""The blocked CPU GEMM of the linear layers against torch's matmul on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.layers.linear import Linear, cpu_gemm
+
+GEMM = cpu_gemm()
+TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-4},
+             torch.bfloat16: {"rtol": 1.6e-2, "atol": 2e-2}}  # one bfloat16 rounding
+
+
+def test_the_kernel_builds_on_this_machine():
+    """CI machines have a compiler; a silent fallback to oneDNN would hide a break."""
+    assert GEMM is not None
+
+
+def _needs(dtype: torch.dtype) -> None:
+    if not GEMM.supports(torch.empty(16, 2, dtype=dtype)):
+        pytest.skip(f"this CPU has no blocked GEMM for {dtype} (AVX-512 / AVX512-BF16)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 6, 13])
+@pytest.mark.parametrize(("n", "k"), [(16, 2), (70, 34), (200, 96)])
+def test_blocked_linear_matches_matmul(dtype, rows, n, k):
+    """Row counts around the 6-row tile, output counts off the 16- and 64-wide blocks."""
+    _needs(dtype)
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    expected = x.float() @ w.float().t() + bias.float()
+    packed = GEMM.pack_weight(w)
+    torch.testing.assert_close(GEMM.blocked_linear(x, packed, n, bias).float(), expected,
+                               **TOLERANCE[dtype])
+    torch.testing.assert_close(GEMM.blocked_linear(x, packed, n, None).float(),
+                               expected - bias.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_layer_runs_on_the_blocked_gemm(dtype):
+    _needs(dtype)
+    layer = Linear(32, [48, 16], bias=True, dtype=dtype)
+    gen = torch.Generator().manual_seed(3)
+    weights = [torch.randn(size, 32, generator=gen).to(dtype) for size in (48, 16)]
+    for shard, w in enumerate(weights):
+        layer.load("weight", shard, w)
+        layer.load("bias", shard, torch.full((w.shape[0],), float(shard), dtype=dtype))
+    layer.prepare()
+    assert layer.form == "blocked"
+    x = torch.randn(3, 32, generator=gen).to(dtype)
+    expected = x.float() @ torch.cat(weights).float().t() + torch.tensor([0.0] * 48 + [1.0] * 16)
+    torch.testing.assert_close(layer(x).float(), expected, **TOLERANCE[dtype])
+
+
+def test_an_input_of_the_wrong_width_is_refused():
+    _needs(torch.float32)
+    packed = GEMM.pack_weight(torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match="input width 6"):
+        GEMM.blocked_linear(torch.randn(2, 6), packed, 16, None)
