@@ -288,7 +288,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
     device: str = "cpu"
-    enforce_eager: bool = False  # CUDA: never replay captured graphs
+    enforce_eager: bool = False  # no CUDA graphs, no CPU decode stack: every layer from Python
     tensor_parallel_size: int = 1  # ranks, each with 1/T of the heads and MLP columns
 
     def __post_init__(self) -> None:

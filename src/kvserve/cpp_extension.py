@@ -4,6 +4,7 @@ left out, and the plain-torch path runs instead; `KVSERVE_CPU_KERNELS=0` leaves 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -11,17 +12,26 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
+_CSRC = Path(__file__).parent / "csrc"
 
-def build(name: str, source: Path, what: str) -> ModuleType | None:
+
+def build(name: str, sources: list[Path], what: str) -> ModuleType | None:
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        logger.info("loading the %s (compiled on first use, about a minute)", what)
-        return load(name=name, sources=[str(source)],
+        logger.info("loading the %s (compiled on first use, a minute or two)", what)
+        return load(name=name, sources=[str(s) for s in sources],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 (any build failure means: use the torch path)
         logger.warning("kvserve: %s unavailable (%s); using plain torch", what, e)
         return None
+
+
+@functools.cache
+def cpu_kernels() -> ModuleType | None:
+    """The kernels of `csrc/` (norms, activation, GEMM, paged decode attention, the Llama
+    decode stack) as one module, or None where they do not build."""
+    return build("kvserve_cpu", sorted(_CSRC.glob("*.cpp")), "CPU kernels")

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvserve.attention.backend import AttentionMetadata
-from kvserve.attention.cpu_paged import CpuPagedAttention, load_kernel
+from kvserve.attention.cpu_paged import CpuPagedAttention
 from kvserve.attention.torch_ref import TorchPagedAttention
+from kvserve.cpp_extension import cpu_kernels
 
 BLOCK = 4
 
@@ -51,8 +52,8 @@ def dense_reference(q, dense, window, scale):
 
 
 BACKENDS = {"torch": TorchPagedAttention}
-if load_kernel() is not None:
-    BACKENDS["cpu-kernel"] = lambda: CpuPagedAttention(load_kernel())
+if cpu_kernels() is not None:
+    BACKENDS["cpu-kernel"] = lambda: CpuPagedAttention(cpu_kernels())
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -104,4 +105,4 @@ def test_a_fused_decode_step_matches_the_reference_forward(dtype, window):
 
 def test_kernel_builds_on_this_machine():
     """CI machines have a compiler; a silent fallback to the slow path would hide a break."""
-    assert load_kernel() is not None
+    assert cpu_kernels() is not None

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.layers.linear import Linear, cpu_gemm
+from kvserve.cpp_extension import cpu_kernels
+from kvserve.layers.linear import Linear
 
-GEMM = cpu_gemm()
+GEMM = cpu_kernels()
 TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-4},
              torch.bfloat16: {"rtol": 1.6e-2, "atol": 2e-2}}  # one bfloat16 rounding
 
@@ -18,7 +19,7 @@ def test_the_kernel_builds_on_this_machine():
 
 
 def _needs(dtype: torch.dtype) -> None:
-    if not GEMM.supports(torch.empty(16, 2, dtype=dtype)):
+    if not GEMM.gemm_supports(torch.empty(16, 2, dtype=dtype)):
         pytest.skip(f"this CPU has no blocked GEMM for {dtype} (AVX-512 / AVX512-BF16)")
 
 

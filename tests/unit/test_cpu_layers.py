@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.layers.fused import _cpu
+from kvserve.cpp_extension import cpu_kernels
 from kvserve.layers.norm import RMSNorm
 
-KERNELS = _cpu()
+KERNELS = cpu_kernels()
 TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5},
              torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}}  # one bfloat16 rounding
 

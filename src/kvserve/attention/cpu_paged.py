@@ -9,21 +9,12 @@ or for dtypes or head sizes it does not cover, the plain-torch path runs instead
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from kvserve.attention.backend import AttentionMetadata
 from kvserve.attention.torch_ref import TorchPagedAttention
-from kvserve.cpp_extension import build
-
-
-@functools.cache
-def load_kernel() -> ModuleType | None:
-    return build("kvserve_paged_decode", Path(__file__).parent / "csrc" / "paged_decode.cpp",
-                 "CPU attention kernel")
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -38,7 +29,8 @@ class CpuPagedAttention(TorchPagedAttention):
             return super().forward(qk, v, freqs_cis, kv_cache, meta, scale)
         block_tables, seq_lens = meta.decode_tables(kv_cache.shape[3])
         out = self.kernel.rotate_cache_and_decode(
-            qk.contiguous(), v.contiguous(), torch.view_as_real(freqs_cis).contiguous(),
+            _with_contiguous_heads(qk), _with_contiguous_heads(v),
+            torch.view_as_real(freqs_cis).contiguous(),
             meta.slot_mapping, kv_cache, block_tables.contiguous(), seq_lens, scale,
             meta.sliding_window or 0)
         return out.view(qk.shape[0], -1)
@@ -56,3 +48,9 @@ class CpuPagedAttention(TorchPagedAttention):
     @staticmethod
     def _covers(x: torch.Tensor) -> bool:
         return x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] % 16 == 0
+
+
+def _with_contiguous_heads(x: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] as the kernel reads it: rows may be strided (views of the QKV projection),
+    heads not."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()

@@ -7,8 +7,9 @@ import logging
 import torch
 
 from kvserve.attention.backend import AttentionBackend
-from kvserve.attention.cpu_paged import CpuPagedAttention, load_kernel
+from kvserve.attention.cpu_paged import CpuPagedAttention
 from kvserve.attention.torch_ref import TorchPagedAttention
+from kvserve.cpp_extension import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -16,7 +17,7 @@ logger = logging.getLogger(__name__)
 def get_attention_backend(device: str, head_dim: int) -> AttentionBackend:
     if torch.device(device).type == "cuda":
         return _cuda_backend(device, head_dim)
-    kernel = load_kernel() if device == "cpu" else None
+    kernel = cpu_kernels() if device == "cpu" else None
     return CpuPagedAttention(kernel) if kernel is not None else TorchPagedAttention()
 
 

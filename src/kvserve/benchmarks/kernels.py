@@ -18,11 +18,12 @@ import numpy as np
 import torch
 
 from kvserve.attention.backend import AttentionMetadata
-from kvserve.attention.cpu_paged import CpuPagedAttention, load_kernel
+from kvserve.attention.cpu_paged import CpuPagedAttention
 from kvserve.attention.torch_ref import TorchPagedAttention
 from kvserve.benchmarks.device import memory_bandwidth, timed
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.config import resolve_dtype
+from kvserve.cpp_extension import cpu_kernels
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
@@ -65,8 +66,8 @@ def decode_kernels(args: argparse.Namespace) -> dict[str, DecodeFn]:
 
         kernels["triton, exact merge"] = triton_decode(None)
         kernels[f"triton, unified max {args.unified_max:g}"] = triton_decode(args.unified_max)
-    elif load_kernel() is not None:
-        cpu = CpuPagedAttention(load_kernel())
+    elif cpu_kernels() is not None:
+        cpu = CpuPagedAttention(cpu_kernels())
         kernels["cpu kernel"] = lambda q, cache, meta: cpu.decode(q, cache, meta, scale)
     kernels["torch gather"] = lambda q, cache, meta: TorchPagedAttention().decode(
         q, cache, meta, scale)

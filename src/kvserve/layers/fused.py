@@ -1,17 +1,17 @@
 """The fused kernels a layer's input goes to: Triton's on CUDA (where Triton is installed),
-the C++ ones of `csrc/cpu_layers.cpp` on CPU (built on first use; `KVSERVE_CPU_KERNELS=0`
-leaves them out). Both take the same arguments; None means the plain-torch path."""
+the C++ ones of `kvserve/csrc/norm_activation.cpp` on CPU (built on first use;
+`KVSERVE_CPU_KERNELS=0` leaves them out). Both take the same arguments; None means the
+plain-torch path."""
 
 from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from kvserve.cpp_extension import build
+from kvserve.cpp_extension import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ def fused_kernels(x: torch.Tensor) -> ModuleType | None:
     if x.is_cuda:
         return _triton()
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        return _cpu()
+        return cpu_kernels()
     return None
 
 
@@ -32,9 +32,3 @@ def _triton() -> ModuleType | None:
         logger.warning("Triton is unavailable (%s): norms and activations run in plain torch", e)
         return None
     return triton_kernels
-
-
-@functools.cache
-def _cpu() -> ModuleType | None:
-    return build("kvserve_cpu_layers", Path(__file__).parent / "csrc" / "cpu_layers.cpp",
-                 "CPU norm and activation kernels")

@@ -4,7 +4,7 @@ While loading, the weight is kept transposed (`[in, out]`): fused projections (Q
 are one matrix whose column ranges come from separate checkpoint tensors (`shard`s). After
 loading, `prepare()` picks the execution form:
 - on CPUs with AVX-512 (float32) or AVX512-BF16 (bfloat16), the weight packed in 16-output
-  blocks for the GEMM of `csrc/cpu_gemm.cpp`: 1.3x (float32) and 1.5x (bfloat16) faster than
+  blocks for the GEMM of `csrc/gemm.cpp`: 1.3x (float32) and 1.5x (bfloat16) faster than
   oneDNN's prepacked weight at batch 1, and within 10% of it at prefill sizes;
 - on other CPUs with oneDNN, a prepacked oneDNN weight (float32 or bfloat16): 1.3-2.2x faster
   than `x @ W_t` in float32 for 1-64 rows on an AVX-512 machine, 2.5-4x in bfloat16 on one
@@ -20,25 +20,17 @@ picks for the device, or, where none fits, as the dense weight they dequantize t
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.cpp_extension import build
+from kvserve.cpp_extension import cpu_kernels
 from kvserve.quantization.gptq import QuantizedWeight
 from kvserve.quantization.kernels import QuantizedKernel, choose_kernel
 from kvserve.quantization.squeezellm import LutWeight
 from kvserve.worker.tensor_parallel import all_reduce, rank_slice, tp_group
-
-
-@functools.cache
-def cpu_gemm() -> ModuleType | None:
-    return build("kvserve_cpu_gemm", Path(__file__).parent / "csrc" / "cpu_gemm.cpp",
-                 "CPU GEMM kernel")
 
 
 def _onednn_available() -> bool:
@@ -63,8 +55,8 @@ class Linear(nn.Module):
         self.bias = torch.zeros(out, dtype=dtype) if bias else None
         self.quantized: dict[int, QuantizedWeight | LutWeight] = {}  # shards as loaded
         self.kernel: QuantizedKernel | None = None  # chosen by prepare() for those shards
-        self.gemm: ModuleType | None = None  # cpu_gemm(), where prepare() picks it
-        # Until prepare(): then "blocked" (cpu_gemm), "packed" (oneDNN) or "out_major" (CUDA).
+        self.gemm: ModuleType | None = None  # cpu_kernels(), where prepare() picks its GEMM
+        # Until prepare(): then "blocked" (csrc/gemm.cpp), "packed" (oneDNN) or "out_major" (CUDA).
         self.form = "transposed"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,8 +121,8 @@ class Linear(nn.Module):
         """Switches to the fastest execution form for the weight's device (see module doc)."""
         shards = self._dequantize_shards()
         cpu = self.weight.device.type == "cpu"
-        gemm = cpu_gemm() if cpu else None
-        if gemm is not None and gemm.supports(self.weight.t()):
+        gemm = cpu_kernels() if cpu else None
+        if gemm is not None and gemm.gemm_supports(self.weight.t()):
             self.weight = gemm.pack_weight(self.weight.t().contiguous())
             self.gemm = gemm
             self.form = "blocked"

@@ -102,7 +102,7 @@ IntegerWeight = Int4Weight | Int8Weight | WxA8Weight
 
 @functools.cache
 def load_wxa8() -> ModuleType | None:
-    return build("kvserve_wxa8", Path(__file__).parent / "csrc" / "wxa8.cpp",
+    return build("kvserve_wxa8", [Path(__file__).parent / "csrc" / "wxa8.cpp"],
                  "CPU W4A8/W8A8 kernel")
 
 

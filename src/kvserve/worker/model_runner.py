@@ -12,12 +12,14 @@ from kvserve.attention.selector import get_attention_backend
 from kvserve.attention.torch_ref import apply_rotary
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler.output import KVTransfers, ModelRunnerOutput, SchedulerOutput
+from kvserve.cpp_extension import cpu_kernels
 from kvserve.models.loader import load_model
+from kvserve.worker.cpu_decode import CpuDecodeStack
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.disk_kv import DiskKVStore, model_identity
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.host_kv import HostKVCache
-from kvserve.worker.input_batch import InputBuffers
+from kvserve.worker.input_batch import InputBuffers, ModelInputs
 from kvserve.worker.prompt_logprobs import prompt_logprobs
 from kvserve.worker.sampler import Sampler, SamplingState
 
@@ -51,6 +53,7 @@ class ModelRunner:
                                    -(-sched.max_model_len // self.block_size), self.block_size,
                                    mc.sliding_window, self.device)
         self.graphs = self._decode_graphs()
+        self.cpu_decode = self._cpu_decode_stack()
         self.sampler = Sampler(config.seed, self.device)
         self.states: dict[str, SamplingState] = {}
 
@@ -66,10 +69,8 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput([], [], failed_promotions=failed)
         inputs = self.inputs.prepare(sched.scheduled)
-        batch_size = self.graphs.padded_size(inputs) if self.graphs is not None else None
-        if self.graphs is not None and batch_size is not None:
-            hidden = self.graphs.run(inputs, batch_size)
-        else:
+        hidden = self._fast_decode(inputs)
+        if hidden is None:
             with forward_context(inputs.attn_metadata):
                 hidden = self.model(inputs.input_ids, inputs.positions)
         scored = prompt_logprobs(self.model, hidden, inputs, self.states)
@@ -147,6 +148,14 @@ class ModelRunner:
         rotation = self.model.rotary.freqs_cis[num_positions].conj()
         keys.index_copy_(2, ids, apply_rotary(keys.index_select(2, ids), rotation))
 
+    def _fast_decode(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """A decode-only step's hidden states from a CUDA graph or the CPU decode stack;
+        None for a step to run eagerly."""
+        if self.graphs is not None:
+            batch_size = self.graphs.padded_size(inputs)
+            return None if batch_size is None else self.graphs.run(inputs, batch_size)
+        return self.cpu_decode.run(inputs) if self.cpu_decode is not None else None
+
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Decode steps replay CUDA graphs unless `enforce_eager`; graphs need a backend that
         takes padding rows (the Triton one). Elsewhere, the padded path runs eagerly."""
@@ -156,3 +165,11 @@ class ModelRunner:
             return None
         return DecodeGraphs(self.model, self.inputs, self.config.scheduler.max_num_seqs,
                             capture=torch.device(self.device).type == "cuda")
+
+    def _cpu_decode_stack(self) -> CpuDecodeStack | None:
+        """On CPU, decode steps run as one C++ call unless `enforce_eager`."""
+        kernels = cpu_kernels()
+        if (self.config.enforce_eager or kernels is None or self.config.tensor_parallel_size > 1
+                or not CpuDecodeStack.covers(self.model)):
+            return None
+        return CpuDecodeStack(self.model, kernels)

@@ -2,7 +2,8 @@
 // counterparts (layers/triton_kernels.py): a decode step issues ~90 of them, and each costs
 // about ten torch ops when written out. float32 or bfloat16 rows; float32 arithmetic, with
 // bfloat16 results rounded where the torch ops they replace round them.
-#include <torch/extension.h>
+#include "kvserve_cpu.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -60,6 +61,8 @@ void check(const torch::Tensor& x, const char* what) {
 
 }  // namespace
 
+namespace kvserve {
+
 // RMSNorm of x's rows, after adding `residual` to x in place of residual when one is given.
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                            c10::optional<torch::Tensor> residual) {
@@ -98,8 +101,4 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
-        py::arg("residual") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("silu_and_mul", &silu_and_mul, py::call_guard<py::gil_scoped_release>());
-}
+}  // namespace kvserve

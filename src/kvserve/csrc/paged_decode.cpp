@@ -4,7 +4,8 @@
 // tensors; bfloat16 rows are widened to float32 as they are read, and all arithmetic is float32.
 // For a decode-only step, `rotate_cache_and_decode` also applies the rotary embedding and
 // writes the new keys and values, which would otherwise be a dozen small torch ops per layer.
-#include <torch/extension.h>
+#include "kvserve_cpu.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -72,12 +73,16 @@ inline void narrow(const float* src, at::BFloat16* dst, int64_t n) {
 }
 
 // A decode step's new tokens, for the fused path: unrotated q and k heads ([B, Hq + Hkv, D]),
-// v heads ([B, Hkv, D]), each token's rotation as (cos, sin) pairs ([B, D / 2, 2]) and its
-// cache slot. Attention then rotates them, writes k and v into the cache, and attends.
+// v heads ([B, Hkv, D]), each row a row stride after the last (the QKV projection's
+// rows, where q, k and v lie side by side), each token's rotation as (cos, sin) pairs
+// ([B, D / 2, 2]) and its cache slot. Attention then rotates them, writes k and v into the
+// cache, and attends.
 template <typename T>
 struct NewTokens {
   const T* qk;
   const T* v;
+  int64_t qk_row_stride;
+  int64_t v_row_stride;
   const float* rotation;
   const int64_t* slots;
 };
@@ -112,7 +117,7 @@ void decode(const T* q_ptr, const NewTokens<T>* fresh, T* k_base, T* v_base,
       const float* qg = queries.data();
       if (fresh != nullptr) {
         // This item alone writes head h of sequence b, so it reads its own write below.
-        const T* heads = fresh->qk + b * (num_heads + num_kv_heads) * head_dim;
+        const T* heads = fresh->qk + b * fresh->qk_row_stride;
         const float* rotation = fresh->rotation + b * head_dim;
         for (int64_t g = 0; g < group; ++g)
           rotate(heads + (h * group + g) * head_dim, rotation, queries.data() + g * head_dim,
@@ -121,7 +126,7 @@ void decode(const T* q_ptr, const NewTokens<T>* fresh, T* k_base, T* v_base,
         if (slot >= 0) {  // -1: a padding row, which writes nothing
           rotate(heads + (num_heads + h) * head_dim, rotation, row.data(), head_dim);
           narrow(row.data(), k_head + slot * head_dim, head_dim);
-          const T* v_new = fresh->v + (b * num_kv_heads + h) * head_dim;
+          const T* v_new = fresh->v + b * fresh->v_row_stride + h * head_dim;
           std::copy(v_new, v_new + head_dim, v_head + slot * head_dim);
         }
       } else {
@@ -185,6 +190,8 @@ void dispatch(const T* q, const NewTokens<T>* fresh, torch::Tensor& kv_cache,
 
 }  // namespace
 
+namespace kvserve {
+
 // q: [B, Hq, D]; kv_cache: [2, Hkv, num_blocks, block_size, D] of q's dtype; block_tables:
 // [B, W] int64; seq_lens: [B] int64. Keys at positions < seq_len - window are skipped when
 // window > 0.
@@ -203,8 +210,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
   return out;
 }
 
-// The decode step's attention in one call: qk [B, Hq + Hkv, D] unrotated, v [B, Hkv, D],
-// rotation [B, D / 2, 2] float32 (cos, sin), slot_mapping [B] int64; returns [B, Hq, D].
+// The decode step's attention in one call: qk [B, Hq + Hkv, D] unrotated, v [B, Hkv, D]
+// (each with contiguous heads; rows may be strided), rotation [B, D / 2, 2] float32
+// (cos, sin), slot_mapping [B] int64; returns [B, Hq, D].
 torch::Tensor rotate_cache_and_decode(torch::Tensor qk, torch::Tensor v, torch::Tensor rotation,
                                       torch::Tensor slot_mapping, torch::Tensor kv_cache,
                                       torch::Tensor block_tables, torch::Tensor seq_lens,
@@ -212,30 +220,30 @@ torch::Tensor rotate_cache_and_decode(torch::Tensor qk, torch::Tensor v, torch::
   const int64_t batch = qk.size(0), head_dim = qk.size(2);
   const int64_t num_heads = qk.size(1) - kv_cache.size(1);
   check_inputs(kv_cache, block_tables, seq_lens, qk.scalar_type(), head_dim);
-  TORCH_CHECK(qk.is_contiguous() && v.is_contiguous() && rotation.is_contiguous() &&
+  const auto heads_contiguous = [&](const torch::Tensor& x) {
+    return x.stride(2) == 1 && x.stride(1) == head_dim;
+  };
+  TORCH_CHECK(heads_contiguous(qk) && heads_contiguous(v) && rotation.is_contiguous() &&
                   slot_mapping.is_contiguous() && v.scalar_type() == qk.scalar_type() &&
                   rotation.scalar_type() == torch::kFloat,
-              "rotate_cache_and_decode: contiguous qk and v of one dtype, float32 rotation");
+              "rotate_cache_and_decode: qk and v of one dtype with contiguous heads, float32 "
+              "rotation");
   auto out = torch::empty({batch, num_heads, head_dim}, qk.options());
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* rot = rotation.data_ptr<float>();
   if (qk.scalar_type() == torch::kFloat) {
-    const NewTokens<float> fresh{qk.data_ptr<float>(), v.data_ptr<float>(), rot, slots};
+    const NewTokens<float> fresh{qk.data_ptr<float>(), v.data_ptr<float>(), qk.stride(0),
+                                 v.stride(0), rot, slots};
     dispatch<float>(nullptr, &fresh, kv_cache, block_tables, seq_lens, out, batch, num_heads,
                     head_dim, scale, window);
   } else {
     const NewTokens<at::BFloat16> fresh{qk.data_ptr<at::BFloat16>(),
-                                        v.data_ptr<at::BFloat16>(), rot, slots};
+                                        v.data_ptr<at::BFloat16>(), qk.stride(0), v.stride(0),
+                                        rot, slots};
     dispatch<at::BFloat16>(nullptr, &fresh, kv_cache, block_tables, seq_lens, out, batch,
                            num_heads, head_dim, scale, window);
   }
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // No Python objects are touched: let other threads (the HTTP server) run meanwhile.
-  m.def("paged_decode_attention", &paged_decode_attention,
-        py::call_guard<py::gil_scoped_release>());
-  m.def("rotate_cache_and_decode", &rotate_cache_and_decode,
-        py::call_guard<py::gil_scoped_release>());
-}
+}  // namespace kvserve

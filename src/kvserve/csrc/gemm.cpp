@@ -5,8 +5,9 @@
 // 24 registers over the whole input, reading each weight row once per tile with no
 // horizontal sums. For 1-64 rows it streams weights faster than oneDNN's prepacked GEMV
 // (1.5x at batch 1 on an AVX512-BF16 EPYC); at 2048 rows it is within 10% of oneDNN. Built
-// where the compiler targets AVX-512 (and AVX512-BF16 for bfloat16); `supports` says which.
-#include <torch/extension.h>
+// where the compiler targets AVX-512 (and AVX512-BF16 for bfloat16); `gemm_supports` says which.
+#include "kvserve_cpu.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -123,7 +124,11 @@ void blocked_gemm(const T* x, int64_t m, int64_t k, const T* w, int64_t n, const
 }
 #endif  // __AVX512F__
 
-bool supports(const torch::Tensor& w) {
+}  // namespace
+
+namespace kvserve {
+
+bool gemm_supports(const torch::Tensor& w) {
   switch (w.scalar_type()) {
 #ifdef __AVX512F__
     case torch::kFloat: return w.dim() == 2;
@@ -137,7 +142,7 @@ bool supports(const torch::Tensor& w) {
 
 // [n, k] checkpoint layout -> [ceil(n / 16), k / step, 16, step], outputs padded with zeros.
 torch::Tensor pack_weight(const torch::Tensor& w) {
-  TORCH_CHECK(supports(w), "pack_weight: no blocked GEMM for this weight on this CPU");
+  TORCH_CHECK(gemm_supports(w), "pack_weight: no blocked GEMM for this weight on this CPU");
   const int64_t n = w.size(0), k = w.size(1), blocks = (n + kBlock - 1) / kBlock;
   const int64_t step = w.scalar_type() == torch::kBFloat16 ? 2 : 1;
   auto padded = torch::zeros({blocks * kBlock, k}, w.options());
@@ -173,11 +178,4 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& packed
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("supports", &supports, "whether this CPU build has a blocked GEMM for the weight");
-  m.def("pack_weight", &pack_weight, "[n, k] weight -> 16-output blocks");
-  m.def("blocked_linear", &blocked_linear, "x @ W^T (+ bias) over a packed weight",
-        py::call_guard<py::gil_scoped_release>());
-}
+}  // namespace kvserve

@@ -1,0 +1,34 @@
+// The Python module of the CPU kernels. No binding touches a Python object while it computes,
+// so each releases the GIL: other threads (the HTTP server) run meanwhile.
+#include "kvserve_cpu.h"
+
+namespace py = pybind11;
+using kvserve::DecoderLayerWeights;
+using kvserve::LlamaDecodeStack;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  m.def("add_rms_norm", &kvserve::add_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
+        py::arg("residual") = py::none(), release,
+        "RMSNorm of x's rows, after adding x to `residual` in place when one is given");
+  m.def("silu_and_mul", &kvserve::silu_and_mul, release, "silu(gate) * up of [gate | up] rows");
+  m.def("gemm_supports", &kvserve::gemm_supports,
+        "whether this CPU build has a blocked GEMM for the weight");
+  m.def("pack_weight", &kvserve::pack_weight, "[n, k] weight -> 16-output blocks");
+  m.def("blocked_linear", &kvserve::blocked_linear, release,
+        "x @ W^T (+ bias) over a packed weight");
+  m.def("paged_decode_attention", &kvserve::paged_decode_attention, release);
+  m.def("rotate_cache_and_decode", &kvserve::rotate_cache_and_decode, release);
+  py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
+      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                    torch::Tensor, c10::optional<torch::Tensor>>(),
+           py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"),
+           py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias") = py::none());
+  py::class_<LlamaDecodeStack>(m, "LlamaDecodeStack")
+      .def(py::init<std::vector<DecoderLayerWeights>, torch::Tensor, int64_t, int64_t, int64_t,
+                    int64_t, double, double>(),
+           py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"),
+           py::arg("eps"), py::arg("scale"))
+      .def("forward", &LlamaDecodeStack::forward, release);
+}

@@ -1,0 +1,56 @@
+// The CPU kernels of one extension (built on first use by kvserve/cpp_extension.py), as the
+// tensor-level functions Python calls and the decode stack composes.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace kvserve {
+
+// norm_activation.cpp
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                           c10::optional<torch::Tensor> residual);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
+// gemm.cpp
+bool gemm_supports(const torch::Tensor& w);
+torch::Tensor pack_weight(const torch::Tensor& w);
+torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                             const c10::optional<torch::Tensor>& bias);
+
+// paged_decode.cpp
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     double scale, int64_t window);
+torch::Tensor rotate_cache_and_decode(torch::Tensor qk, torch::Tensor v, torch::Tensor rotation,
+                                      torch::Tensor slot_mapping, torch::Tensor kv_cache,
+                                      torch::Tensor block_tables, torch::Tensor seq_lens,
+                                      double scale, int64_t window);
+
+// llama_decode.cpp: one Llama-family decoder layer's weights, linears packed by pack_weight.
+struct DecoderLayerWeights {
+  torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
+  c10::optional<torch::Tensor> qkv_bias;
+};
+
+// A decode-only step through every decoder layer in one call (see llama_decode.cpp).
+class LlamaDecodeStack {
+ public:
+  LlamaDecodeStack(std::vector<DecoderLayerWeights> layers, torch::Tensor final_norm,
+                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   int64_t intermediate_size, double eps, double scale);
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& rotation,
+                        const torch::Tensor& slot_mapping,
+                        const std::vector<torch::Tensor>& kv_caches,
+                        const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                        int64_t window) const;
+
+ private:
+  std::vector<DecoderLayerWeights> layers_;
+  torch::Tensor final_norm_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, hidden_size_, intermediate_size_;
+  double eps_, scale_;
+};
+
+}  // namespace kvserve

@@ -1,0 +1,67 @@
+"""Decode-only steps on CPU as one C++ call through all decoder layers: the CPU counterpart of
+CUDA graphs.
+
+A batch-1 decode step of a small model is ~300 short kernel calls; issued from Python, the
+calls cost a third of the step. `LlamaDecodeStack` (csrc/llama_decode.cpp) runs the same
+kernels in the same order from C++, so the hidden states are bit-identical to the eager
+forward. It covers what those kernels cover: a single-rank Llama-family model without
+q/k norms, every linear on the blocked GEMM and the C++ attention backend. Steps with a
+prefill chunk, and everything under `enforce_eager`, run the eager forward.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from kvserve.attention.cpu_paged import CpuPagedAttention
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.worker.input_batch import ModelInputs
+
+
+class CpuDecodeStack:
+    def __init__(self, model: LlamaForCausalLM, kernels: ModuleType) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.stack = kernels.LlamaDecodeStack(
+            [_layer_weights(layer, kernels) for layer in model.layers], model.norm.weight,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+            cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+
+    @staticmethod
+    def covers(model: torch.nn.Module) -> bool:
+        """Whether every layer of `model` runs on the kernels the stack composes."""
+        if not isinstance(model, LlamaForCausalLM) or model.cfg.qk_norm:
+            return False
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not isinstance(attn.backend, CpuPagedAttention) or attn.head_dim % 16:
+                return False
+            if any(lin.form != "blocked" or lin.kernel is not None for lin in linears):
+                return False
+            if any(lin.bias is not None for lin in linears[1:]):  # only QKV has a bias
+                return False
+        return True
+
+    def run(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """Hidden states of a decode-only step, or None for a step with prefill chunks."""
+        meta = inputs.attn_metadata
+        if meta.prefills:
+            return None
+        model = self.model
+        block_tables, seq_lens = meta.decode_tables(model.layers[0].self_attn.kv_cache.shape[3])
+        rotation = torch.view_as_real(model.rotary(inputs.positions)).contiguous()
+        return self.stack.forward(
+            model.embed_tokens[inputs.input_ids], rotation, meta.slot_mapping,
+            [layer.self_attn.kv_cache for layer in model.layers], block_tables.contiguous(),
+            seq_lens, meta.sliding_window or 0)
+
+
+def _layer_weights(layer: torch.nn.Module, kernels: ModuleType) -> object:
+    attn, mlp = layer.self_attn, layer.mlp
+    return kernels.DecoderLayerWeights(
+        layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
+        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+        attn.qkv_proj.bias)
