@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.attention.backend import AttentionMetadata
+from kvserve.attention.backend import AttentionMetadata, PrefillChunk
 from kvserve.attention.cpu_paged import CpuPagedAttention
 from kvserve.attention.torch_ref import TorchPagedAttention
 from kvserve.cpp_extension import cpu_kernels
@@ -100,6 +100,30 @@ def test_a_fused_decode_step_matches_the_reference_forward(dtype, window):
         "rtol": 2e-2, "atol": 2e-2}
     assert not torch.equal(ref_cache, cache.to(dtype))  # the new keys and values landed
     torch.testing.assert_close(fused_cache.float(), ref_cache.float(), **tolerance)
+    torch.testing.assert_close(got.float(), want.float(), **tolerance)
+
+
+@pytest.mark.skipif("cpu-kernel" not in BACKENDS, reason="the CPU kernel did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5, 70])
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize(("num_q", "ctx"), [(1, 1), (7, 7), (13, 150), (150, 150), (64, 200)])
+def test_prefill_kernel_matches_the_reference(dtype, window, head_dim, num_q, ctx):
+    """Chunks with and without earlier context, across the kernel's 6-row and 64-key tiles
+    and the pool's 4-token blocks."""
+    backend = BACKENDS["cpu-kernel"]()
+    if dtype not in backend.prefill_dtypes:
+        pytest.skip(f"no prefill kernel for {dtype} on this CPU")
+    _, cache, meta, dense = paged_case([ctx], head_dim=head_dim, seed=ctx + num_q)
+    cache = cache.to(dtype)
+    block_ids = meta.block_tables[0, :-(-ctx // BLOCK)]
+    k, v = (dense[0][i, :, ctx - num_q:].transpose(0, 1).to(dtype) for i in (0, 1))
+    q = torch.randn(num_q, 6, head_dim, generator=torch.Generator().manual_seed(5)).to(dtype)
+    chunk = PrefillChunk(seq=0, query_start=0, num_query_tokens=num_q, context_len=ctx)
+    want = TorchPagedAttention().prefill(q, k, v, cache, chunk, block_ids, window, 0.25)
+    got = backend.prefill(q, k, v, cache, chunk, block_ids, window, 0.25)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {
+        "rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(got.float(), want.float(), **tolerance)
 
 

@@ -27,14 +27,21 @@ class TorchPagedAttention(AttentionBackend):
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
             block_ids = meta.block_tables[chunk.seq, :-(-chunk.context_len // block_size)]
-            out[rows] = _prefill(q[rows], k[rows], v[rows], kv_cache, chunk, block_ids,
-                                 meta.sliding_window, scale)
+            out[rows] = self.prefill(q[rows], k[rows], v[rows], kv_cache, chunk, block_ids,
+                                     meta.sliding_window, scale)
         return out
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
         """Attention of one query token per sequence over its paged context."""
         return _decode(q, kv_cache, meta, scale)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                chunk: PrefillChunk, block_ids: torch.Tensor, window: int | None,
+                scale: float) -> torch.Tensor:
+        """Causal attention of one prefill chunk (its rotated queries, keys and values, the
+        latter already in the cache) over its context."""
+        return _prefill(q, k, v, kv_cache, chunk, block_ids, window, scale)
 
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T (+ bias) over a packed weight");
   m.def("paged_decode_attention", &kvserve::paged_decode_attention, release);
   m.def("rotate_cache_and_decode", &kvserve::rotate_cache_and_decode, release);
+  m.def("prefill_attention", &kvserve::prefill_attention, release,
+        "causal attention of a prefill chunk over its paged context");
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                     torch::Tensor, c10::optional<torch::Tensor>>(),

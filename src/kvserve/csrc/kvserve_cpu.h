@@ -28,6 +28,10 @@ torch::Tensor rotate_cache_and_decode(torch::Tensor qk, torch::Tensor v, torch::
                                       torch::Tensor block_tables, torch::Tensor seq_lens,
                                       double scale, int64_t window);
 
+// prefill_attention.cpp
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_ids,
+                                int64_t ctx, double scale, int64_t window);
+
 // llama_decode.cpp: one Llama-family decoder layer's weights, linears packed by pack_weight.
 struct DecoderLayerWeights {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;

@@ -1,0 +1,78 @@
+// AVX-512 building blocks shared by the GEMM and the prefill attention: a weight (or key,
+// value) matrix packed in 16-output blocks, one 64-byte row per input step, an input step
+// being one float32 channel or a pair of bfloat16 ones (the operand shape of VDPBF16PS).
+#pragma once
+
+#include <torch/extension.h>
+
+namespace kvserve::simd {
+constexpr int64_t kBlock = 16;  // outputs per block: one 512-bit register of float32
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+namespace kvserve::simd {
+
+template <typename T> struct Lanes;  // how one input step of T is loaded and multiplied
+
+template <> struct Lanes<float> {
+  static constexpr int64_t kStep = 1;  // channels per input step
+  static __m512 broadcast(const float* x) { return _mm512_set1_ps(*x); }
+  static __m512 madd(__m512 acc, __m512 x, const float* w) {
+    return _mm512_fmadd_ps(x, _mm512_loadu_ps(w), acc);
+  }
+  static __m512 load(const float* v, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, v); }
+  static void store(float* out, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
+};
+
+#ifdef __AVX512BF16__
+template <> struct Lanes<at::BFloat16> {
+  static constexpr int64_t kStep = 2;
+  static __m512i broadcast(const at::BFloat16* x) {
+    return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x));
+  }
+  static __m512 madd(__m512 acc, __m512i x, const at::BFloat16* w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)_mm512_loadu_si512(w));
+  }
+  static __m512 load(const at::BFloat16* v, __mmask16 mask) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static void store(at::BFloat16* out, __m512 v, __mmask16 mask) {
+    _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+};
+#endif
+
+// acc[i][b] += x row i (k channels, rows ldx apart) . block b of the packed matrix w, whose
+// blocks lie k * 16 elements apart: ROWS x 16 * BLOCKS products, each weight row read once.
+template <typename T, int ROWS, int BLOCKS>
+inline void accumulate(__m512 (&acc)[ROWS][BLOCKS], const T* x, int64_t ldx, int64_t k,
+                       const T* w) {
+  using L = Lanes<T>;
+  constexpr int64_t row_elems = kBlock * L::kStep;
+  const int64_t steps = k / L::kStep;
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int i = 0; i < ROWS; ++i) {
+      const auto xv = L::broadcast(x + i * ldx + s * L::kStep);
+      for (int b = 0; b < BLOCKS; ++b)
+        acc[i][b] = L::madd(acc[i][b], xv, w + (b * steps + s) * row_elems);
+    }
+  }
+}
+
+// e^x in each lane (relative error ~1e-7): 2^n * e^g with n = round(x / ln 2), |g| <= ln2 / 2.
+inline __m512 exp(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 g = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace kvserve::simd
+#endif  // __AVX512F__
