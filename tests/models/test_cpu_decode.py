@@ -32,3 +32,13 @@ def test_decode_stack_equals_the_eager_forward(model_dirs, arch, dtype):
     assert (stacked.engine.core.runner.cpu_decode is None) == (arch == "qwen3")
     assert _generate(stacked, prompts) == _generate(eager, prompts)
     assert _generate(stacked, prompts[:1]) == _generate(eager, prompts[:1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_request_computes_the_same_bits_alone_and_beside_prefills(llama_dir, dtype):
+    """Its decodes run in decode-only steps alone and in steps with others' prefill chunks in
+    the batch: both go through the same fused decode kernel."""
+    target, *others = random_prompts([20, 5, 90, 300, 41], seed=11)
+    llm = LLM(str(llama_dir), dtype=dtype, max_num_batched_tokens=64)
+    alone = _generate(llm, [target])[0]
+    assert _generate(llm, others[:2] + [target] + others[2:])[2] == alone

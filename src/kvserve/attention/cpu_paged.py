@@ -28,17 +28,41 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """A decode-only step is one kernel call per layer: rotary, cache write and
-        attention; a step with prefill chunks takes the reference path."""
-        if meta.prefills or not self._covers(qk):
+        """The decode rows are one fused kernel call (rotary, cache write, attention) whether
+        or not prefill chunks share the step, so a decode computes the same bits in any
+        batch; the prefill rows are rotated and cached in C++ too, then each chunk runs the
+        prefill kernel. What the kernels do not cover takes the reference path."""
+        if not self._covers(qk) or (meta.prefills and qk.dtype not in self.prefill_dtypes):
             return super().forward(qk, v, freqs_cis, kv_cache, meta, scale)
+        qk, v = _with_contiguous_heads(qk), _with_contiguous_heads(v)
+        rotation = torch.view_as_real(freqs_cis).contiguous()
+        num_rows, num_decodes = qk.shape[0], meta.num_decodes
+        if not meta.prefills:
+            return self._decode_rows(qk, v, rotation, kv_cache, meta, scale).view(num_rows, -1)
+        out = qk.new_empty(num_rows, (qk.shape[1] - kv_cache.shape[1]) * qk.shape[2])
+        if num_decodes:
+            out[:num_decodes] = self._decode_rows(
+                qk[:num_decodes], v[:num_decodes], rotation[:num_decodes], kv_cache, meta,
+                scale).view(num_decodes, -1)
+        q = self.kernel.rotate_and_cache(qk[num_decodes:], v[num_decodes:],
+                                         rotation[num_decodes:],
+                                         meta.slot_mapping[num_decodes:], kv_cache)
+        block_size = kv_cache.shape[3]
+        for chunk in meta.prefills:
+            first = chunk.query_start - num_decodes
+            block_ids = meta.block_tables[chunk.seq, :-(-chunk.context_len // block_size)]
+            out[chunk.query_start:chunk.query_start + chunk.num_query_tokens] = \
+                self._prefill_chunk(q[first:first + chunk.num_query_tokens], kv_cache, chunk,
+                                    block_ids, meta.sliding_window, scale)
+        return out
+
+    def _decode_rows(self, qk: torch.Tensor, v: torch.Tensor, rotation: torch.Tensor,
+                     kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
         block_tables, seq_lens = meta.decode_tables(kv_cache.shape[3])
-        out = self.kernel.rotate_cache_and_decode(
-            _with_contiguous_heads(qk), _with_contiguous_heads(v),
-            torch.view_as_real(freqs_cis).contiguous(),
-            meta.slot_mapping, kv_cache, block_tables.contiguous(), seq_lens, scale,
-            meta.sliding_window or 0)
-        return out.view(qk.shape[0], -1)
+        return self.kernel.rotate_cache_and_decode(
+            qk, v, rotation, meta.slot_mapping[:qk.shape[0]], kv_cache,
+            block_tables.contiguous(), seq_lens, scale, meta.sliding_window or 0)
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
@@ -55,9 +79,14 @@ class CpuPagedAttention(TorchPagedAttention):
                 scale: float) -> torch.Tensor:
         if q.dtype not in self.prefill_dtypes or not self._covers(q):
             return super().prefill(q, k, v, kv_cache, chunk, block_ids, window, scale)
-        return self.kernel.prefill_attention(_with_contiguous_heads(q), kv_cache,
-                                             block_ids.contiguous(), chunk.context_len, scale,
-                                             window or 0)
+        return self._prefill_chunk(_with_contiguous_heads(q), kv_cache, chunk, block_ids,
+                                   window, scale)
+
+    def _prefill_chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,
+                       block_ids: torch.Tensor, window: int | None,
+                       scale: float) -> torch.Tensor:
+        return self.kernel.prefill_attention(q, kv_cache, block_ids.contiguous(),
+                                             chunk.context_len, scale, window or 0)
 
     @staticmethod
     def _covers(x: torch.Tensor) -> bool:

@@ -52,14 +52,18 @@ def matmul_params(module: torch.nn.Module) -> int:
 
 def gemm_peak(device: str | torch.device, dtype: torch.dtype, size: int = 2048,
               repeats: int = 5) -> float:
-    """Best FLOP/s of a size x size x size matmul through the engine's own `Linear` (the
-    GEMM path a prefill takes on this device, oneDNN's on CPU)."""
+    """Best FLOP/s of a size x size x size matmul, through the engine's own `Linear` (the
+    GEMM a prefill takes) or torch's matmul (cuBLAS, or oneDNN on CPU), whichever is
+    faster: the machine's peak, not just the engine's."""
     with torch.device(device):
         layer = Linear(size, [size], False, dtype)
         layer.weight.normal_()
+        weight = layer.weight.clone()
         layer.prepare()
         x = torch.randn(size, size, dtype=dtype)
     with torch.inference_mode():
-        layer(x)
-        seconds = min(timed(lambda: layer(x), device) for _ in range(repeats))
-    return 2 * size ** 3 / seconds
+        seconds = []
+        for matmul in (layer, lambda x: x @ weight):
+            matmul(x)
+            seconds += [timed(lambda m=matmul: m(x), device) for _ in range(repeats)]
+    return 2 * size ** 3 / min(seconds)

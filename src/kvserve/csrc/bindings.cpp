@@ -19,6 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T (+ bias) over a packed weight");
   m.def("paged_decode_attention", &kvserve::paged_decode_attention, release);
   m.def("rotate_cache_and_decode", &kvserve::rotate_cache_and_decode, release);
+  m.def("rotate_and_cache", &kvserve::rotate_and_cache, release,
+        "rotary and cache write of rotate_cache_and_decode, without the attention");
   m.def("prefill_attention", &kvserve::prefill_attention, release,
         "causal attention of a prefill chunk over its paged context");
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")

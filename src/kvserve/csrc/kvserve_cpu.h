@@ -27,6 +27,8 @@ torch::Tensor rotate_cache_and_decode(torch::Tensor qk, torch::Tensor v, torch::
                                       torch::Tensor slot_mapping, torch::Tensor kv_cache,
                                       torch::Tensor block_tables, torch::Tensor seq_lens,
                                       double scale, int64_t window);
+torch::Tensor rotate_and_cache(torch::Tensor qk, torch::Tensor v, torch::Tensor rotation,
+                               torch::Tensor slot_mapping, torch::Tensor kv_cache);
 
 // prefill_attention.cpp
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_ids,

@@ -188,6 +188,32 @@ void dispatch(const T* q, const NewTokens<T>* fresh, torch::Tensor& kv_cache,
          window);
 }
 
+// Rotates rows' q and k heads as the fused decode does, writing q to `q_out` ([B, Hq, D])
+// and k and v into the cache at each row's slot.
+template <typename T>
+void rotate_rows(const NewTokens<T>& fresh, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_dim, T* k_base, T* v_base, int64_t head_stride, T* q_out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(head_dim);
+    for (int64_t b = begin; b < end; ++b) {
+      const T* heads = fresh.qk + b * fresh.qk_row_stride;
+      const float* rotation = fresh.rotation + b * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        rotate(heads + h * head_dim, rotation, row.data(), head_dim);
+        narrow(row.data(), q_out + (b * num_heads + h) * head_dim, head_dim);
+      }
+      const int64_t slot = fresh.slots[b];
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        rotate(heads + (num_heads + h) * head_dim, rotation, row.data(), head_dim);
+        narrow(row.data(), k_base + h * head_stride + slot * head_dim, head_dim);
+        const T* v_new = fresh.v + b * fresh.v_row_stride + h * head_dim;
+        std::copy(v_new, v_new + head_dim, v_base + h * head_stride + slot * head_dim);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 namespace kvserve {
@@ -244,6 +270,43 @@ torch::Tensor rotate_cache_and_decode(torch::Tensor qk, torch::Tensor v, torch::
                            num_heads, head_dim, scale, window);
   }
   return out;
+}
+
+// The rotation and cache write of rotate_cache_and_decode without the attention, for the
+// prefill rows of a step: qk [N, Hq + Hkv, D], v [N, Hkv, D] (heads contiguous); returns the
+// rotated queries [N, Hq, D].
+torch::Tensor rotate_and_cache(torch::Tensor qk, torch::Tensor v, torch::Tensor rotation,
+                               torch::Tensor slot_mapping, torch::Tensor kv_cache) {
+  const int64_t rows = qk.size(0), head_dim = qk.size(2), num_kv_heads = kv_cache.size(1);
+  const int64_t num_heads = qk.size(1) - num_kv_heads;
+  TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == head_dim && v.stride(2) == 1 &&
+                  v.stride(1) == head_dim && rotation.is_contiguous() &&
+                  slot_mapping.is_contiguous() && kv_cache.is_contiguous() &&
+                  v.scalar_type() == qk.scalar_type() &&
+                  kv_cache.scalar_type() == qk.scalar_type() &&
+                  rotation.scalar_type() == torch::kFloat &&
+                  (qk.scalar_type() == torch::kFloat || qk.scalar_type() == torch::kBFloat16),
+              "rotate_and_cache: float32 or bfloat16 qk, v and kv_cache with contiguous heads, "
+              "float32 rotation");
+  auto q = torch::empty({rows, num_heads, head_dim}, qk.options());
+  const int64_t head_stride = kv_cache.size(2) * kv_cache.size(3) * head_dim;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* rot = rotation.data_ptr<float>();
+  if (qk.scalar_type() == torch::kFloat) {
+    const NewTokens<float> fresh{qk.data_ptr<float>(), v.data_ptr<float>(), qk.stride(0),
+                                 v.stride(0), rot, slots};
+    float* k = kv_cache.data_ptr<float>();
+    rotate_rows(fresh, rows, num_heads, num_kv_heads, head_dim, k,
+                k + num_kv_heads * head_stride, head_stride, q.data_ptr<float>());
+  } else {
+    using T = at::BFloat16;
+    const NewTokens<T> fresh{qk.data_ptr<T>(), v.data_ptr<T>(), qk.stride(0), v.stride(0), rot,
+                             slots};
+    T* k = kv_cache.data_ptr<T>();
+    rotate_rows(fresh, rows, num_heads, num_kv_heads, head_dim, k,
+                k + num_kv_heads * head_stride, head_stride, q.data_ptr<T>());
+  }
+  return q;
 }
 
 }  // namespace kvserve
