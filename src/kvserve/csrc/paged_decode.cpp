@@ -98,6 +98,20 @@ inline void rotate(const T* src, const float* rotation, float* dst, int64_t n) {
   }
 }
 
+// Writes token b's rotated key and its value for KV head h into the head's pool at the
+// token's slot; a padding row (slot -1) writes nothing. `row` is D floats of scratch.
+template <typename T>
+void cache_new_kv(const NewTokens<T>& fresh, int64_t b, int64_t h, int64_t num_heads,
+                  int64_t head_dim, T* k_head, T* v_head, float* row) {
+  const int64_t slot = fresh.slots[b];
+  if (slot < 0) return;
+  const T* heads = fresh.qk + b * fresh.qk_row_stride;
+  rotate(heads + (num_heads + h) * head_dim, fresh.rotation + b * head_dim, row, head_dim);
+  narrow(row, k_head + slot * head_dim, head_dim);
+  const T* v_new = fresh.v + b * fresh.v_row_stride + h * head_dim;
+  std::copy(v_new, v_new + head_dim, v_head + slot * head_dim);
+}
+
 template <typename T>
 void decode(const T* q_ptr, const NewTokens<T>* fresh, T* k_base, T* v_base,
             const int64_t* tables, const int64_t* lens, T* out_ptr, int64_t batch,
@@ -122,13 +136,7 @@ void decode(const T* q_ptr, const NewTokens<T>* fresh, T* k_base, T* v_base,
         for (int64_t g = 0; g < group; ++g)
           rotate(heads + (h * group + g) * head_dim, rotation, queries.data() + g * head_dim,
                  head_dim);
-        const int64_t slot = fresh->slots[b];
-        if (slot >= 0) {  // -1: a padding row, which writes nothing
-          rotate(heads + (num_heads + h) * head_dim, rotation, row.data(), head_dim);
-          narrow(row.data(), k_head + slot * head_dim, head_dim);
-          const T* v_new = fresh->v + b * fresh->v_row_stride + h * head_dim;
-          std::copy(v_new, v_new + head_dim, v_head + slot * head_dim);
-        }
+        cache_new_kv(*fresh, b, h, num_heads, head_dim, k_head, v_head, row.data());
       } else {
         qg = widen(q_ptr + (b * num_heads + h * group) * head_dim, queries.data(),
                    group * head_dim);
@@ -202,14 +210,9 @@ void rotate_rows(const NewTokens<T>& fresh, int64_t rows, int64_t num_heads, int
         rotate(heads + h * head_dim, rotation, row.data(), head_dim);
         narrow(row.data(), q_out + (b * num_heads + h) * head_dim, head_dim);
       }
-      const int64_t slot = fresh.slots[b];
-      if (slot < 0) continue;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        rotate(heads + (num_heads + h) * head_dim, rotation, row.data(), head_dim);
-        narrow(row.data(), k_base + h * head_stride + slot * head_dim, head_dim);
-        const T* v_new = fresh.v + b * fresh.v_row_stride + h * head_dim;
-        std::copy(v_new, v_new + head_dim, v_base + h * head_stride + slot * head_dim);
-      }
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        cache_new_kv(fresh, b, h, num_heads, head_dim, k_base + h * head_stride,
+                     v_base + h * head_stride, row.data());
     }
   });
 }
