@@ -26,6 +26,9 @@ pytest.importorskip("ray")
 
 MAX_TOKENS = 12
 LONG = 400  # tokens of the requests a kill interrupts
+# Tokens of the request migrated back and forth: enough that three migrations land while it
+# decodes (the tiny model decodes 400 in well under a second on the CPU's decode stack).
+MIGRATED = 1000
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,7 @@ def test_a_stream_closed_early_frees_its_blocks(server: str) -> None:
 
 def test_a_request_migrated_mid_stream_streams_on_unbroken(server: str, llama_dir: Path
                                                            ) -> None:
-    body = {"prompt": "def moving(x):", "max_tokens": LONG, "temperature": 0, "stream": True,
+    body = {"prompt": "def moving(x):", "max_tokens": MIGRATED, "temperature": 0, "stream": True,
             "ignore_eos": True}
     text, moves = "", []
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as response:
@@ -110,7 +113,7 @@ def test_a_request_migrated_mid_stream_streams_on_unbroken(server: str, llama_di
                 moves += httpx.post(f"{server}/replicas/migrate", json={
                     "source": source, "destination": 1 - source}).json()
     assert [m["migrated"] for m in moves] == [True, True, True]
-    greedy = SamplingParams(temperature=0, max_tokens=LONG, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=MIGRATED, ignore_eos=True)
     assert text == LLM(str(llama_dir)).generate(["def moving(x):"], greedy)[0].outputs[0].text
     assert metric_total(server, "kvserve_cluster_migrations_total") == 3
     assert metric_total(server, "kvserve_cluster_migration_downtime_seconds_count") == 3
