@@ -1,8 +1,10 @@
 // The small per-token layers of a CPU step as one op each, with the contracts of their Triton
 // counterparts (layers/triton_kernels.py): a decode step issues ~90 of them, and each costs
 // about ten torch ops when written out. float32 or bfloat16 rows; float32 arithmetic, with
-// bfloat16 results rounded where the torch ops they replace round them.
+// bfloat16 results rounded where the torch ops they replace round them. AVX-512 lanes where the
+// CPU has them for the dtype (the exponential of simd.h, ~1e-7 relative error), else scalar.
 #include "kvserve_cpu.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 
@@ -14,42 +16,98 @@ namespace {
 template <typename T>
 inline float rounded(float v) { return static_cast<float>(static_cast<T>(v)); }
 
+#ifdef __AVX512F__
+using kvserve::simd::first_lanes;
+using kvserve::simd::kBlock;
+using kvserve::simd::Lanes;
+
+template <typename T>
+void add_rms_norm_row_simd(const T* x, const T* weight, T* residual, T* out, int64_t n,
+                           float eps) {
+  using L = Lanes<T>;
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const __mmask16 mask = first_lanes(n - i);
+    __m512 v = L::load(x + i, mask);
+    if (residual != nullptr) {
+      v = L::round(_mm512_add_ps(v, L::load(residual + i, mask)));
+      L::store(residual + i, v, mask);
+    }
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const __m512 inv = _mm512_set1_ps(
+      1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(n) + eps));
+  const T* summed = residual != nullptr ? residual : x;
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const __mmask16 mask = first_lanes(n - i);
+    const __m512 normed = L::round(_mm512_mul_ps(L::load(summed + i, mask), inv));
+    L::store(out + i, _mm512_mul_ps(L::load(weight + i, mask), normed), mask);
+  }
+}
+
+template <typename T>
+void silu_and_mul_row_simd(const T* gate, const T* up, T* out, int64_t n) {
+  using L = Lanes<T>;
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += kBlock) {
+    const __mmask16 mask = first_lanes(n - i);
+    const __m512 g = L::load(gate + i, mask);
+    const __m512 e = kvserve::simd::exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 silu = L::round(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+    L::store(out + i, _mm512_mul_ps(silu, L::load(up + i, mask)), mask);
+  }
+}
+#endif
+
+template <typename T>
+void add_rms_norm_row(const T* x, const T* weight, T* residual, T* out, int64_t n, float eps,
+                      std::vector<float>& row) {
+#ifdef __AVX512F__
+  if constexpr (kvserve::simd::kHasLanes<T>)
+    return add_rms_norm_row_simd(x, weight, residual, out, n, eps);
+#endif
+  float squares = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    float v = static_cast<float>(x[i]);
+    if (residual != nullptr) {  // the residual add happens in T, as `x + residual` does
+      v = rounded<T>(v + static_cast<float>(residual[i]));
+      residual[i] = static_cast<T>(v);
+    }
+    row[i] = v;
+    squares += v * v;
+  }
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = static_cast<T>(static_cast<float>(weight[i]) * rounded<T>(row[i] * inv));
+}
+
+template <typename T>
+void silu_and_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+#ifdef __AVX512F__
+  if constexpr (kvserve::simd::kHasLanes<T>) return silu_and_mul_row_simd(gate, up, out, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    out[i] = static_cast<T>(rounded<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
+  }
+}
+
 template <typename T>
 void add_rms_norm_rows(const T* x, const T* weight, T* residual, T* out, int64_t rows,
                        int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(n);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * n;
-      float squares = 0.f;
-      for (int64_t i = 0; i < n; ++i) {
-        float v = static_cast<float>(xr[i]);
-        if (residual != nullptr) {  // the residual add happens in T, as `x + residual` does
-          v = rounded<T>(v + static_cast<float>(residual[r * n + i]));
-          residual[r * n + i] = static_cast<T>(v);
-        }
-        row[i] = v;
-        squares += v * v;
-      }
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + eps);
-      for (int64_t i = 0; i < n; ++i)
-        out[r * n + i] = static_cast<T>(static_cast<float>(weight[i]) * rounded<T>(row[i] * inv));
-    }
+    for (int64_t r = begin; r < end; ++r)
+      add_rms_norm_row(x + r * n, weight, residual ? residual + r * n : nullptr, out + r * n, n,
+                       eps, row);
   });
 }
 
 template <typename T>
 void silu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gate = gate_up + r * 2 * n;
-      const T* up = gate + n;
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        out[r * n + i] = static_cast<T>(rounded<T>(g / (1.f + std::exp(-g))) *
-                                        static_cast<float>(up[i]));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r)
+      silu_and_mul_row(gate_up + r * 2 * n, gate_up + r * 2 * n + n, out + r * n, n);
   });
 }
 

@@ -24,7 +24,10 @@ template <> struct Lanes<float> {
   }
   static __m512 load(const float* v, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, v); }
   static void store(float* out, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
+  static __m512 round(__m512 v) { return v; }  // to the nearest T
 };
+template <typename T> constexpr bool kHasLanes = false;  // whether Lanes<T> exists on this CPU
+template <> constexpr bool kHasLanes<float> = true;
 
 #ifdef __AVX512BF16__
 template <> struct Lanes<at::BFloat16> {
@@ -42,7 +45,12 @@ template <> struct Lanes<at::BFloat16> {
   static void store(at::BFloat16* out, __m512 v, __mmask16 mask) {
     _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
   }
+  static __m512 round(__m512 v) {
+    const __m512i wide = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
 };
+template <> constexpr bool kHasLanes<at::BFloat16> = true;
 #endif
 
 // acc[i][b] += x row i (k channels, rows ldx apart) . block b of the packed matrix w, whose
@@ -60,6 +68,11 @@ inline void accumulate(__m512 (&acc)[ROWS][BLOCKS], const T* x, int64_t ldx, int
         acc[i][b] = L::madd(acc[i][b], xv, w + (b * steps + s) * row_elems);
     }
   }
+}
+
+// The mask of the first min(16, left) lanes.
+inline __mmask16 first_lanes(int64_t left) {
+  return static_cast<__mmask16>(left >= kBlock ? 0xffffu : (1u << left) - 1);
 }
 
 // e^x in each lane (relative error ~1e-7): 2^n * e^g with n = round(x / ln 2), |g| <= ln2 / 2.
