@@ -57,12 +57,29 @@ if cpu_kernels() is not None:
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 5, 200])
 def test_decode_matches_dense_attention(backend, window):
-    q, cache, meta, dense = paged_case([1, 3, 4, 9, 17], window=window)
+    """Contexts within one of the CPU kernel's 128-key partitions and across up to three."""
+    q, cache, meta, dense = paged_case([1, 3, 4, 9, 17, 128, 129, 300], window=window)
     out = BACKENDS[backend]().decode(q, cache, meta, 0.25)
     torch.testing.assert_close(out, dense_reference(q, dense, window, 0.25), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.skipif("cpu-kernel" not in BACKENDS, reason="the CPU kernel did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_decodes_the_same_bits_alone_and_in_a_batch(dtype):
+    """The kernel splits work by key counts across the batch, but a sequence's arithmetic
+    depends on its own context only."""
+    q, cache, meta, _ = paged_case([300, 3, 129, 17, 250], seed=3)
+    q, cache = q.to(dtype), cache.to(dtype)
+    backend = BACKENDS["cpu-kernel"]()
+    batch = backend.decode(q, cache, meta, 0.25)
+    for i in range(len(q)):
+        one = replace(meta, block_tables=meta.block_tables[i:i + 1],
+                      seq_lens=meta.seq_lens[i:i + 1], seq_lens_host=meta.seq_lens_host[i:i + 1],
+                      num_decodes=1, query_start_loc=torch.arange(2))
+        assert torch.equal(backend.decode(q[i:i + 1], cache, one, 0.25), batch[i:i + 1])
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -81,8 +98,8 @@ def test_bfloat16_decode_matches_float32_attention_of_the_same_values(backend):
 @pytest.mark.parametrize("window", [None, 5])
 def test_a_fused_decode_step_matches_the_reference_forward(dtype, window):
     """Rotary, cache write and attention in one kernel call: the same output and the same
-    cache as the reference's separate ops."""
-    lens = [1, 3, 4, 9, 17]
+    cache as the reference's separate ops, the last context across two key partitions."""
+    lens = [1, 3, 4, 9, 17, 200]
     _, cache, meta, _ = paged_case(lens, window=window)
     tables = meta.block_tables
     slots = [int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK

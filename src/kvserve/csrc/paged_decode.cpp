@@ -1,70 +1,259 @@
 // Paged decode attention for CPU: one query token per sequence, keys and values read in place
 // from the block pool (no gather copy), all query heads of a GQA group served by one pass over
-// their shared KV head. Work is split over (sequence, kv head) pairs. float32 or bfloat16
-// tensors; bfloat16 rows are widened to float32 as they are read, and all arithmetic is float32.
+// their shared KV head. Work is split over (sequence, kv head, 128-key partition) units, given
+// to the threads by key count, and split heads merge their partitions' softmax after. Keys
+// are scored 16 at a time (16 register accumulators and one transposing sum), the softmax
+// is vectorized, and values accumulate per 16-key tile. float32 or bfloat16 tensors;
+// bfloat16 rows are widened to float32 as they are read, and all arithmetic is float32.
 // For a decode-only step, `rotate_cache_and_decode` also applies the rotary embedding and
 // writes the new keys and values, which would otherwise be a dozen small torch ops per layer.
 #include "kvserve_cpu.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <type_traits>
 #include <vector>
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 namespace {
 
 constexpr int64_t kLanes = 16;
+constexpr int64_t kTile = 16;  // keys scored, and values added, together
+// Tokens per unit of work. A sequence's context splits at fixed offsets, so the threads share
+// long contexts and a batch of one, and a sequence's result never depends on the batch.
+constexpr int64_t kPartition = 128;
 
+inline void prefetch(const char* p) {
 #ifdef __AVX512F__
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < n; d += kLanes)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-  return _mm512_reduce_add_ps(acc);
-}
-
-inline void axpy(float* out, float p, const float* v, int64_t n) {
-  const __m512 scale = _mm512_set1_ps(p);
-  for (int64_t d = 0; d < n; d += kLanes)
-    _mm512_storeu_ps(out + d, _mm512_fmadd_ps(scale, _mm512_loadu_ps(v + d),
-                                              _mm512_loadu_ps(out + d)));
-}
+  _mm_prefetch(p, _MM_HINT_T0);
 #else
-// Explicit lanes let the compiler vectorize without fast-math.
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[kLanes] = {0};
-  for (int64_t d = 0; d < n; d += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) acc[l] += a[d + l] * b[d + l];
-  float sum = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += acc[l];
-  return sum;
-}
-
-inline void axpy(float* out, float p, const float* v, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) out[d] += p * v[d];
-}
+  __builtin_prefetch(p);
 #endif
+}
 
-// A row of n values as float32: the row itself, or its widening into `buf`.
-inline const float* widen(const float* src, float*, int64_t) { return src; }
+// Row src of n values as float32 in dst.
+inline void widen(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
 
-inline const float* widen(const at::BFloat16* src, float* buf, int64_t n) {
+inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
 #ifdef __AVX512F__
   for (int64_t d = 0; d < n; d += kLanes) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
-    _mm512_storeu_ps(buf + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw),
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw),
                                                                     16)));
   }
 #else
-  for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<float>(src[d]);
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
 #endif
-  return buf;
 }
+
+#ifdef __AVX512F__
+// Lane t of the result: the sum of v[t]'s lanes (a transposing tree of 45 instructions instead
+// of 16 horizontal sums).
+inline __m512 sum_lanes(const __m512 (&v)[kTile]) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xdd));
+}
+#endif
+
+// s[i] = exp(s[i] - max) for n scores; returns their sum.
+inline float exp_and_sum(float* s, int64_t n, float max) {
+#ifdef __AVX512F__
+  __m512 total = _mm512_setzero_ps();
+  const __m512 shift = _mm512_set1_ps(max);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 mask = kvserve::simd::first_lanes(n - i);
+    const __m512 e = kvserve::simd::exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + i), shift));
+    _mm512_mask_storeu_ps(s + i, mask, e);
+    total = _mm512_mask_add_ps(total, mask, total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+#else
+  float total = 0.f;
+  for (int64_t i = 0; i < n; ++i) total += (s[i] = std::exp(s[i] - max));
+  return total;
+#endif
+}
+
+// The products of a tile of up to kTile keys, or values, given as row pointers into the pool
+// (rows past `count` point at zeros), with every query head of a GQA group: scores[g][t] =
+// scale * q_g . key t, and out_g += sum_t p[g][t] * value t. Rows and stride are in elements.
+//
+// WidenedTiles: float32 rows in place, bfloat16 ones widened once per tile; float32 products
+// (any CPU, either dtype).
+template <typename T>
+struct WidenedTiles {
+  using Query = float;
+
+  static void prepare(const float* queries, int64_t n, float* out) {
+    std::copy(queries, queries + n, out);
+  }
+
+  static void score(const float* q, int64_t group, const T* const* rows, int64_t count,
+                    int64_t head_dim, float scale, float* scores, int64_t stride,
+                    std::vector<float>& tile) {
+    const float* const* wide = widen_tile(rows, count, head_dim, tile);
+    for (int64_t g = 0; g < group; ++g)
+      score_tile(q + g * head_dim, wide, count, head_dim, scale, scores + g * stride);
+  }
+
+  static void add_values(const float* probs, int64_t stride, int64_t group, const T* const* rows,
+                         int64_t count, int64_t head_dim, float* out, std::vector<float>& tile) {
+    const float* const* wide = widen_tile(rows, count, head_dim, tile);
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < head_dim; d += kLanes) {
+        const float* p = probs + g * stride;
+        float* acc = out + g * head_dim + d;
+#ifdef __AVX512F__
+        __m512 a = _mm512_loadu_ps(acc);
+        for (int64_t t = 0; t < count; ++t)
+          a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(wide[t] + d), a);
+        _mm512_storeu_ps(acc, a);
+#else
+        for (int64_t t = 0; t < count; ++t)
+          for (int64_t l = 0; l < kLanes; ++l) acc[l] += p[t] * wide[t][d + l];
+#endif
+      }
+  }
+
+  static void finish(float*, int64_t, int64_t) {}
+
+ private:
+  // The tile's rows as float32: float32 rows in place, others widened into `tile`.
+  static const float* const* widen_tile(const T* const* rows, int64_t count, int64_t head_dim,
+                                        std::vector<float>& tile) {
+    thread_local const float* wide[kTile];
+    if constexpr (std::is_same_v<T, float>) return rows;
+    tile.resize(kTile * head_dim);
+    for (int64_t t = 0; t < kTile; ++t) {
+      wide[t] = tile.data() + t * head_dim;
+      widen(rows[t], tile.data() + t * head_dim, head_dim);
+    }
+    return wide;
+  }
+
+  // out[t] = scale * q . row t for the tile's `count` rows.
+  static void score_tile(const float* q, const float* const* rows, int64_t count,
+                         int64_t head_dim, float scale, float* out) {
+#ifdef __AVX512F__
+    __m512 acc[kTile];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += kLanes) {
+      const __m512 qd = _mm512_loadu_ps(q + d);
+      for (int64_t t = 0; t < kTile; ++t)
+        acc[t] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(rows[t] + d), acc[t]);
+    }
+    _mm512_mask_storeu_ps(out, kvserve::simd::first_lanes(count),
+                          _mm512_mul_ps(sum_lanes(acc), _mm512_set1_ps(scale)));
+#else
+    for (int64_t t = 0; t < count; ++t) {
+      float acc[kLanes] = {0};  // explicit lanes let the compiler vectorize without fast-math
+      for (int64_t d = 0; d < head_dim; d += kLanes)
+        for (int64_t l = 0; l < kLanes; ++l) acc[l] += q[d + l] * rows[t][d + l];
+      float sum = 0.f;
+      for (const float a : acc) sum += a;
+      out[t] = sum * scale;
+    }
+#endif
+  }
+};
+
+#ifdef __AVX512BF16__
+// BF16PairTiles: bfloat16 rows read in place by VDPBF16PS, the queries and probabilities
+// rounded to bfloat16 (as a bfloat16 matmul of the reference rounds them), float32 sums; no
+// widening, a third of the instructions. Values are interleaved in token pairs per 128-bit
+// lane, so the outputs accumulate with their head dimensions permuted until `finish`.
+struct BF16PairTiles {
+  using T = at::BFloat16;
+  using Query = T;
+  static constexpr int64_t kPair = 32;  // head dimensions per 512-bit row of bfloat16
+
+  static void prepare(const float* queries, int64_t n, T* out) {
+    for (int64_t i = 0; i < n; i += kLanes)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(queries + i)));
+  }
+
+  static void score(const T* q, int64_t group, const T* const* rows, int64_t count,
+                    int64_t head_dim, float scale, float* scores, int64_t stride,
+                    std::vector<float>&) {
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 acc[kTile];
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t d = 0; d < head_dim; d += kPair) {
+        const __m512bh qd = (__m512bh)_mm512_loadu_si512(q + g * head_dim + d);
+        for (int64_t t = 0; t < kTile; ++t)
+          acc[t] = _mm512_dpbf16_ps(acc[t], qd, (__m512bh)_mm512_loadu_si512(rows[t] + d));
+      }
+      _mm512_mask_storeu_ps(scores + g * stride, kvserve::simd::first_lanes(count),
+                            _mm512_mul_ps(sum_lanes(acc), _mm512_set1_ps(scale)));
+    }
+  }
+
+  static void add_values(const float* probs, int64_t stride, int64_t group, const T* const* rows,
+                         int64_t count, int64_t head_dim, float* out, std::vector<float>& tile) {
+    // Rows t and t + 1 interleaved: 32-bit lane j of a pair vector holds both tokens' value
+    // of one head dimension.
+    const int64_t pairs = (count + 1) / 2, row_vectors = head_dim / kPair;
+    tile.resize(kTile * head_dim / 2);  // kTile * head_dim bfloat16
+    auto* interleaved = reinterpret_cast<__m512i*>(tile.data());
+    for (int64_t p = 0; p < pairs; ++p)
+      for (int64_t c = 0; c < row_vectors; ++c) {
+        const __m512i a = _mm512_loadu_si512(rows[2 * p] + c * kPair);
+        const __m512i b = _mm512_loadu_si512(rows[2 * p + 1] + c * kPair);
+        _mm512_storeu_si512(interleaved + (p * row_vectors + c) * 2, _mm512_unpacklo_epi16(a, b));
+        _mm512_storeu_si512(interleaved + (p * row_vectors + c) * 2 + 1,
+                            _mm512_unpackhi_epi16(a, b));
+      }
+    for (int64_t g = 0; g < group; ++g) {
+      alignas(64) T p16[kTile];
+      const __mmask16 mask = kvserve::simd::first_lanes(count);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(p16),
+                         (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, probs + g * stride)));
+      const auto* p32 = reinterpret_cast<const int32_t*>(p16);
+      for (int64_t c = 0; c < row_vectors; ++c) {
+        float* acc = out + g * head_dim + c * kPair;
+        __m512 lo = _mm512_loadu_ps(acc), hi = _mm512_loadu_ps(acc + kLanes);
+        for (int64_t p = 0; p < pairs; ++p) {
+          const __m512bh both = (__m512bh)_mm512_set1_epi32(p32[p]);
+          const __m512i* pair = interleaved + (p * row_vectors + c) * 2;
+          lo = _mm512_dpbf16_ps(lo, both, (__m512bh)_mm512_loadu_si512(pair));
+          hi = _mm512_dpbf16_ps(hi, both, (__m512bh)_mm512_loadu_si512(pair + 1));
+        }
+        _mm512_storeu_ps(acc, lo);
+        _mm512_storeu_ps(acc + kLanes, hi);
+      }
+    }
+  }
+
+  // Each 32-dimension run of `out` from unpack order (lane j of the low half: dimension
+  // 8 * (j / 4) + j % 4; of the high half: 4 more) to natural order.
+  static void finish(float* out, int64_t group, int64_t head_dim) {
+    float run[kPair];
+    for (int64_t r = 0; r < group * head_dim; r += kPair) {
+      for (int64_t j = 0; j < kLanes; ++j) {
+        run[8 * (j / 4) + j % 4] = out[r + j];
+        run[8 * (j / 4) + 4 + j % 4] = out[r + kLanes + j];
+      }
+      std::copy(run, run + kPair, out + r);
+    }
+  }
+};
+#endif
 
 inline void narrow(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
 
@@ -112,62 +301,194 @@ void cache_new_kv(const NewTokens<T>& fresh, int64_t b, int64_t h, int64_t num_h
   std::copy(v_new, v_new + head_dim, v_head + slot * head_dim);
 }
 
+// A unit of work: the keys [begin, end) of sequence `seq` for KV head `head`. A sequence
+// whose context spans several units has them merged after; `partial` is then the unit's
+// index among those, else -1.
+struct Unit {
+  int64_t seq, head, begin, end, partial;
+};
+
+// A sequence's head whose keys span several units: its outputs merge from partials
+// [first_partial, first_partial + parts).
+struct Split {
+  int64_t seq, head, first_partial, parts;
+};
+
+// fn(unit) for every unit, the threads taking contiguous runs of about equal key counts.
+template <typename F>
+void for_each_unit_balanced(const std::vector<Unit>& units, F&& fn) {
+  std::vector<int64_t> before(units.size() + 1, 0);  // keys (plus a unit's overhead) before i
+  for (size_t i = 0; i < units.size(); ++i)
+    before[i + 1] = before[i] + units[i].end - units[i].begin + kTile;
+  const int64_t total = before.back();
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), units.size());
+  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t end_thread) {
+    // Unit i belongs to thread floor(before[i] * threads / total).
+    const auto start_of = [&](int64_t thread) {
+      return std::lower_bound(before.begin(), before.end() - 1, thread,
+                              [&](int64_t keys, int64_t t) { return keys * threads < t * total; }) -
+             before.begin();
+    };
+    for (int64_t i = start_of(first_thread); i < start_of(end_thread); ++i) fn(units[i]);
+  });
+}
+
+// Attention of each unit's query heads over its keys: whole heads' outputs to out_ptr,
+// partial ones' softmax max, sum and unnormalized outputs to `partials`.
+template <typename T, typename Tiles>
+void attend(const std::vector<Unit>& units, const T* q_ptr, const NewTokens<T>* fresh,
+            T* k_base, T* v_base, const int64_t* tables, const int64_t* lens, T* out_ptr,
+            int64_t num_heads, int64_t group, int64_t head_stride, int64_t block_size,
+            int64_t width, int64_t head_dim, float scale, float* partials) {
+  const int64_t partial_size = group * (2 + head_dim);
+  for_each_unit_balanced(units, [&](const Unit& unit) {
+    thread_local std::vector<float> rotated, scores, tile, acc, totals;
+    thread_local std::vector<typename Tiles::Query> queries;
+    thread_local std::vector<T> zeros;
+    rotated.resize(group * head_dim);
+    queries.resize(group * head_dim);
+    scores.resize(group * kPartition);
+    acc.assign(group * head_dim, 0.f);
+    totals.resize(group);
+    zeros.assign(head_dim, T(0.f));
+    const int64_t b = unit.seq, h = unit.head, n = unit.end - unit.begin;
+    T* k_head = k_base + h * head_stride;
+    T* v_head = v_base + h * head_stride;
+    if (fresh != nullptr) {
+      const T* heads = fresh->qk + b * fresh->qk_row_stride;
+      const float* rotation = fresh->rotation + b * head_dim;
+      for (int64_t g = 0; g < group; ++g)
+        rotate(heads + (h * group + g) * head_dim, rotation, rotated.data() + g * head_dim,
+               head_dim);
+      // The unit with the newest key writes it, then reads it back below.
+      if (unit.end == lens[b])
+        cache_new_kv(*fresh, b, h, num_heads, head_dim, k_head, v_head, acc.data());
+      std::fill(acc.begin(), acc.end(), 0.f);
+    } else {
+      widen(q_ptr + (b * num_heads + h * group) * head_dim, rotated.data(), group * head_dim);
+    }
+    Tiles::prepare(rotated.data(), group * head_dim, queries.data());
+    const int64_t* table = tables + b * width;
+    const auto row_of = [&](const T* pool, int64_t pos) {
+      return pool + (table[pos / block_size] * block_size + pos % block_size) * head_dim;
+    };
+    const T* rows[kTile];
+    const auto tile_rows = [&](const T* pool, int64_t t0) {
+      const int64_t count = std::min(kTile, n - t0);
+      for (int64_t t = 0; t < kTile; ++t)
+        rows[t] = t < count ? row_of(pool, unit.begin + t0 + t) : zeros.data();
+      return count;
+    };
+    // The pool's blocks lie anywhere, so the hardware prefetchers see a new stream every
+    // block: the next unit's keys and values are fetched while this one computes.
+    if (&unit != &units.back()) {
+      const Unit& next = (&unit)[1];
+      const int64_t* next_table = tables + next.seq * width;
+      for (const T* pool : {k_base + next.head * head_stride, v_base + next.head * head_stride})
+        for (int64_t pos = next.begin; pos < next.end; ++pos) {
+          const char* row = reinterpret_cast<const char*>(
+              pool + (next_table[pos / block_size] * block_size + pos % block_size) * head_dim);
+          for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(T)); byte += 64)
+            prefetch(row + byte);
+        }
+    }
+    for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+      const int64_t count = tile_rows(k_head, t0);
+      Tiles::score(queries.data(), group, rows, count, head_dim, scale, scores.data() + t0,
+                   kPartition, tile);
+    }
+    float* partial = unit.partial >= 0 ? partials + unit.partial * partial_size : nullptr;
+    for (int64_t g = 0; g < group && n > 0; ++g) {
+      float* s = scores.data() + g * kPartition;
+      const float max = *std::max_element(s, s + n);
+      totals[g] = exp_and_sum(s, n, max);
+      if (partial != nullptr) {
+        partial[2 * g] = max;
+        partial[2 * g + 1] = totals[g];
+      }
+    }
+    for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+      const int64_t count = tile_rows(v_head, t0);
+      Tiles::add_values(scores.data() + t0, kPartition, group, rows, count, head_dim,
+                        acc.data(), tile);
+    }
+    Tiles::finish(acc.data(), group, head_dim);
+    if (partial != nullptr) {
+      std::copy(acc.begin(), acc.end(), partial + 2 * group);
+      return;
+    }
+    for (int64_t g = 0; g < group && n > 0; ++g)
+      for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] /= totals[g];
+    narrow(acc.data(), out_ptr + (b * num_heads + h * group) * head_dim, group * head_dim);
+  });
+}
+
+// Each split head's output from its partials: softmax sums rescaled to the largest max.
+template <typename T>
+void merge(const std::vector<Split>& splits, const std::vector<float>& partials, T* out_ptr,
+           int64_t num_heads, int64_t group, int64_t head_dim) {
+  const int64_t partial_size = group * (2 + head_dim);
+  at::parallel_for(0, splits.size(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(group * head_dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const Split& split = splits[i];
+      const int64_t first = split.first_partial, parts = split.parts;
+      for (int64_t g = 0; g < group; ++g) {
+        float max = -std::numeric_limits<float>::infinity(), total = 0.f;
+        for (int64_t p = 0; p < parts; ++p)
+          max = std::max(max, partials[(first + p) * partial_size + 2 * g]);
+        std::fill(acc.begin() + g * head_dim, acc.begin() + (g + 1) * head_dim, 0.f);
+        for (int64_t p = 0; p < parts; ++p) {
+          const float* part = partials.data() + (first + p) * partial_size;
+          const float weight = std::exp(part[2 * g] - max);
+          total += weight * part[2 * g + 1];
+          const float* out = part + 2 * group + g * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += weight * out[d];
+        }
+        for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] /= total;
+      }
+      narrow(acc.data(), out_ptr + (split.seq * num_heads + split.head * group) * head_dim,
+             group * head_dim);
+    }
+  });
+}
+
 template <typename T>
 void decode(const T* q_ptr, const NewTokens<T>* fresh, T* k_base, T* v_base,
             const int64_t* tables, const int64_t* lens, T* out_ptr, int64_t batch,
             int64_t num_heads, int64_t num_kv_heads, int64_t head_stride, int64_t block_size,
             int64_t width, int64_t head_dim, float scale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, queries(group * head_dim), acc(group * head_dim), row(head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
-      const int64_t len = lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
-      scores.assign(group * n, 0.f);
-      T* k_head = k_base + h * head_stride;
-      T* v_head = v_base + h * head_stride;
-      const float* qg = queries.data();
-      if (fresh != nullptr) {
-        // This item alone writes head h of sequence b, so it reads its own write below.
-        const T* heads = fresh->qk + b * fresh->qk_row_stride;
-        const float* rotation = fresh->rotation + b * head_dim;
-        for (int64_t g = 0; g < group; ++g)
-          rotate(heads + (h * group + g) * head_dim, rotation, queries.data() + g * head_dim,
-                 head_dim);
-        cache_new_kv(*fresh, b, h, num_heads, head_dim, k_head, v_head, row.data());
-      } else {
-        qg = widen(q_ptr + (b * num_heads + h * group) * head_dim, queries.data(),
-                   group * head_dim);
-      }
-      const int64_t* table = tables + b * width;
-      for (int64_t t = first; t < len; ++t) {
-        const float* k = widen(
-            k_head + (table[t / block_size] * block_size + t % block_size) * head_dim,
-            row.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g)
-          scores[g * n + (t - first)] = dot(qg + g * head_dim, k, head_dim) * scale;
-      }
-      for (int64_t g = 0; g < group && n > 0; ++g) {
-        float* s = scores.data() + g * n;
-        const float max = *std::max_element(s, s + n);
-        float total = 0.f;
-        for (int64_t i = 0; i < n; ++i) total += (s[i] = std::exp(s[i] - max));
-        const float inv = 1.f / total;
-        for (int64_t i = 0; i < n; ++i) s[i] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = first; t < len; ++t) {
-        const float* v = widen(
-            v_head + (table[t / block_size] * block_size + t % block_size) * head_dim,
-            row.data(), head_dim);
-        for (int64_t g = 0; g < group; ++g)
-          axpy(acc.data() + g * head_dim, scores[g * n + (t - first)], v, head_dim);
-      }
-      narrow(acc.data(), out_ptr + (b * num_heads + h * group) * head_dim, group * head_dim);
+  std::vector<Unit> units;
+  std::vector<Split> splits;
+  int64_t num_partial = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+    const int64_t parts = std::max<int64_t>(1, (lens[b] - first + kPartition - 1) / kPartition);
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      if (parts > 1) splits.push_back({b, h, num_partial, parts});
+      for (int64_t p = 0; p < parts; ++p)
+        units.push_back({b, h, first + p * kPartition,
+                         std::min(lens[b], first + (p + 1) * kPartition),
+                         parts > 1 ? num_partial++ : -1});
     }
-  });
+  }
+  // A partial unit's softmax max and sum, then its unnormalized output, per query head.
+  std::vector<float> partials(num_partial * group * (2 + head_dim));
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (head_dim % BF16PairTiles::kPair == 0) {
+      attend<T, BF16PairTiles>(units, q_ptr, fresh, k_base, v_base, tables, lens, out_ptr,
+                               num_heads, group, head_stride, block_size, width, head_dim, scale,
+                               partials.data());
+      return merge(splits, partials, out_ptr, num_heads, group, head_dim);
+    }
+  }
+#endif
+  attend<T, WidenedTiles<T>>(units, q_ptr, fresh, k_base, v_base, tables, lens, out_ptr,
+                             num_heads, group, head_stride, block_size, width, head_dim, scale,
+                             partials.data());
+  merge(splits, partials, out_ptr, num_heads, group, head_dim);
 }
 
 void check_inputs(const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
