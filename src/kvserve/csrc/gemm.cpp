@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 
 namespace {
 
@@ -59,27 +60,27 @@ void blocks_for_all_rows(const T* x, int64_t m, int64_t k, const T* w, int64_t o
   }
 }
 
-// Threads split the outputs in groups of kTileBlocks blocks; each walks all input rows over
-// its group, so the group's weights stay in cache while the rows stream past.
+// Threads split the output blocks evenly (a layer of 9 groups of kTileBlocks would leave one
+// thread a fifth idle); each walks all input rows over kTileBlocks of its blocks at a time,
+// so their weights stay in cache while the rows stream past, then over a pair and a single
+// for what is left.
 template <typename T>
 void blocked_gemm(const T* x, int64_t m, int64_t k, const T* w, int64_t n, const T* bias,
                   T* out) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  const int64_t groups = (blocks + kTileBlocks - 1) / kTileBlocks;
   const int64_t block_elems = k * kBlock;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first = g * kTileBlocks * kBlock;
-      const T* wg = w + g * kTileBlocks * block_elems;
-      const T* bg = bias ? bias + first : nullptr;
-      if (blocks - g * kTileBlocks >= kTileBlocks) {
-        blocks_for_all_rows<T, kTileBlocks>(x, m, k, wg, n - first, bg, out + first, n);
-        continue;
-      }
-      for (int64_t b = 0; g * kTileBlocks + b < blocks; ++b)
-        blocks_for_all_rows<T, 1>(x, m, k, wg + b * block_elems, n - first - b * kBlock,
-                                  bg ? bg + b * kBlock : nullptr, out + first + b * kBlock, n);
-    }
+  at::parallel_for(0, blocks, kTileBlocks, [&](int64_t begin, int64_t end) {
+    const auto run = [&](auto width, int64_t b) {
+      const int64_t first = b * kBlock;
+      blocks_for_all_rows<T, decltype(width)::value>(x, m, k, w + b * block_elems, n - first,
+                                                     bias ? bias + first : nullptr,
+                                                     out + first, n);
+    };
+    int64_t b = begin;
+    for (; b + kTileBlocks <= end; b += kTileBlocks)
+      run(std::integral_constant<int, kTileBlocks>{}, b);
+    for (; b + 2 <= end; b += 2) run(std::integral_constant<int, 2>{}, b);
+    for (; b < end; ++b) run(std::integral_constant<int, 1>{}, b);
   });
 }
 #endif  // __AVX512F__
