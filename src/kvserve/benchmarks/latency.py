@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> None:
 
     def ours(n: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        llm.reset_prefix_cache()  # each request prefills its prompt, as for the peers
         return timed(lambda: llm.generate([{"prompt_token_ids": prompt}], params,
                                           use_tqdm=False), device)
 

@@ -57,6 +57,7 @@ class VllmPeer:
 
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
                   for n in output_lens]
+        self.llm.reset_prefix_cache()  # repeated prompts are prefilled again, as in kvserve
         start = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                     use_tqdm=False)
