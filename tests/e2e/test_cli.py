@@ -57,7 +57,9 @@ def test_bench_step_times_every_cell_and_names_a_too_small_pool(llama_dir, tmp_p
                   "--prefill-tokens", "64", "--json", str(out))
     assert run.returncode == 0, run.stderr
     saved = json.loads(out.read_text())
-    assert saved["prefill"]["prefill tokens"] == 64 and saved["prefill"]["% of peak"] > 0
+    prefill = saved["prefill"]
+    assert prefill["prefill tokens"] == 64 and prefill["% of peak"] > 0
+    assert prefill["+ attention GFLOP/s"] > prefill["matmul GFLOP/s"]
     rows = saved["rows"]
     assert [(r["decodes"], r["chunk"]) for r in rows] == [
         (1, 0), (1, 8), (1, 24), (3, 0), (3, 8), (3, 24)]
