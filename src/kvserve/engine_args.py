@@ -12,8 +12,8 @@ from kvserve.config import PREEMPTION_MODES, SCHEDULER_POLICIES, SCHEDULING_POLI
 # (flag, argparse options); each flag's dest is an `EngineConfig.create` keyword.
 ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                     help="weights and compute dtype; auto: bfloat16 on CUDA, else the "
-                          "checkpoint's (float32 is fastest on CPUs without AVX512-BF16/AMX)")),
+                     help="weights and compute dtype; auto: bfloat16 on CUDA and on CPUs "
+                          "that multiply it natively (AVX512-BF16 or AMX), else float32")),
     ("--max-num-batched-tokens", dict(type=int, default=2048,
                                       help="token budget of one step")),
     ("--max-num-seqs", dict(type=int, default=128, help="most sequences running at once")),
