@@ -2,10 +2,65 @@
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+
+
+@dataclass
+class StructuredOutputParams:
+    """Keeps the output inside a grammar (vLLM's `guided_*` extras, OpenAI's
+    `response_format`): exactly one of a JSON schema, any JSON object, a regular expression
+    or a choice among strings. JSON is compact (no free whitespace), so a schema whose
+    values are bounded also bounds the output."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name, value in (("json", self.json), ("json_object", self.json_object),
+                                          ("regex", self.regex), ("choice", self.choice))
+                 if value not in (None, False)]
+        _check(len(given) == 1, "structured_output",
+               "takes exactly one of json, json_object, regex and choice", given)
+        if self.choice is not None:
+            _check(isinstance(self.choice, list) and bool(self.choice)
+                   and all(isinstance(c, str) and c for c in self.choice), "choice",
+                   "must be a non-empty list of non-empty strings", self.choice)
+        self.grammar  # noqa: B018 (compiles it: a bad schema or regex fails here, by name)
+
+    @functools.cached_property
+    def grammar(self) -> str:
+        """The constraint as an llguidance grammar."""
+        from llguidance import LLMatcher
+
+        compact = {"whitespace_flexible": False}
+        if self.json is not None:
+            field_name = "json"
+            try:
+                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+                grammar = LLMatcher.grammar_from_json_schema(schema, defaults=compact)
+            except ValueError as e:
+                raise ValueError(f"json must be a JSON schema object: {e}") from None
+        elif self.json_object:
+            field_name = "json_object"
+            grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=compact)
+        elif self.regex is not None:
+            field_name, grammar = "regex", LLMatcher.grammar_from_regex(self.regex)
+        else:
+            field_name = "choice"
+            grammar = LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in self.choice or []))
+        error = LLMatcher.validate_grammar(grammar)
+        if error:
+            raise ValueError(f"{field_name} is not a valid constraint: {error.strip()}")
+        return grammar
 
 
 @dataclass
@@ -29,6 +84,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-k's
     skip_special_tokens: bool = True
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +117,9 @@ class SamplingParams:
                "must be non-empty strings", self.stop)
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", "must be non-negative integers", self.stop_token_ids)
+        _check(not (self.structured_output and self.ignore_eos), "ignore_eos",
+               "cannot be set with structured_output (the grammar ends the output with EOS)",
+               self.ignore_eos)
 
     @property
     def is_greedy(self) -> bool:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import time
@@ -257,10 +258,41 @@ COMPLETIONS = "/v1/completions"
      "top_logprobs", "logprobs"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
             "top_logprobs": 50}, 400, "logprobs", "[0, 20]"),
+    (COMPLETIONS, {"prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "objekt"}}}},
+     400, "response_format.json_schema.schema", "objekt"),
+    (COMPLETIONS, {"prompt": "x", "response_format": {"type": "json_schema"}}, 400,
+     "response_format", "json_schema is required"),
+    (COMPLETIONS, {"prompt": "x", "guided_regex": "[a-"}, 400, "guided_regex", "regex"),
+    (COMPLETIONS, {"prompt": "x", "guided_choice": []}, 400, "guided_choice", "non-empty"),
+    (COMPLETIONS, {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, 400, None,
+     "at most one"),
 ])
 def test_bad_requests(server: str, path: str, body: bytes | dict, status: int,
                       param: str | None, words: str) -> None:
     _check_error(_post(server, path, body), status, param, words)
+
+
+def test_structured_outputs_parse(client: openai.OpenAI) -> None:
+    """A random model's sampled outputs, held to a schema (OpenAI's response_format), a
+    regex and a choice (vLLM's extras)."""
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "size": {"enum": ["S", "M", "L"]}}, "required": ["name", "size"],
+        "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "a shirt"}], n=4, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop"
+        value = json.loads(choice.message.content)
+        assert set(value) == {"name", "size"} and value["size"] in "SML"
+    regex = client.completions.create(model=MODEL, prompt="x", n=4, max_tokens=30,
+                                      extra_body={"guided_regex": "[0-9]{2}-[a-z]{2,4}"})
+    assert all(re.fullmatch("[0-9]{2}-[a-z]{2,4}", c.text) for c in regex.choices)
+    picked = client.completions.create(model=MODEL, prompt="x", max_tokens=10,
+                                       extra_body={"guided_choice": ["up", "down"]})
+    assert picked.choices[0].text in ("up", "down")
 
 
 def test_auth_size_and_overload(server: str) -> None:

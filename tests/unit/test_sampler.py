@@ -2,12 +2,13 @@ import torch
 
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.sampler import Sampler
+from kvserve.worker.structured_output import GrammarMatchers
 
 LOGITS = torch.tensor([2.0, 0.5, float("-inf"), 1.0, -1.0, 3.0, 0.0, float("-inf")])
 
 
 def sample_many(params: SamplingParams, rows: int = 20000) -> torch.Tensor:
-    sampler = Sampler(seed=0, device="cpu")
+    sampler = Sampler(seed=0, device="cpu", grammars=GrammarMatchers("", 0))
     states = [sampler.new_state(params, [1], ()) for _ in range(rows)]
     out = sampler(LOGITS.repeat(rows, 1), states)
     return torch.bincount(torch.tensor(out.token_ids), minlength=len(LOGITS)) / rows
@@ -31,6 +32,6 @@ def test_filtered_tokens_are_never_drawn():
 def test_a_single_possible_token_is_always_drawn():
     logits = torch.full((64, 8), float("-inf"))
     logits[:, 7] = 0.0  # the last entry: the search must not run past it or stop before it
-    sampler = Sampler(seed=1, device="cpu")
+    sampler = Sampler(seed=1, device="cpu", grammars=GrammarMatchers("", 0))
     states = [sampler.new_state(SamplingParams(temperature=1.0), [1], ()) for _ in range(64)]
     assert sampler(logits, states).token_ids == [7] * 64

@@ -22,6 +22,7 @@ from kvserve.worker.host_kv import HostKVCache
 from kvserve.worker.input_batch import InputBuffers, ModelInputs
 from kvserve.worker.prompt_logprobs import prompt_logprobs
 from kvserve.worker.sampler import Sampler, SamplingState
+from kvserve.worker.structured_output import GrammarMatchers
 
 
 class ModelRunner:
@@ -54,7 +55,8 @@ class ModelRunner:
                                    mc.sliding_window, self.device)
         self.graphs = self._decode_graphs()
         self.cpu_decode = self._cpu_decode_stack()
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(config.seed, self.device,
+                               GrammarMatchers(mc.path, mc.vocab_size))
         self.states: dict[str, SamplingState] = {}
 
     @torch.inference_mode()

@@ -11,11 +11,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingRequest(BaseModel):
@@ -43,6 +54,10 @@ class SamplingRequest(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1)
     priority: int = 0  # under --scheduling-policy priority, lower values go first
     user: str | None = Field(default=None, min_length=1)  # OpenAI's end-user id: the tenant
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -62,7 +77,34 @@ class SamplingRequest(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_output=self.structured_output())
+
+    def structured_output(self) -> StructuredOutputParams | None:
+        """The output's constraint: `response_format` or one of vLLM's `guided_*` extras;
+        an error names the field that holds the bad schema, regex or choice."""
+        given: dict[str, Any] = {name: value for name, value in (
+            ("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
+            ("guided_choice", self.guided_choice)) if value is not None}
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = self.response_format
+        if len(given) > 1:
+            raise ValueError(f"response_format, guided_json, guided_regex and guided_choice: "
+                             f"at most one may be given, got {sorted(given)}")
+        if not given:
+            return None
+        ((name, value),) = given.items()
+        try:
+            if name != "response_format":
+                return StructuredOutputParams(**{name.removeprefix("guided_"): value})
+            if value.type == "json_object":
+                return StructuredOutputParams(json_object=True)
+            if value.json_schema is None:
+                raise ValueError("json_schema is required when type is json_schema")
+            name = "response_format.json_schema.schema"
+            return StructuredOutputParams(json=value.json_schema.schema_)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
 
 
 class CompletionRequest(SamplingRequest):

@@ -1,0 +1,53 @@
+"""Grammar-constrained sampling with llguidance: a request's `structured_output` becomes a
+matcher that gives, before each sampled token, the tokens that keep the output inside the
+grammar (a bitmask over the vocabulary, ~3 us), and advances with the token chosen. Once the
+grammar is complete only EOS is allowed, so the output ends there."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvserve.sampling_params import StructuredOutputParams
+
+
+class GrammarMatchers:
+    """Makes matchers over the model's tokenizer, which is loaded on the first constrained
+    request (about a second), not at start-up."""
+
+    def __init__(self, model_path: str, vocab_size: int) -> None:
+        self.model_path = model_path
+        self.vocab_size = vocab_size
+        self._tokenizer: Any = None
+
+    def new(self, params: StructuredOutputParams, eos_token_ids: tuple[int, ...],
+            output_token_ids: tuple[int, ...] = ()) -> Any:
+        """A matcher at the start of the output, or past `output_token_ids` for a request
+        that resumes (after a preemption or a migration)."""
+        from llguidance import LLMatcher
+
+        if self._tokenizer is None:
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(self.model_path)
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                hf, n_vocab=self.vocab_size, eos_token=list(eos_token_ids) or None)
+        matcher = LLMatcher(self._tokenizer, params.grammar)
+        if output_token_ids:
+            matcher.consume_tokens(list(output_token_ids))
+        return matcher
+
+
+def mask_disallowed(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
+    """Sets to -inf, in place, each row's logits of tokens its matcher does not allow."""
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+    vocab = logits.shape[1]
+    bitmask = allocate_token_bitmask(len(rows), vocab)
+    for i, matcher in enumerate(matchers):
+        fill_next_token_bitmask(matcher, bitmask, i)
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :vocab].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -1,0 +1,98 @@
+"""Structured outputs: constraints checked where they enter, and what a grammar lets a random
+model write."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.entrypoints.openai.protocol import CompletionRequest
+from kvserve.sampling_params import StructuredOutputParams
+from tests.conftest import random_prompts
+
+SCHEMA = {"type": "object", "additionalProperties": False,
+          "required": ["id", "name", "tags", "ok", "score"],
+          "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "name": {"type": "string", "maxLength": 8},
+                         "tags": {"type": "array", "maxItems": 3,
+                                  "items": {"enum": ["a", "bb", "ccc"]}},
+                         "ok": {"type": "boolean"},
+                         "score": {"type": ["integer", "null"], "minimum": -5, "maximum": 5}}}
+# Bounded values: a JSON number may take any count of trailing zeros, which a random model
+# can go on writing until max_tokens.
+
+
+@pytest.mark.parametrize(("given", "words"), [
+    ({}, "exactly one"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one"),
+    ({"json": {"type": "objekt"}}, "json is not a valid constraint"),
+    ({"json": "{not json"}, "json must be a JSON schema object"),
+    ({"regex": "(a"}, "regex is not a valid constraint"),
+    ({"choice": ["a", ""]}, "choice must be"),
+])
+def test_bad_constraints_name_their_field(given, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        StructuredOutputParams(**given)
+
+
+def test_ignore_eos_cannot_outlast_the_grammar():
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_output=StructuredOutputParams(regex="a"))
+
+
+def test_openai_fields_map_to_one_constraint():
+    request = CompletionRequest(prompt="x", response_format={
+        "type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}})
+    assert request.structured_output() == StructuredOutputParams(json=SCHEMA)
+    assert CompletionRequest(prompt="x", response_format={"type": "json_object"}
+                             ).structured_output() == StructuredOutputParams(json_object=True)
+    assert CompletionRequest(prompt="x", response_format={"type": "text"}
+                             ).structured_output() is None
+    assert CompletionRequest(prompt="x", guided_choice=["a"]).structured_output() == \
+        StructuredOutputParams(choice=["a"])
+    with pytest.raises(ValueError, match="^guided_json: json is not a valid"):
+        CompletionRequest(prompt="x", guided_json={"type": 3}).structured_output()
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), max_num_batched_tokens=64)
+
+
+def _texts(llm, constraint, temperature, n=12):
+    params = SamplingParams(temperature=temperature, max_tokens=120, seed=3,
+                            structured_output=constraint)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 30, 70] * (n // 3), seed=5)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "stop" for o in outputs)  # ended by the grammar
+    return [o.outputs[0].text for o in outputs]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_output_parses_and_validates(llm, temperature):
+    for text in _texts(llm, StructuredOutputParams(json=SCHEMA), temperature):
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_regex_and_choice_hold(llm):
+    pattern = r"[A-Z][a-z]{1,5} (19|20)[0-9]{2}"
+    assert all(re.fullmatch(pattern, t)
+               for t in _texts(llm, StructuredOutputParams(regex=pattern), 1.0))
+    options = ["red", "green", "dark blue"]
+    assert set(_texts(llm, StructuredOutputParams(choice=options), 1.0)) <= set(options)
+
+
+def test_constrained_and_free_requests_share_a_batch(llm):
+    """A free request beside constrained ones computes what it computes alone."""
+    free = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 40], seed=8)]
+    alone = llm.generate(prompts[:1], free, use_tqdm=False)[0].outputs[0].token_ids
+    constrained = SamplingParams(temperature=1.0, max_tokens=60,
+                                 structured_output=StructuredOutputParams(json=SCHEMA))
+    mixed = llm.generate(prompts, [free, constrained], use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
+    jsonschema.validate(json.loads(mixed[1].outputs[0].text), SCHEMA)
