@@ -8,6 +8,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.entrypoints.openai.protocol import CompletionRequest
@@ -96,3 +97,25 @@ def test_constrained_and_free_requests_share_a_batch(llm):
     mixed = llm.generate(prompts, [free, constrained], use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == alone
     jsonschema.validate(json.loads(mixed[1].outputs[0].text), SCHEMA)
+
+
+def test_the_cpu_mask_kernel_bans_what_the_bitmask_leaves_out():
+    from kvserve.cpp_extension import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the CPU kernels do not build")
+    gen = torch.Generator().manual_seed(0)
+    vocab = 100  # not a multiple of 32: the last word is partial
+    words = torch.randint(-2**31, 2**31 - 1, (3, 4), generator=gen, dtype=torch.int64)
+    words[0, 1], words[1, 2], words[2, 0] = 0, -1, 0  # none, all and none allowed
+    bitmask = words.to(torch.int32)
+    logits = torch.randn(5, vocab, generator=gen)
+    rows = [4, 0, 2]
+    got = logits.clone()
+    kernels.apply_token_bitmask(got, bitmask, torch.tensor(rows))
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.view(3, -1)[:, :vocab].bool()
+    want = logits.clone()
+    want[rows] = want[rows].masked_fill(~allowed, float("-inf"))
+    assert torch.equal(got, want)

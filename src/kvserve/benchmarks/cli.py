@@ -21,6 +21,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         simulate,
         step,
         streaming,
+        structured,
         throughput,
     )
 
@@ -40,4 +41,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     cluster.add_parser(bench_sub)
     migration.add_parser(bench_sub)
     disagg.add_parser(bench_sub)
+    structured.add_parser(bench_sub)
     simulate.add_validation_parser(bench_sub)

@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rotary and cache write of rotate_cache_and_decode, without the attention");
   m.def("prefill_attention", &kvserve::prefill_attention, release,
         "causal attention of a prefill chunk over its paged context");
+  m.def("apply_token_bitmask", &kvserve::apply_token_bitmask, release,
+        "-inf, in place, for the tokens a grammar's bitmask row leaves out");
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                     torch::Tensor, c10::optional<torch::Tensor>>(),

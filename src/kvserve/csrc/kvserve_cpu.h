@@ -34,6 +34,10 @@ torch::Tensor rotate_and_cache(torch::Tensor qk, torch::Tensor v, torch::Tensor 
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_ids,
                                 int64_t ctx, double scale, int64_t window);
 
+// token_mask.cpp
+void apply_token_bitmask(torch::Tensor logits, const torch::Tensor& bitmask,
+                         const torch::Tensor& rows);
+
 // llama_decode.cpp: one Llama-family decoder layer's weights, linears packed by pack_weight.
 struct DecoderLayerWeights {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;

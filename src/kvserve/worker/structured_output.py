@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kvserve.cpp_extension import cpu_kernels
 from kvserve.sampling_params import StructuredOutputParams
 
 
@@ -41,13 +42,19 @@ class GrammarMatchers:
 
 
 def mask_disallowed(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-    """Sets to -inf, in place, each row's logits of tokens its matcher does not allow."""
+    """Sets to -inf, in place, each row's logits of tokens its matcher does not allow: in C++
+    on CPU, else by unpacking the bitmask on the logits' device."""
     from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
     vocab = logits.shape[1]
     bitmask = allocate_token_bitmask(len(rows), vocab)
     for i, matcher in enumerate(matchers):
         fill_next_token_bitmask(matcher, bitmask, i)
-    bits = torch.arange(32, dtype=torch.int32)
+    kernels = cpu_kernels() if logits.device.type == "cpu" else None
+    if kernels is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        kernels.apply_token_bitmask(logits, bitmask, torch.tensor(rows))
+        return
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :vocab].bool()
-    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
