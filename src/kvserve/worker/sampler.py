@@ -18,7 +18,7 @@ import torch
 
 from kvserve.core.scheduler.output import TokenLogprobs
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker.structured_output import GrammarMatchers, mask_disallowed
+from kvserve.worker.structured_output import GrammarMatchers
 
 
 @dataclass
@@ -70,7 +70,8 @@ class Sampler:
         logprobs = self._raw_logprobs(logits, states)
         constrained = [row for row, st in enumerate(states) if st.matcher is not None]
         if constrained:
-            mask_disallowed(logits, constrained, [states[r].matcher for r in constrained])
+            self.grammars.mask_disallowed(logits, constrained,
+                                          [states[r].matcher for r in constrained])
         for row, st in enumerate(states):
             if len(st.output_token_ids) < st.params.min_tokens and st.stop_ids:
                 logits[row, st.stop_ids] = float("-inf")
@@ -81,8 +82,9 @@ class Sampler:
             token_ids[random_rows] = self._sample(logits[random_rows],
                                                   [states[r] for r in random_rows])
         sampled = token_ids.tolist()
-        for row in constrained:
-            states[row].matcher.consume_token(sampled[row])
+        if constrained:
+            self.grammars.advance([states[r].matcher for r in constrained],
+                                  [sampled[r] for r in constrained])
         return SamplerOutput(sampled, _gather_logprobs(logprobs, sampled, states))
 
     def _raw_logprobs(self, logits: torch.Tensor, states: list[SamplingState]

@@ -21,6 +21,7 @@ class GrammarMatchers:
         self.model_path = model_path
         self.vocab_size = vocab_size
         self._tokenizer: Any = None
+        self._executor: Any = None  # llguidance's thread pool: masks of all rows at once
 
     def new(self, params: StructuredOutputParams, eos_token_ids: tuple[int, ...],
             output_token_ids: tuple[int, ...] = ()) -> Any:
@@ -40,21 +41,33 @@ class GrammarMatchers:
             matcher.consume_tokens(list(output_token_ids))
         return matcher
 
+    def mask_disallowed(self, logits: torch.Tensor, rows: list[int], matchers: list[Any]
+                        ) -> None:
+        """Sets to -inf, in place, each row's logits of tokens its matcher does not allow:
+        in C++ on CPU, else by unpacking the bitmask on the logits' device."""
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask_par
 
-def mask_disallowed(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-    """Sets to -inf, in place, each row's logits of tokens its matcher does not allow: in C++
-    on CPU, else by unpacking the bitmask on the logits' device."""
-    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+        vocab = logits.shape[1]
+        bitmask = allocate_token_bitmask(len(rows), vocab)
+        fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)],
+                                    bitmask)
+        kernels = cpu_kernels() if logits.device.type == "cpu" else None
+        if kernels is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+            kernels.apply_token_bitmask(logits, bitmask, torch.tensor(rows))
+            return
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :vocab].bool()
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
-    vocab = logits.shape[1]
-    bitmask = allocate_token_bitmask(len(rows), vocab)
-    for i, matcher in enumerate(matchers):
-        fill_next_token_bitmask(matcher, bitmask, i)
-    kernels = cpu_kernels() if logits.device.type == "cpu" else None
-    if kernels is not None and logits.dtype == torch.float32 and logits.is_contiguous():
-        kernels.apply_token_bitmask(logits, bitmask, torch.tensor(rows))
-        return
-    bitmask = bitmask.to(logits.device, non_blocking=True)
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :vocab].bool()
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    def advance(self, matchers: list[Any], token_ids: list[int]) -> None:
+        """Each matcher past its sampled token."""
+        self.executor.consume_token_par(list(zip(matchers, token_ids, strict=True)))
+
+    @property
+    def executor(self) -> Any:
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor(num_threads=torch.get_num_threads())
+        return self._executor
