@@ -119,3 +119,23 @@ def test_the_cpu_mask_kernel_bans_what_the_bitmask_leaves_out():
     want = logits.clone()
     want[rows] = want[rows].masked_fill(~allowed, float("-inf"))
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_requests_resume_inside_the_grammar(llama_dir, mode):
+    """A pool of 12 blocks for requests that grow to 4-6 each: preempted ones come back with
+    their outputs so far, which their new matchers replay."""
+    from kvserve.config import ModelConfig
+
+    block_bytes = ModelConfig.from_pretrained(llama_dir).kv_bytes_per_token * 16
+    llm = LLM(str(llama_dir), max_num_batched_tokens=64, kv_cache_memory=12 * block_bytes,
+              preemption_mode=mode)
+    params = SamplingParams(temperature=1.0, max_tokens=120, seed=4,
+                            structured_output=StructuredOutputParams(json=SCHEMA))
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([40] * 6, seed=6)]
+    before = llm.get_stats().num_preemptions
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.get_stats().num_preemptions > before
+    for output in outputs:
+        assert output.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(output.outputs[0].text), SCHEMA)
