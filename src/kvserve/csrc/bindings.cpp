@@ -27,9 +27,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "-inf, in place, for the tokens a grammar's bitmask row leaves out");
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                    torch::Tensor, c10::optional<torch::Tensor>>(),
+                    torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>>(),
            py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"),
-           py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias") = py::none());
+           py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias") = py::none(),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none());
   py::class_<LlamaDecodeStack>(m, "LlamaDecodeStack")
       .def(py::init<std::vector<DecoderLayerWeights>, torch::Tensor, int64_t, int64_t, int64_t,
                     int64_t, double, double>(),

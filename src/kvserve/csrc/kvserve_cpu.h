@@ -41,7 +41,7 @@ void apply_token_bitmask(torch::Tensor logits, const torch::Tensor& bitmask,
 // llama_decode.cpp: one Llama-family decoder layer's weights, linears packed by pack_weight.
 struct DecoderLayerWeights {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
-  c10::optional<torch::Tensor> qkv_bias;
+  c10::optional<torch::Tensor> qkv_bias, q_norm, k_norm;  // q/k norms: Qwen3's per-head ones
 };
 
 // A decode-only step through every decoder layer in one call (see llama_decode.cpp).

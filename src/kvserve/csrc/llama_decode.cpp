@@ -38,9 +38,20 @@ torch::Tensor LlamaDecodeStack::forward(torch::Tensor x, const torch::Tensor& ro
     if (i > 0) normed = add_rms_norm(x, layer.input_norm, eps_, residual);
     const torch::Tensor heads =
         blocked_linear(normed, layer.qkv, qkv_size, layer.qkv_bias).view({rows, -1, head_dim_});
+    torch::Tensor qk = heads.narrow(1, 0, qk_heads);
+    if (layer.q_norm && layer.k_norm) {  // each head's row normed, as models/llama.py does
+      const auto norm_heads = [&](int64_t first, int64_t count, const torch::Tensor& weight) {
+        return add_rms_norm(heads.narrow(1, first, count).reshape({rows * count, head_dim_}),
+                            weight, eps_, c10::nullopt)
+            .view({rows, count, head_dim_});
+      };
+      qk = torch::cat({norm_heads(0, num_heads_, *layer.q_norm),
+                       norm_heads(num_heads_, num_kv_heads_, *layer.k_norm)},
+                      1);
+    }
     const torch::Tensor attention = rotate_cache_and_decode(
-        heads.narrow(1, 0, qk_heads), heads.narrow(1, qk_heads, num_kv_heads_), rotation,
-        slot_mapping, kv_caches[i], block_tables, seq_lens, scale_, window);
+        qk, heads.narrow(1, qk_heads, num_kv_heads_), rotation, slot_mapping, kv_caches[i],
+        block_tables, seq_lens, scale_, window);
     normed = add_rms_norm(blocked_linear(attention.view({rows, -1}), layer.o, hidden_size_,
                                          c10::nullopt),
                           layer.post_norm, eps_, residual);

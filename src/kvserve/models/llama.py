@@ -44,8 +44,12 @@ class Attention(nn.Module):
         num_qk = self.num_heads + self.num_kv_heads
         qk, v = heads[:, :num_qk], heads[:, num_qk:]
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]),
-                            self.k_norm(qk[:, self.num_heads:])], dim=1)
+            # Each head's row normed as a row of [tokens * heads, head_dim]: the shape of the
+            # fused norm kernel, which the CPU decode stack calls the same way.
+            rows, dim = x.shape[0], self.head_dim
+            q = self.q_norm(qk[:, :self.num_heads].reshape(-1, dim)).view(rows, -1, dim)
+            k = self.k_norm(qk[:, self.num_heads:].reshape(-1, dim)).view(rows, -1, dim)
+            qk = torch.cat([q, k], dim=1)
         out = self.backend.forward(qk, v, freqs_cis, self.kv_cache, get_attention_metadata(),
                                    self.scale)
         return self.o_proj(out)

@@ -4,9 +4,10 @@ CUDA graphs.
 A batch-1 decode step of a small model is ~300 short kernel calls; issued from Python, the
 calls cost a third of the step. `LlamaDecodeStack` (csrc/llama_decode.cpp) runs the same
 kernels in the same order from C++, so the hidden states are bit-identical to the eager
-forward. It covers what those kernels cover: a single-rank Llama-family model without
-q/k norms, every linear on the blocked GEMM and the C++ attention backend. Steps with a
-prefill chunk, and everything under `enforce_eager`, run the eager forward.
+forward. It covers what those kernels cover: a single-rank Llama-family model (Qwen3's
+per-head q/k norms included), every linear on the blocked GEMM and the C++ attention
+backend. Steps with a prefill chunk, and everything under `enforce_eager`, run the eager
+forward.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class CpuDecodeStack:
     @staticmethod
     def covers(model: torch.nn.Module) -> bool:
         """Whether every layer of `model` runs on the kernels the stack composes."""
-        if not isinstance(model, LlamaForCausalLM) or model.cfg.qk_norm:
+        if not isinstance(model, LlamaForCausalLM):
             return False
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -64,4 +65,5 @@ def _layer_weights(layer: torch.nn.Module, kernels: ModuleType) -> object:
     return kernels.DecoderLayerWeights(
         layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
         layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-        attn.qkv_proj.bias)
+        attn.qkv_proj.bias, attn.q_norm.weight if attn.q_norm is not None else None,
+        attn.k_norm.weight if attn.k_norm is not None else None)
