@@ -120,6 +120,9 @@ class SamplingParams:
         _check(not (self.structured_output and self.ignore_eos), "ignore_eos",
                "cannot be set with structured_output (the grammar ends the output with EOS)",
                self.ignore_eos)
+        _check(not (self.structured_output and self.min_tokens), "min_tokens",
+               "cannot be set with structured_output (the grammar decides where the output "
+               "ends; banning EOS there would leave no token to pick)", self.min_tokens)
 
     @property
     def is_greedy(self) -> bool:

@@ -40,9 +40,12 @@ def test_bad_constraints_name_their_field(given, words):
         StructuredOutputParams(**given)
 
 
-def test_ignore_eos_cannot_outlast_the_grammar():
-    with pytest.raises(ValueError, match="ignore_eos"):
-        SamplingParams(ignore_eos=True, structured_output=StructuredOutputParams(regex="a"))
+@pytest.mark.parametrize(("field", "value"), [("ignore_eos", True), ("min_tokens", 5)])
+def test_eos_rules_cannot_fight_the_grammar(field, value):
+    """Once the grammar is complete only EOS is allowed: ignoring or banning it would leave
+    the request nothing to write (banning it made the sampler pick an out-of-range id)."""
+    with pytest.raises(ValueError, match=f"^{field} cannot be set with structured_output"):
+        SamplingParams(structured_output=StructuredOutputParams(regex="a"), **{field: value})
 
 
 def test_openai_fields_map_to_one_constraint():
