@@ -142,3 +142,18 @@ def test_preempted_requests_resume_inside_the_grammar(llama_dir, mode):
     for output in outputs:
         assert output.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(output.outputs[0].text), SCHEMA)
+
+
+def test_a_slow_tokenizer_is_refused_at_the_door():
+    """The grammar's token masks are built from the fast tokenizer's vocabulary."""
+    from types import SimpleNamespace
+
+    from kvserve.engine.input_processor import InputProcessor, RequestLimits
+
+    limits = RequestLimits(max_model_len=64, vocab_size=100, block_size=16, num_kv_blocks=8)
+    params = SamplingParams(structured_output=StructuredOutputParams(regex="a"))
+    slow = InputProcessor(SimpleNamespace(is_fast=False), limits)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^structured_output needs a fast tokenizer"):
+        slow.check_request([1, 2], params)
+    assert InputProcessor(SimpleNamespace(is_fast=True), limits).check_request(  # type: ignore[arg-type]
+        [1, 2], params) == 16

@@ -138,6 +138,9 @@ class InputProcessor:
         num_prompt = len(prompt_token_ids)
         if not num_prompt:
             raise ValueError(f"{field_name} must not be empty")
+        if params.structured_output is not None and not getattr(self.tokenizer, "is_fast", False):
+            raise ValueError("structured_output needs a fast tokenizer (tokenizer.json), and "
+                             "this model's is a slow one")
         limits = self.limits
         if limits.window_blocks:
             max_tokens = sys.maxsize if params.max_tokens is None else params.max_tokens
