@@ -25,8 +25,8 @@ from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.serve import percentile
 from kvserve.benchmarks.workloads import ChatScript, chat_script
 from kvserve.config import ModelConfig
-from kvserve.engine.input_processor import load_tokenizer
 from kvserve.engine_args import add_engine_args, engine_kwargs
+from kvserve.models.loader import load_tokenizer
 from kvserve.sampling_params import SamplingParams
 
 

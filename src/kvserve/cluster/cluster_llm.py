@@ -26,10 +26,10 @@ from kvserve.engine.input_processor import (
     InputProcessor,
     ParentRequest,
     PromptType,
-    load_tokenizer,
 )
 from kvserve.entrypoints.async_llm import RequestStream, StreamingLLM
 from kvserve.errors import EngineOverloadedError, RequestFailedError
+from kvserve.models.loader import load_tokenizer
 from kvserve.outputs import EngineStats, RequestOutput
 from kvserve.sampling_params import SamplingParams
 

@@ -9,10 +9,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.errors import CheckpointError
 from kvserve.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -69,13 +68,6 @@ class ParentRequest:
                              first_scheduled_time=min((t for t in scheduled if t is not None),
                                                       default=None),
                              first_token_time=self.first_token_time)
-
-
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"model: cannot load the tokenizer from {path!r}: {e}") from None
 
 
 class InputProcessor:

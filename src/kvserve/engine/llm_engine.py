@@ -18,8 +18,8 @@ from kvserve.engine.input_processor import (
     ParentRequest,
     PromptType,
     RequestLimits,
-    load_tokenizer,
 )
+from kvserve.models.loader import load_tokenizer
 from kvserve.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig
@@ -129,3 +130,10 @@ def _copy_exact(param: torch.Tensor, tensor: torch.Tensor) -> None:
     if param.shape != tensor.shape:
         raise ValueError(f"expected shape {list(param.shape)}, got {list(tensor.shape)}")
     param.copy_(tensor)
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"model: cannot load the tokenizer from {path!r}: {e}") from None

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvserve.cpp_extension import cpu_kernels
+from kvserve.models.loader import load_tokenizer
 from kvserve.sampling_params import StructuredOutputParams
 
 
@@ -31,9 +32,8 @@ class GrammarMatchers:
 
         if self._tokenizer is None:
             import llguidance.hf
-            from transformers import AutoTokenizer
 
-            hf = AutoTokenizer.from_pretrained(self.model_path)
+            hf = load_tokenizer(self.model_path)
             self._tokenizer = llguidance.hf.from_tokenizer(
                 hf, n_vocab=self.vocab_size, eos_token=list(eos_token_ids) or None)
         matcher = LLMatcher(self._tokenizer, params.grammar)
