@@ -281,6 +281,34 @@ class SchedulerConfig:
         return self.max_num_batched_tokens
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a decode step also verifies up to `num_speculative_tokens`
+    drafted tokens, and keeps those the model agrees with. `ngram` (prompt lookup) drafts the
+    tokens that followed the sequence's last `prompt_lookup_max` ... `prompt_lookup_min`
+    tokens where they occurred before."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_model must be one of {', '.join(SPECULATIVE_METHODS)}"
+                             f", got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) and "
+                             f"prompt_lookup_max ({self.prompt_lookup_max}) must satisfy "
+                             "1 <= min <= max")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
@@ -290,6 +318,7 @@ class EngineConfig:
     device: str = "cpu"
     enforce_eager: bool = False  # no CUDA graphs, no CPU decode stack: every layer from Python
     tensor_parallel_size: int = 1  # ranks, each with 1/T of the heads and MLP columns
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -311,6 +340,12 @@ class EngineConfig:
                              f"tokens in the cache, beyond max_model_len "
                              f"({self.scheduler.max_model_len}), the positions a request's "
                              "cache may span")
+        if self.speculative is not None:
+            if self.cache.streaming_window:
+                raise ValueError("speculative decoding does not run with a streaming_window")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative decoding does not run with "
+                                 "tensor_parallel_size > 1 yet")
 
     @classmethod
     def create(cls, model: str, dtype: str = "auto", max_num_batched_tokens: int = 2048,
@@ -322,7 +357,9 @@ class EngineConfig:
                swap_space: int = 4 * GiB, kv_offload_host: int = 0,
                kv_offload_dir: str | None = None, kv_offload_disk: int = 16 * GiB,
                streaming_window: int = 0, attention_sinks: int | None = None,
-               prefill_only: bool = False, tensor_parallel_size: int = 1) -> EngineConfig:
+               prefill_only: bool = False, tensor_parallel_size: int = 1,
+               speculative_model: str | None = None, num_speculative_tokens: int = 4,
+               prompt_lookup_min: int = 2, prompt_lookup_max: int = 4) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
             model=ModelConfig.from_pretrained(model, dtype, device),
@@ -344,7 +381,14 @@ class EngineConfig:
             device=device,
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,
+            speculative=None if speculative_model is None else SpeculativeConfig(
+                speculative_model, num_speculative_tokens, prompt_lookup_min,
+                prompt_lookup_max),
         )
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
 
     @property
     def sink_blocks(self) -> int:

@@ -7,7 +7,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvserve.config import PREEMPTION_MODES, SCHEDULER_POLICIES, SCHEDULING_POLICIES, GiB
+from kvserve.config import (
+    PREEMPTION_MODES,
+    SCHEDULER_POLICIES,
+    SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
+    GiB,
+)
 
 # (flag, argparse options); each flag's dest is an `EngineConfig.create` keyword.
 ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -63,6 +69,16 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                          "one GPU each)")),
     ("--enforce-eager", dict(action="store_true",
                              help="CUDA: run every step eagerly, never replaying CUDA graphs")),
+    ("--speculative-model", dict(default=None, choices=SPECULATIVE_METHODS,
+                                 help="speculative decoding: ngram drafts tokens by prompt "
+                                      "lookup, and each decode step verifies them (default: "
+                                      "off)")),
+    ("--num-speculative-tokens", dict(type=int, default=4,
+                                      help="most drafts a decode step verifies (default 4)")),
+    ("--prompt-lookup-min", dict(type=int, default=2,
+                                 help="ngram: the shortest suffix looked up (default 2)")),
+    ("--prompt-lookup-max", dict(type=int, default=4,
+                                 help="ngram: the longest suffix looked up (default 4)")),
 )
 
 

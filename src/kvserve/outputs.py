@@ -64,6 +64,8 @@ class EngineStats:
     kv_host_blocks_total: int = 0
     step_seconds: float = 0.0  # in engine steps: scheduling, the model, detokenizing
     execute_seconds: float = 0.0  # of those, in the model runner (forward and sampling)
+    num_draft_tokens: int = 0  # speculative tokens verified
+    num_accepted_tokens: int = 0  # of those, the ones the model agreed with
 
     @property
     def host_seconds(self) -> float:

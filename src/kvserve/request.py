@@ -66,6 +66,11 @@ class Request:
     tenant: str | None = None  # under the fair policy, tenants share the token budget
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, chained
     generator_state: bytes | None = None  # a migrated request's seeded sampler, until resumed
+    # Speculative decoding: the tokens drafted to follow, some of which the next step
+    # verifies, and a decayed count of how earlier drafts fared (see speculation.py).
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_hits: float = 0.0
+    draft_trials: float = 0.0
 
     @property
     def num_cached_tokens(self) -> int:

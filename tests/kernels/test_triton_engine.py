@@ -41,6 +41,16 @@ def test_greedy_matches_transformers_on_triton_attention(model_dirs, triton_ever
     assert llm.get_stats().prefix_cache_hits > 0
 
 
+def test_drafts_verify_on_triton_attention(model_dirs, triton_everywhere):
+    """Speculative drafts as decode rows of one sequence, on the graph path."""
+    path = model_dirs["llama"]
+    llm = LLM(str(path), device=DEVICE, dtype="float32", speculative_model="ngram")
+    phrase = random_prompts([7], seed=6)[0]
+    prompts = [phrase * 4, random_prompts([30], seed=7)[0]]
+    assert run_greedy(llm, prompts) == [hf_greedy(path, tuple(p), MAX_TOKENS) for p in prompts]
+    assert llm.get_stats().num_accepted_tokens > 0
+
+
 def test_graph_batch_sizes():
     assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert graph_batch_sizes(5) == [1, 2, 4, 5]

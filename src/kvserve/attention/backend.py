@@ -32,7 +32,10 @@ class AttentionMetadata:
     """One step's sequences, decodes first. Sequence i's new tokens are the rows
     `query_start_loc[i] .. query_start_loc[i + 1] - 1`; its context, new tokens included, is
     `seq_lens[i]` tokens long and lies in the blocks of `block_tables[i]`. Table entries past
-    a sequence's last block are never read."""
+    a sequence's last block are never read. Decode rows may be successive tokens of one
+    sequence (speculative decoding's drafts, each a row with its own length): then
+    `decode_rows_share_sequences`, and every decode row's key and value must be cached before
+    any decode row attends."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat pool slot of each new token; -1: none
     query_start_loc: torch.Tensor  # [num_seqs + 1]
@@ -42,6 +45,7 @@ class AttentionMetadata:
     seq_lens_host: np.ndarray  # seq_lens on the host, for shapes: no device sync
     prefills: list[PrefillChunk]  # the multi-token sequences, described on the host
     sliding_window: int | None
+    decode_rows_share_sequences: bool = False
 
     def decode_tables(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode rows' block tables, cut to the longest decode's blocks, and their

@@ -62,7 +62,8 @@ class CpuPagedAttention(TorchPagedAttention):
         block_tables, seq_lens = meta.decode_tables(kv_cache.shape[3])
         return self.kernel.rotate_cache_and_decode(
             qk, v, rotation, meta.slot_mapping[:qk.shape[0]], kv_cache,
-            block_tables.contiguous(), seq_lens, scale, meta.sliding_window or 0)
+            block_tables.contiguous(), seq_lens, scale, meta.sliding_window or 0,
+            meta.decode_rows_share_sequences)
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:

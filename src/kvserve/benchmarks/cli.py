@@ -19,6 +19,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         quantized,
         serve,
         simulate,
+        speculative,
         step,
         streaming,
         structured,
@@ -42,4 +43,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     migration.add_parser(bench_sub)
     disagg.add_parser(bench_sub)
     structured.add_parser(bench_sub)
+    speculative.add_parser(bench_sub)
     simulate.add_validation_parser(bench_sub)

@@ -26,7 +26,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
 torch::Tensor rotate_cache_and_decode(torch::Tensor qk, torch::Tensor v, torch::Tensor rotation,
                                       torch::Tensor slot_mapping, torch::Tensor kv_cache,
                                       torch::Tensor block_tables, torch::Tensor seq_lens,
-                                      double scale, int64_t window);
+                                      double scale, int64_t window, bool rows_share_sequences);
 torch::Tensor rotate_and_cache(torch::Tensor qk, torch::Tensor v, torch::Tensor rotation,
                                torch::Tensor slot_mapping, torch::Tensor kv_cache);
 
@@ -54,7 +54,7 @@ class LlamaDecodeStack {
                         const torch::Tensor& slot_mapping,
                         const std::vector<torch::Tensor>& kv_caches,
                         const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                        int64_t window) const;
+                        int64_t window, bool rows_share_sequences) const;
 
  private:
   std::vector<DecoderLayerWeights> layers_;

@@ -20,13 +20,15 @@ LlamaDecodeStack::LlamaDecodeStack(std::vector<DecoderLayerWeights> layers,
 }
 
 // x: [B, hidden] embeddings (used as the residual stream, updated in place); rotation:
-// [B, D / 2, 2] float32; kv_caches: each layer's [2, Hkv, blocks, block_size, D] pool.
-// Returns the final norm's output [B, hidden].
+// [B, D / 2, 2] float32; kv_caches: each layer's [2, Hkv, blocks, block_size, D] pool;
+// rows_share_sequences: as in rotate_cache_and_decode. Returns the final norm's output
+// [B, hidden].
 torch::Tensor LlamaDecodeStack::forward(torch::Tensor x, const torch::Tensor& rotation,
                                         const torch::Tensor& slot_mapping,
                                         const std::vector<torch::Tensor>& kv_caches,
                                         const torch::Tensor& block_tables,
-                                        const torch::Tensor& seq_lens, int64_t window) const {
+                                        const torch::Tensor& seq_lens, int64_t window,
+                                        bool rows_share_sequences) const {
   TORCH_CHECK(kv_caches.size() == layers_.size(), "LlamaDecodeStack: ", layers_.size(),
               " layers, ", kv_caches.size(), " KV caches");
   const int64_t rows = x.size(0), qk_heads = num_heads_ + num_kv_heads_;
@@ -51,7 +53,7 @@ torch::Tensor LlamaDecodeStack::forward(torch::Tensor x, const torch::Tensor& ro
     }
     const torch::Tensor attention = rotate_cache_and_decode(
         qk, heads.narrow(1, qk_heads, num_kv_heads_), rotation, slot_mapping, kv_caches[i],
-        block_tables, seq_lens, scale_, window);
+        block_tables, seq_lens, scale_, window, rows_share_sequences);
     normed = add_rms_norm(blocked_linear(attention.view({rows, -1}), layer.o, hidden_size_,
                                          c10::nullopt),
                           layer.post_norm, eps_, residual);

@@ -265,7 +265,9 @@ inline void narrow(const float* src, at::BFloat16* dst, int64_t n) {
 // v heads ([B, Hkv, D]), each row a row stride after the last (the QKV projection's
 // rows, where q, k and v lie side by side), each token's rotation as (cos, sin) pairs
 // ([B, D / 2, 2]) and its cache slot. Attention then rotates them, writes k and v into the
-// cache, and attends.
+// cache, and attends. When rows are successive tokens of one sequence (the verified drafts of
+// speculative decoding), each row attends to the keys of the rows before it: all rows are
+// then `written` before any attends.
 template <typename T>
 struct NewTokens {
   const T* qk;
@@ -274,6 +276,7 @@ struct NewTokens {
   int64_t v_row_stride;
   const float* rotation;
   const int64_t* slots;
+  bool written;
 };
 
 // Rotates n / 2 adjacent pairs of `src` by `rotation`, as complex numbers, into `dst`.
@@ -361,7 +364,7 @@ void attend(const std::vector<Unit>& units, const T* q_ptr, const NewTokens<T>* 
         rotate(heads + (h * group + g) * head_dim, rotation, rotated.data() + g * head_dim,
                head_dim);
       // The unit with the newest key writes it, then reads it back below.
-      if (unit.end == lens[b])
+      if (unit.end == lens[b] && !fresh->written)
         cache_new_kv(*fresh, b, h, num_heads, head_dim, k_head, v_head, acc.data());
       std::fill(acc.begin(), acc.end(), 0.f);
     } else {
@@ -511,6 +514,15 @@ void dispatch(const T* q, const NewTokens<T>* fresh, torch::Tensor& kv_cache,
   const int64_t block_size = kv_cache.size(3);
   const int64_t head_stride = num_blocks * block_size * head_dim;
   T* k = kv_cache.data_ptr<T>();
+  if (fresh != nullptr && fresh->written) {
+    at::parallel_for(0, batch, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(head_dim);
+      for (int64_t b = begin; b < end; ++b)
+        for (int64_t h = 0; h < num_kv_heads; ++h)
+          cache_new_kv(*fresh, b, h, num_heads, head_dim, k + h * head_stride,
+                       k + (num_kv_heads + h) * head_stride, row.data());
+    });
+  }
   decode(q, fresh, k, k + num_kv_heads * head_stride, block_tables.data_ptr<int64_t>(),
          seq_lens.data_ptr<int64_t>(), out.data_ptr<T>(), batch, num_heads, num_kv_heads,
          head_stride, block_size, block_tables.size(1), head_dim, static_cast<float>(scale),
@@ -562,11 +574,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
 
 // The decode step's attention in one call: qk [B, Hq + Hkv, D] unrotated, v [B, Hkv, D]
 // (each with contiguous heads; rows may be strided), rotation [B, D / 2, 2] float32
-// (cos, sin), slot_mapping [B] int64; returns [B, Hq, D].
+// (cos, sin), slot_mapping [B] int64; returns [B, Hq, D]. With `rows_share_sequences`, every
+// row's key and value are cached before any row attends.
 torch::Tensor rotate_cache_and_decode(torch::Tensor qk, torch::Tensor v, torch::Tensor rotation,
                                       torch::Tensor slot_mapping, torch::Tensor kv_cache,
                                       torch::Tensor block_tables, torch::Tensor seq_lens,
-                                      double scale, int64_t window) {
+                                      double scale, int64_t window, bool rows_share_sequences) {
   const int64_t batch = qk.size(0), head_dim = qk.size(2);
   const int64_t num_heads = qk.size(1) - kv_cache.size(1);
   check_inputs(kv_cache, block_tables, seq_lens, qk.scalar_type(), head_dim);
@@ -583,13 +596,13 @@ torch::Tensor rotate_cache_and_decode(torch::Tensor qk, torch::Tensor v, torch::
   const float* rot = rotation.data_ptr<float>();
   if (qk.scalar_type() == torch::kFloat) {
     const NewTokens<float> fresh{qk.data_ptr<float>(), v.data_ptr<float>(), qk.stride(0),
-                                 v.stride(0), rot, slots};
+                                 v.stride(0), rot, slots, rows_share_sequences};
     dispatch<float>(nullptr, &fresh, kv_cache, block_tables, seq_lens, out, batch, num_heads,
                     head_dim, scale, window);
   } else {
     const NewTokens<at::BFloat16> fresh{qk.data_ptr<at::BFloat16>(),
                                         v.data_ptr<at::BFloat16>(), qk.stride(0), v.stride(0),
-                                        rot, slots};
+                                        rot, slots, rows_share_sequences};
     dispatch<at::BFloat16>(nullptr, &fresh, kv_cache, block_tables, seq_lens, out, batch,
                            num_heads, head_dim, scale, window);
   }
@@ -618,14 +631,14 @@ torch::Tensor rotate_and_cache(torch::Tensor qk, torch::Tensor v, torch::Tensor 
   const float* rot = rotation.data_ptr<float>();
   if (qk.scalar_type() == torch::kFloat) {
     const NewTokens<float> fresh{qk.data_ptr<float>(), v.data_ptr<float>(), qk.stride(0),
-                                 v.stride(0), rot, slots};
+                                 v.stride(0), rot, slots, true};
     float* k = kv_cache.data_ptr<float>();
     rotate_rows(fresh, rows, num_heads, num_kv_heads, head_dim, k,
                 k + num_kv_heads * head_stride, head_stride, q.data_ptr<float>());
   } else {
     using T = at::BFloat16;
     const NewTokens<T> fresh{qk.data_ptr<T>(), v.data_ptr<T>(), qk.stride(0), v.stride(0), rot,
-                             slots};
+                             slots, true};
     T* k = kv_cache.data_ptr<T>();
     rotate_rows(fresh, rows, num_heads, num_kv_heads, head_dim, k,
                 k + num_kv_heads * head_stride, head_stride, q.data_ptr<T>());

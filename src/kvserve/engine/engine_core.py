@@ -60,6 +60,7 @@ class EngineCore:
         seconds = time.perf_counter() - start
         self.execute_seconds += seconds
         self.scheduler.costs.observe_step(sched.num_scheduled_tokens, seconds)
+        self.scheduler.drafts.observe_step(sched, seconds)
         updated = self.scheduler.update_from_output(sched, result)
         by_id = dict(zip(result.request_ids, result.logprobs, strict=True))
         if not self.scheduler.has_unfinished_requests():

@@ -191,7 +191,9 @@ class LLMEngine:
             kv_host_blocks_used=kv.num_used_host_blocks,
             kv_host_blocks_total=kv.host_pool.num_blocks if kv.host_pool is not None else 0,
             step_seconds=self.step_seconds,
-            execute_seconds=self.core.execute_seconds)
+            execute_seconds=self.core.execute_seconds,
+            num_draft_tokens=scheduler.num_draft_tokens,
+            num_accepted_tokens=scheduler.num_accepted_tokens)
 
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the updated state of every request that changed."""

@@ -99,6 +99,11 @@ class EngineMetrics:
             "prefix_cache_hits": Counter(
                 "kvserve_prefix_cache_hits", "Prompt tokens whose KV the prefix cache held",
                 **labels),
+            "num_draft_tokens": Counter(
+                "kvserve_spec_decode_draft_tokens", "Speculative tokens verified", **labels),
+            "num_accepted_tokens": Counter(
+                "kvserve_spec_decode_accepted_tokens",
+                "Speculative tokens the model agreed with", **labels),
         }
         self._last_totals = dict.fromkeys(self._totals, 0)
         self._times: dict[str, RequestTimes] = {}

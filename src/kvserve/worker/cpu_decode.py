@@ -57,7 +57,7 @@ class CpuDecodeStack:
         return self.stack.forward(
             model.embed_tokens[inputs.input_ids], rotation, meta.slot_mapping,
             [layer.self_attn.kv_cache for layer in model.layers], block_tables.contiguous(),
-            seq_lens, meta.sliding_window or 0)
+            seq_lens, meta.sliding_window or 0, meta.decode_rows_share_sequences)
 
 
 def _layer_weights(layer: torch.nn.Module, kernels: ModuleType) -> object:

@@ -2,16 +2,19 @@
 live as long as the runner.
 
 Layout: every one-token request (a decode) first, then each multi-token chunk in turn, so
-attention can batch the decodes. The buffers are allocated once, sized by the step limits.
-Each step fills their host side with numpy (no per-token Python work) and copies what it
-used to the device once, without waiting (from pinned memory on CUDA): nothing in a step
-waits for the device until the sampled ids come back. Fixed device addresses are also what
-a captured CUDA graph replays over.
+attention can batch the decodes. A decode with speculative drafts becomes one decode row per
+token, each attending to the rows before it: verifying drafts costs what a batch of decodes
+does, on every decode path (CUDA graphs, the CPU decode stack).
+The buffers are allocated once, sized by the step limits. Each step fills their host side
+with numpy (no per-token Python work) and copies what it used to the device once, without
+waiting (from pinned memory on CUDA): nothing in a step waits for the device until the
+sampled ids come back. Fixed device addresses are also what a captured CUDA graph replays
+over.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
@@ -26,9 +29,9 @@ class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
-    sample_rows: torch.Tensor  # flat row of each sampling request's last token
-    sample_requests: list[ScheduledRequest]
-    scheduled: list[ScheduledRequest]  # in row order: decodes, then chunks
+    sample_rows: torch.Tensor  # flat rows of each sampling request's last token (and drafts)
+    sample_requests: list[ScheduledRequest]  # each has 1 + num_draft_tokens sample rows
+    scheduled: list[ScheduledRequest]  # in row order: decodes (drafts split), then chunks
     query_start_host: np.ndarray  # first row of each of `scheduled`, then the row count
 
 
@@ -54,6 +57,7 @@ class StagedTensor:
 class InputBuffers:
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
                  block_size: int, sliding_window: int | None, device: str) -> None:
+        """`max_num_seqs` counts rows: a decode's drafts take one each."""
         dev = torch.device(device)
         self.block_size, self.sliding_window = block_size, sliding_window
         self.max_num_tokens = max_num_tokens
@@ -80,8 +84,10 @@ class InputBuffers:
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
         self._wait_for_uploads()
-        ordered = ([s for s in scheduled if len(s.token_ids) == 1]
-                   + [s for s in scheduled if len(s.token_ids) > 1])
+        decodes = [s for s in scheduled if len(s.token_ids) == 1]
+        drafted = [s for s in scheduled if s.num_draft_tokens]
+        chunks = [s for s in scheduled if len(s.token_ids) > 1 and not s.num_draft_tokens]
+        ordered = decodes + [row for s in drafted for row in _draft_rows(s)] + chunks
         num_decodes = sum(len(s.token_ids) == 1 for s in ordered)
         num_seqs = len(ordered)
         num_new = np.fromiter((len(s.token_ids) for s in ordered), np.int64, num_seqs)
@@ -125,13 +131,14 @@ class InputBuffers:
             seq_lens_host=seq_lens.copy(),
             prefills=prefills,
             sliding_window=self.sliding_window,
+            decode_rows_share_sequences=bool(drafted),
         )
         inputs = ModelInputs(
             input_ids=self.input_ids.upload(num_tokens),
             positions=self.positions.upload(num_tokens),
             attn_metadata=meta,
             sample_rows=self.sample_rows.upload(num_samples),
-            sample_requests=[ordered[i] for i in sampling],
+            sample_requests=[s for s in decodes + drafted + chunks if s.sample],
             scheduled=ordered,
             query_start_host=query_start.copy(),
         )
@@ -167,3 +174,11 @@ class InputBuffers:
                              scheduled=[], query_start_host=np.arange(batch_size + 1))
         self._mark_uploads()
         return inputs
+
+
+def _draft_rows(scheduled: ScheduledRequest) -> list[ScheduledRequest]:
+    """A decode with drafts as one sampling decode row per token, in order."""
+    return [replace(scheduled, token_ids=[token_id],
+                    num_computed_tokens=scheduled.num_computed_tokens + i, sample=True,
+                    num_draft_tokens=0)
+            for i, token_id in enumerate(scheduled.token_ids)]

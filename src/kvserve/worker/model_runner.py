@@ -6,12 +6,19 @@ makes no scheduling decisions.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvserve.attention.selector import get_attention_backend
 from kvserve.attention.torch_ref import apply_rotary
 from kvserve.config import EngineConfig
-from kvserve.core.scheduler.output import KVTransfers, ModelRunnerOutput, SchedulerOutput
+from kvserve.core.scheduler.output import (
+    KVTransfers,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from kvserve.cpp_extension import cpu_kernels
 from kvserve.models.loader import load_model
 from kvserve.worker.cpu_decode import CpuDecodeStack
@@ -22,6 +29,7 @@ from kvserve.worker.host_kv import HostKVCache
 from kvserve.worker.input_batch import InputBuffers, ModelInputs
 from kvserve.worker.prompt_logprobs import prompt_logprobs
 from kvserve.worker.sampler import Sampler, SamplingState
+from kvserve.worker.speculative import Drafter
 from kvserve.worker.structured_output import GrammarMatchers
 
 
@@ -50,7 +58,8 @@ class ModelRunner:
                                        model_identity(mc, self.block_size),
                                        config.kv_bytes_per_block)
         sched = config.scheduler
-        self.inputs = InputBuffers(sched.max_num_tokens_per_step, sched.max_num_seqs,
+        self.inputs = InputBuffers(sched.max_num_tokens_per_step,
+                                   sched.max_num_seqs * (1 + config.num_speculative_tokens),
                                    -(-sched.max_model_len // self.block_size), self.block_size,
                                    mc.sliding_window, self.device)
         self.graphs = self._decode_graphs()
@@ -58,11 +67,14 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device,
                                GrammarMatchers(mc.path, mc.vocab_size))
         self.states: dict[str, SamplingState] = {}
+        self.drafter = Drafter(config.speculative) if config.speculative is not None else None
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.states.pop(request_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(request_id)
         for new in sched.new_requests:
             self.states[new.request_id] = self.sampler.new_state(
                 new.sampling_params, new.prompt_token_ids, new.eos_token_ids,
@@ -79,17 +91,46 @@ class ModelRunner:
         if not inputs.sample_requests:
             return ModelRunnerOutput([], [], prompt_logprobs=scored, failed_promotions=failed)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        states = [self.states[s.request_id] for s in inputs.sample_requests]
-        sampled = self.sampler(logits, states)
-        for state, token_id in zip(states, sampled.token_ids, strict=True):
-            state.output_token_ids.append(token_id)
+        requests = inputs.sample_requests
+        request_ids = [s.request_id for s in requests]
+        states = [self.states[i] for i in request_ids]
+        new_tokens, logprobs = self._sample(logits, requests, states)
+        for state, token_ids in zip(states, new_tokens, strict=True):
+            state.output_token_ids += token_ids
         return ModelRunnerOutput(
-            request_ids=[s.request_id for s in inputs.sample_requests],
-            sampled_token_ids=[[t] for t in sampled.token_ids],
+            request_ids=request_ids,
+            sampled_token_ids=new_tokens,
             failed_promotions=failed,
-            logprobs=sampled.logprobs,
+            logprobs=logprobs,
             prompt_logprobs=scored,
+            draft_token_ids=(self.drafter.propose(request_ids, states)
+                             if self.drafter is not None else {}),
         )
+
+    def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
+                states: list[SamplingState]
+                ) -> tuple[list[list[int]], list[TokenLogprobs | None]]:
+        """Each request's new tokens and the logprobs of a single one: request i's logits are
+        its 1 + num_draft_tokens rows from the first not yet taken."""
+        if not any(s.num_draft_tokens for s in requests):
+            sampled = self.sampler(logits, states)
+            return [[t] for t in sampled.token_ids], sampled.logprobs
+        first_rows = np.cumsum([0] + [1 + s.num_draft_tokens for s in requests])
+        plain = [i for i, s in enumerate(requests) if not s.num_draft_tokens]
+        drafted = [i for i, s in enumerate(requests) if s.num_draft_tokens]
+        new_tokens: list[list[int]] = [[] for _ in requests]
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        if plain:
+            sampled = self.sampler(logits[first_rows[plain]], [states[i] for i in plain])
+            for i, token_id, lp in zip(plain, sampled.token_ids, sampled.logprobs, strict=True):
+                new_tokens[i], logprobs[i] = [token_id], lp
+        rows = np.concatenate([np.arange(first_rows[i], first_rows[i + 1]) for i in drafted])
+        verified = self.sampler.verify(
+            logits[rows], [states[i] for i in drafted],
+            [requests[i].token_ids[1:] for i in drafted])
+        for i, token_ids in zip(drafted, verified, strict=True):
+            new_tokens[i] = token_ids
+        return new_tokens, logprobs
 
     def _transfer(self, transfers: KVTransfers) -> list[bytes]:
         """Makes the step's KV copies in the order `KVTransfers` gives; returns the hashes of

@@ -93,13 +93,68 @@ class Sampler:
             return None
         return torch.log_softmax(logits, dim=-1)
 
+    def verify(self, logits: torch.Tensor, states: list[SamplingState],
+               drafts: list[list[int]]) -> list[list[int]]:
+        """Speculative decoding's check: request i has `len(drafts[i]) + 1` consecutive rows
+        of logits, the first scoring its first draft. Returns each request's new tokens: the
+        drafts up to the first one the model would not have produced, then one token of the
+        model's. Greedy: a draft stays while it is the argmax. Random: draft d stays with
+        probability p(d) (p after temperature, top-k, top-p and min-p), else the token comes
+        from p without d, renormalized; that is exact rejection sampling for drafts that are
+        a function of the context, so the output follows p as without drafts. Requests that
+        draft have no penalties, grammar, logprobs or pending min_tokens."""
+        row_states = [st for st, d in zip(states, drafts, strict=True) for _ in range(len(d) + 1)]
+        first_rows = [0]
+        for d in drafts:
+            first_rows.append(first_rows[-1] + len(d) + 1)
+        argmax = logits.argmax(dim=-1).tolist()
+        random = [i for i, st in enumerate(states) if not st.params.is_greedy]
+        accepted = [_agreeing(d, argmax[first:first + len(d)])
+                    for d, first in zip(drafts, first_rows, strict=False)]
+        chosen = [argmax[first + a] for first, a in zip(first_rows, accepted, strict=False)]
+        if random:
+            rows = [r for i in random for r in range(first_rows[i], first_rows[i + 1])]
+            scaled = self._scale_and_filter(logits[rows], [row_states[r] for r in rows])
+            probs = torch.softmax(scaled, dim=-1)
+            local = dict(zip(rows, range(len(rows)), strict=True))
+            draft_rows = [local[first_rows[i] + j] for i in random for j in range(len(drafts[i]))]
+            draft_ids = [t for i in random for t in drafts[i]]
+            p_draft = probs[draft_rows, draft_ids].tolist()
+            final_rows, offset = [], 0
+            for i in random:
+                st, d = states[i], drafts[i]
+                uniform = torch.rand(len(d), generator=st.generator or self.generator,
+                                     device=self.device).tolist()
+                accepted[i] = next((j for j, (u, p) in enumerate(
+                    zip(uniform, p_draft[offset:offset + len(d)], strict=True)) if u >= p),
+                    len(d))
+                offset += len(d)
+                row = local[first_rows[i] + accepted[i]]
+                if accepted[i] < len(d):  # rejected: the residual p without the draft
+                    scaled[row, d[accepted[i]]] = float("-inf")
+                final_rows.append(row)
+            final = self._draw(scaled[final_rows], [states[i] for i in random]).tolist()
+            for i, token_id in zip(random, final, strict=True):
+                chosen[i] = token_id
+        return [d[:a] + [t] for d, a, t in zip(drafts, accepted, chosen, strict=True)]
+
     def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """`logits` is the caller's copy and is overwritten: in-place ops spare the step
         several fresh vocabulary-sized buffers."""
+        return self._draw(self._scale_and_filter(logits, states), states)
+
+    @staticmethod
+    def _scale_and_filter(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p, in place on the caller's copy."""
         temps = torch.tensor([st.params.temperature for st in states], device=logits.device)
         logits.div_(temps.unsqueeze(1))
         for row, st in enumerate(states):
             _filter(logits[row], st.params)
+        return logits
+
+    def _draw(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """One token per row of scaled and filtered logits (overwritten), drawn from their
+        softmax."""
         # An unnormalized CDF: the uniform draw is scaled by its total instead.
         cdf = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)
         uniform = torch.empty(len(states), 1, device=logits.device)
@@ -114,6 +169,12 @@ class Sampler:
         total = cdf[:, -1:]
         target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
         return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _agreeing(drafts: list[int], targets: list[int]) -> int:
+    """How many leading drafts equal the model's own choices."""
+    return next((j for j, (d, t) in enumerate(zip(drafts, targets, strict=True)) if d != t),
+                len(drafts))
 
 
 def _apply_penalties(logits: torch.Tensor, st: SamplingState) -> None:

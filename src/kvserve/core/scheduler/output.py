@@ -25,8 +25,10 @@ class NewRequestData:
 class ScheduledRequest:
     """Compute KV for `token_ids`, the request's tokens from `num_computed_tokens` on; when
     `sample` is set they end the request's known tokens, so the runner samples the next one.
-    A streaming request's cache has dropped `num_evicted_tokens`: its tokens go that many
-    positions lower, in the cache and for the rotary embedding."""
+    The last `num_draft_tokens` of them are speculative drafts that follow the known tokens:
+    the runner samples after each, and keeps the drafts up to the first one sampled
+    otherwise. A streaming request's cache has dropped `num_evicted_tokens`: its tokens go
+    that many positions lower, in the cache and for the rotary embedding."""
 
     request_id: str
     token_ids: list[int]
@@ -34,6 +36,7 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     num_evicted_tokens: int = 0
+    num_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -57,8 +60,8 @@ class KVTransfers:
 
 @dataclass(slots=True, frozen=True)
 class StepShape:
-    """What a step computes, in the terms its cost grows with: decodes, prompt tokens, and
-    the cached tokens the decodes attend to."""
+    """What a step computes, in the terms its cost grows with: decode rows, prompt tokens,
+    and the cached tokens the decode rows attend to."""
 
     num_decodes: int
     num_prefill_tokens: int
@@ -87,9 +90,13 @@ class SchedulerOutput:
 
     @property
     def shape(self) -> StepShape:
-        decodes = [s for s in self.scheduled if len(s.token_ids) == 1]
-        return StepShape(len(decodes), self.num_scheduled_tokens - len(decodes),
-                         sum(s.num_computed_tokens for s in decodes))
+        """A decode's drafts count as decodes: each is a decode row of the forward."""
+        decodes = [s for s in self.scheduled if len(s.token_ids) - s.num_draft_tokens == 1]
+        rows = sum(len(s.token_ids) for s in decodes)
+        return StepShape(rows, self.num_scheduled_tokens - rows,
+                         sum(len(s.token_ids) * s.num_computed_tokens
+                             + len(s.token_ids) * (len(s.token_ids) - 1) // 2
+                             for s in decodes))
 
 
 # One token's logprobs: (top-k token ids, their logprobs, the token's logprob, its rank).
@@ -98,7 +105,8 @@ TokenLogprobs = tuple[list[int], list[float], float, int]
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """One sampled token (as a list, for future multi-token steps) per sampling request."""
+    """The new tokens of each sampling request: one, or with speculative decoding the drafts
+    it accepted and one more; and the drafts proposed for each request's next step."""
 
     request_ids: list[str]
     sampled_token_ids: list[list[int]]
@@ -107,3 +115,4 @@ class ModelRunnerOutput:
     # p, p + 1, ...) for requests that asked for prompt logprobs and ran prompt chunks.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     failed_promotions: list[bytes] = field(default_factory=list)  # unreadable disk blocks
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

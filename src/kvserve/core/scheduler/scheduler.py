@@ -13,6 +13,11 @@ newest) is preempted and waits at the front of its lane. By recompute, its block
 and it is prefilled again; by swap, its KV moves to host blocks and back when it resumes.
 `preemption_mode` picks one, or `auto` picks per request whichever `PreemptionCosts`
 measures cheaper.
+With speculative decoding, a decode also carries some of the tokens the runner drafted for it
+last step: as many as `DraftPolicy` expects to pay off, and the budget, its max_tokens and
+max_model_len allow. The runner returns the drafts the model agreed with plus one token of
+its own; the KV written for the rejected ones is overwritten later (their slots lie past the
+request's computed tokens).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from kvserve.core.scheduler.output import (
 )
 from kvserve.core.scheduler.policy import WaitingQueue, make_policy
 from kvserve.core.scheduler.preemption import PreemptionCosts
+from kvserve.core.scheduler.speculation import DraftPolicy
 from kvserve.core.scheduler.stop import check_stop
 from kvserve.request import Request, RequestStatus
 
@@ -50,6 +56,10 @@ class Scheduler:
         self.num_swapped_preemptions = 0  # of those, by swap
         self.num_recomputed_tokens = 0  # tokens computed again after recompute preemptions
         self._dropped: dict[str, int] = {}  # request id -> computed tokens its preemption dropped
+        self.drafts = DraftPolicy()
+        self._num_decoding = 0  # running requests with one token to compute, this step
+        self.num_draft_tokens = 0  # speculative tokens verified
+        self.num_accepted_tokens = 0  # of those, the ones the model agreed with
 
     def add_request(self, request: Request, first_in_line: bool = False) -> None:
         """Queues a validated request at the back of the waiting queue (or its front)."""
@@ -75,6 +85,7 @@ class Scheduler:
         now = time.monotonic()
         decodes_first = sorted(self.running,
                                key=lambda r: (_has_prompt_left(r), self.policy.rank(r, now)))
+        self._num_decoding = sum(not _has_prompt_left(r) for r in self.running)
         if self.config.policy == "prefill_first":
             # Whole prompts in a step of their own whenever any can run; decodes wait.
             self._admit_waiting(out, chunks, budget, whole_prompts=True)
@@ -102,7 +113,12 @@ class Scheduler:
                 continue  # prefilled: held until it moves to a decode replica
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_new = self.kv_cache.slide_window(request, num_new)
+            num_drafts = self._num_drafts(request, budget - num_new)
+            num_new += num_drafts
             while not self.kv_cache.allocate_slots(request, num_new):
+                if num_drafts:  # verify no drafts rather than preempt anyone
+                    num_new, num_drafts = num_new - num_drafts, 0
+                    continue
                 victim = self._last_ranked()
                 budget += chunks.pop(victim.request_id, 0)
                 self._preempt(victim, out)
@@ -112,6 +128,19 @@ class Scheduler:
                 chunks[request.request_id] = num_new
                 budget -= num_new
         return budget
+
+    def _num_drafts(self, request: Request, room: int) -> int:
+        """How many of the request's drafts to verify this step: none unless it decodes, at
+        most `room` tokens of budget, no more than could be kept without passing its
+        max_tokens or max_model_len (the model adds a token of its own), and no more than
+        the draft policy expects to pay off."""
+        if not request.spec_token_ids or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        limit = min(room, request.max_tokens - request.num_output_tokens - 1,
+                    self.config.max_model_len - request.num_tokens)
+        if limit <= 0:
+            return 0
+        return min(limit, self.drafts.num_to_verify(request, self._num_decoding))
 
     def _admit_waiting(self, out: SchedulerOutput, chunks: dict[str, int], budget: int,
                        whole_prompts: bool) -> None:
@@ -236,20 +265,26 @@ class Scheduler:
         return completed
 
     def _schedule_chunk(self, request: Request, num_new: int) -> ScheduledRequest:
+        """Counts the chunk as computed; a decode's drafts (which end its chunk) until the
+        runner says which were accepted."""
         start = request.num_computed_tokens
+        known = min(num_new, request.num_tokens - start)
+        drafts = request.spec_token_ids[:num_new - known]
         request.num_computed_tokens += num_new
         self.policy.on_scheduled(request, num_new)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, start + num_new),
+            token_ids=request.token_ids_slice(start, start + known) + drafts,
             num_computed_tokens=start,
             block_ids=list(self.kv_cache.get_block_ids(request.request_id)),
-            sample=request.num_computed_tokens == request.num_tokens,
+            sample=start + known == request.num_tokens,
             num_evicted_tokens=request.num_evicted_tokens,
+            num_draft_tokens=len(drafts),
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         if self._swaps(request):
             self.kv_cache.swap_out(request)
             self.num_swapped_preemptions += 1
@@ -274,25 +309,37 @@ class Scheduler:
 
     def update_from_output(self, scheduled: SchedulerOutput,
                            result: ModelRunnerOutput) -> list[Request]:
-        """Appends each sampled token to its request and finishes those that hit a token-level
-        stop; returns the requests that got a token."""
+        """Appends each request's new tokens, uncounts the drafts the model rejected, and
+        finishes the requests that hit a token-level stop (tokens after it are dropped);
+        keeps the next step's drafts. Returns the requests that got a token."""
         self.kv_cache.end_step(result.failed_promotions)
+        sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=True))
         for scheduled_request in scheduled.scheduled:
             request = self.requests.get(scheduled_request.request_id)
-            if request is not None:
-                self.kv_cache.cache_computed_blocks(request)
+            if request is None:
+                continue
+            num_drafts = scheduled_request.num_draft_tokens
+            if num_drafts and request.request_id in sampled:
+                accepted = len(sampled[request.request_id]) - 1
+                request.num_computed_tokens -= num_drafts - accepted
+                self.num_draft_tokens += num_drafts
+                self.num_accepted_tokens += accepted
+            self.kv_cache.cache_computed_blocks(request)
+        # A streaming window bounds the cache, not the stream.
+        max_len = None if self.kv_cache.window_blocks else self.config.max_model_len
         updated = []
-        for request_id, token_ids in zip(result.request_ids, result.sampled_token_ids,
-                                          strict=True):
+        for request_id, token_ids in sampled.items():
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            request.output_token_ids.extend(token_ids)
-            # A streaming window bounds the cache, not the stream.
-            max_len = None if self.kv_cache.window_blocks else self.config.max_model_len
-            status = check_stop(request, max_len)
-            if status is not None:
-                self._finish(request, status)
+            self.drafts.observe(request, token_ids)
+            for token_id in token_ids:
+                request.output_token_ids.append(token_id)
+                status = check_stop(request, max_len)
+                if status is not None:
+                    self._finish(request, status)
+                    break
+            request.spec_token_ids = result.draft_token_ids.get(request_id, [])
             updated.append(request)
         return updated
 
@@ -306,6 +353,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv_cache.free(request)
         self.policy.on_finished(request)
+        request.spec_token_ids = []
         del self.requests[request_id]
         self._started_ids.discard(request_id)
         self._finished_ids.add(request_id)

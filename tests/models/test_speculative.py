@@ -1,0 +1,101 @@
+"""Speculative decoding changes how fast tokens come, never which: greedy outputs equal
+transformers' and the engine's own without drafts, through every decode path and schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from tests.conftest import random_prompts
+from tests.models.test_hf_equivalence import (
+    MAX_TOKENS,
+    PROMPT_LENS,
+    assert_no_blocks_held,
+    hf_greedy,
+    kv_bytes_for_blocks,
+    run_greedy,
+)
+
+SETTINGS = {
+    "default": {},
+    "eager": {"enforce_eager": True},  # the fused attention kernel, not the decode stack
+    "small-chunks": {"max_num_batched_tokens": 16},
+    "preemption": {"max_num_batched_tokens": 64, "kv_blocks": 24,
+                   "preemption_mode": "recompute"},
+    "preemption-swap": {"max_num_batched_tokens": 64, "kv_blocks": 24, "preemption_mode": "swap"},
+    "one-draft": {"num_speculative_tokens": 1},
+}
+
+
+def looping_prompts(seed: int) -> list[list[int]]:
+    """Random prompts, and ones that repeat a phrase: prompt lookup finds drafts in both
+    (a tiny random model's greedy output soon repeats itself)."""
+    phrase = random_prompts([9], seed=seed)[0]
+    return random_prompts(PROMPT_LENS, seed=seed) + [phrase * 5, phrase * 2 + phrase[:4]]
+
+
+CASES = ([("llama", setting) for setting in SETTINGS]
+         + [(arch, setting) for arch in ("mistral", "qwen3") for setting in ("default", "eager")])
+
+
+@pytest.mark.parametrize(("arch", "setting"), CASES)
+def test_greedy_with_drafts_matches_transformers(model_dirs, arch, setting):
+    path = model_dirs[arch]
+    kwargs = dict(SETTINGS[setting])
+    if "kv_blocks" in kwargs:
+        kwargs["kv_cache_memory"] = kv_bytes_for_blocks(path, kwargs.pop("kv_blocks"))
+    llm = LLM(str(path), speculative_model="ngram", **kwargs)
+    prompts = looping_prompts(seed=len(setting))
+    got = run_greedy(llm, prompts, max_tokens=2 * MAX_TOKENS)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == hf_greedy(path, tuple(prompt), 2 * MAX_TOKENS), f"prompt of {len(prompt)}"
+    scheduler = llm.engine.core.scheduler
+    assert scheduler.num_accepted_tokens > 0, "no draft was verified and kept"
+    if setting.startswith("preemption"):
+        assert scheduler.num_preemptions > 0
+
+
+def test_stops_limits_and_seeds_are_unchanged_by_drafts(llama_dir):
+    """max_tokens, stop tokens, stop strings, n and seeded sampling give what they give
+    without drafts, though a step may bring several tokens."""
+    plain = LLM(str(llama_dir))
+    speculative = LLM(str(llama_dir), speculative_model="ngram")
+    prompts = [{"prompt_token_ids": p} for p in looping_prompts(seed=3)]
+    greedy = [o.outputs[0].token_ids for o in plain.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        use_tqdm=False)]
+    stop_token = greedy[-1][25]
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0.0, max_tokens=40, stop=[plain.get_tokenizer().decode(
+            greedy[-1][20:22])]),
+        SamplingParams(temperature=0.8, max_tokens=30, seed=5, n=2),
+    ]
+    for params in cases:
+        want = plain.generate(prompts, params, use_tqdm=False)
+        got = speculative.generate(prompts, params, use_tqdm=False)
+        for w, g in zip(want, got, strict=True):
+            for wc, gc in zip(w.outputs, g.outputs, strict=True):
+                if params.temperature == 0.0:
+                    assert (gc.token_ids, gc.text, gc.finish_reason) == \
+                        (wc.token_ids, wc.text, wc.finish_reason)
+                else:
+                    assert len(gc.token_ids) == len(wc.token_ids)
+    again = speculative.generate(prompts, cases[-1], use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in again] == \
+        [[c.token_ids for c in o.outputs] for o in got]
+    assert speculative.engine.stats().num_accepted_tokens > 0
+    assert_no_blocks_held(speculative)
+
+
+def test_speculative_options_are_checked(llama_dir):
+    with pytest.raises(ValueError, match="speculative_model"):
+        LLM(str(llama_dir), speculative_model="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(str(llama_dir), speculative_model="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        LLM(str(llama_dir), speculative_model="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="streaming_window"):
+        LLM(str(llama_dir), speculative_model="ngram", streaming_window=4,
+            enable_prefix_caching=False)
