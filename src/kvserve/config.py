@@ -128,6 +128,20 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+def _speculative_config(model: str | None, num_speculative_tokens: int,
+                        prompt_lookup_min: int, prompt_lookup_max: int, dtype: str,
+                        device: str) -> SpeculativeConfig | None:
+    """`model`: None (off), "ngram", or a draft model's checkpoint folder."""
+    if model is None:
+        return None
+    if model != "ngram" and not Path(model).is_dir():
+        raise ValueError(f"speculative_model must be 'ngram' or a draft model's checkpoint "
+                         f"folder, got {model!r}")
+    draft = None if model == "ngram" else ModelConfig.from_pretrained(model, dtype, device)
+    return SpeculativeConfig(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max,
+                             draft)
+
+
 def resolve_dtype(dtype: str | torch.dtype, raw: dict[str, Any], device: str = "cpu"
                   ) -> torch.dtype:
     """`auto` is the checkpoint's dtype, except:
@@ -256,6 +270,9 @@ class SchedulerConfig:
     # A disaggregated cluster's prefill replica: a request stops after its first token, its
     # KV held until it moves to a decode replica.
     prefill_only: bool = False
+    # With a draft model: the tokens after each sampling chunk whose slots are allocated too,
+    # where the draft model writes its KV as it drafts.
+    draft_lookahead: int = 0
 
     def __post_init__(self) -> None:
         for name, choices in (("policy", SCHEDULER_POLICIES),
@@ -281,25 +298,19 @@ class SchedulerConfig:
         return self.max_num_batched_tokens
 
 
-SPECULATIVE_METHODS = ("ngram",)
-
-
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding: a decode step also verifies up to `num_speculative_tokens`
     drafted tokens, and keeps those the model agrees with. `ngram` (prompt lookup) drafts the
     tokens that followed the sequence's last `prompt_lookup_max` ... `prompt_lookup_min`
-    tokens where they occurred before."""
+    tokens where they occurred before; a `draft` model drafts its greedy tokens."""
 
-    method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    draft: ModelConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_model must be one of {', '.join(SPECULATIVE_METHODS)}"
-                             f", got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], "
                              f"got {self.num_speculative_tokens}")
@@ -307,6 +318,10 @@ class SpeculativeConfig:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) and "
                              f"prompt_lookup_max ({self.prompt_lookup_max}) must satisfy "
                              "1 <= min <= max")
+
+    @property
+    def method(self) -> str:
+        return "ngram" if self.draft is None else "draft_model"
 
 
 @dataclass
@@ -341,11 +356,36 @@ class EngineConfig:
                              f"({self.scheduler.max_model_len}), the positions a request's "
                              "cache may span")
         if self.speculative is not None:
-            if self.cache.streaming_window:
-                raise ValueError("speculative decoding does not run with a streaming_window")
-            if self.tensor_parallel_size > 1:
-                raise ValueError("speculative decoding does not run with "
-                                 "tensor_parallel_size > 1 yet")
+            self._check_speculative(self.speculative)
+
+    def _check_speculative(self, spec: SpeculativeConfig) -> None:
+        if self.cache.streaming_window:
+            raise ValueError("speculative decoding does not run with a streaming_window")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding does not run with "
+                             "tensor_parallel_size > 1 yet")
+        draft = spec.draft
+        if draft is None:
+            return
+        if draft.vocab_size != self.model.vocab_size:
+            raise ValueError(f"speculative_model: the draft's vocab_size ({draft.vocab_size}) "
+                             f"must equal the model's ({self.model.vocab_size})")
+        if draft.sliding_window != self.model.sliding_window:
+            raise ValueError(f"speculative_model: the draft's sliding_window "
+                             f"({draft.sliding_window}) must equal the model's "
+                             f"({self.model.sliding_window})")
+        if draft.max_position_embeddings < self.scheduler.max_model_len:
+            raise ValueError(f"speculative_model: the draft's max_position_embeddings "
+                             f"({draft.max_position_embeddings}) must be >= max_model_len "
+                             f"({self.scheduler.max_model_len})")
+        # The host tiers hold the model's KV only: a draft's would be lost on the way.
+        if self.scheduler.preemption_mode == "swap":
+            raise ValueError("speculative_model: a draft model's KV is not swapped; use "
+                             "preemption_mode recompute or auto")
+        if self.cache.kv_offload_host:
+            raise ValueError("speculative_model: a draft model's KV is not offloaded; it "
+                             "needs kv_offload_host 0")
+        self.scheduler.draft_lookahead = spec.num_speculative_tokens
 
     @classmethod
     def create(cls, model: str, dtype: str = "auto", max_num_batched_tokens: int = 2048,
@@ -381,9 +421,9 @@ class EngineConfig:
             device=device,
             enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size,
-            speculative=None if speculative_model is None else SpeculativeConfig(
-                speculative_model, num_speculative_tokens, prompt_lookup_min,
-                prompt_lookup_max),
+            speculative=_speculative_config(speculative_model, num_speculative_tokens,
+                                            prompt_lookup_min, prompt_lookup_max, dtype,
+                                            device),
         )
 
     @property
@@ -400,14 +440,18 @@ class EngineConfig:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Of one rank's share of a block (its KV heads), which `kv_cache_memory` and the
-        host tiers' sizes count in."""
-        return self.model.kv_bytes_per_token * self.cache.block_size // self.tensor_parallel_size
+        """Of one rank's share of a block (its KV heads, and a draft model's), which
+        `kv_cache_memory` and the host tiers' sizes count in."""
+        per_token = self.model.kv_bytes_per_token
+        if self.speculative is not None and self.speculative.draft is not None:
+            per_token += self.speculative.draft.kv_bytes_per_token
+        return per_token * self.cache.block_size // self.tensor_parallel_size
 
     @property
     def num_host_kv_blocks(self) -> int:
-        """Blocks of swap space; none when preemption always recomputes."""
-        if self.scheduler.preemption_mode == "recompute":
+        """Blocks of swap space; none when preemption always recomputes, or with a draft
+        model (whose KV is not swapped)."""
+        if self.scheduler.preemption_mode == "recompute" or self.scheduler.draft_lookahead:
             return 0
         return self.cache.swap_space // self.kv_bytes_per_block
 

@@ -11,7 +11,6 @@ from kvserve.config import (
     PREEMPTION_MODES,
     SCHEDULER_POLICIES,
     SCHEDULING_POLICIES,
-    SPECULATIVE_METHODS,
     GiB,
 )
 
@@ -69,10 +68,11 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                          "one GPU each)")),
     ("--enforce-eager", dict(action="store_true",
                              help="CUDA: run every step eagerly, never replaying CUDA graphs")),
-    ("--speculative-model", dict(default=None, choices=SPECULATIVE_METHODS,
-                                 help="speculative decoding: ngram drafts tokens by prompt "
-                                      "lookup, and each decode step verifies them (default: "
-                                      "off)")),
+    ("--speculative-model", dict(default=None,
+                                 help="speculative decoding: each decode step verifies drafted "
+                                      "tokens, from prompt lookup (ngram) or a small model "
+                                      "with the same tokenizer (its checkpoint folder); "
+                                      "default: off")),
     ("--num-speculative-tokens", dict(type=int, default=4,
                                       help="most drafts a decode step verifies (default 4)")),
     ("--prompt-lookup-min", dict(type=int, default=2,

@@ -128,6 +128,14 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def allows_drafts(self) -> bool:
+        """Whether speculative drafts can be verified for the request: its next token
+        depends on the logits alone (no penalties, grammar or logprobs; min_tokens aside)."""
+        return (self.structured_output is None and self.logprobs is None
+                and self.repetition_penalty == 1.0 and not self.presence_penalty
+                and not self.frequency_penalty)
+
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:

@@ -3,9 +3,13 @@ transformers' and the engine's own without drafts, through every decode path and
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.core.scheduler.speculation import DraftPolicy
 from tests.conftest import random_prompts
 from tests.models.test_hf_equivalence import (
     MAX_TOKENS,
@@ -91,7 +95,7 @@ def test_stops_limits_and_seeds_are_unchanged_by_drafts(llama_dir):
 
 def test_speculative_options_are_checked(llama_dir):
     with pytest.raises(ValueError, match="speculative_model"):
-        LLM(str(llama_dir), speculative_model="eagle")
+        LLM(str(llama_dir), speculative_model="eagle")  # neither ngram nor a folder
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(str(llama_dir), speculative_model="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
@@ -99,3 +103,59 @@ def test_speculative_options_are_checked(llama_dir):
     with pytest.raises(ValueError, match="streaming_window"):
         LLM(str(llama_dir), speculative_model="ngram", streaming_window=4,
             enable_prefix_caching=False)
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """Every draft proposed and verified, whatever the policy would measure as paying (with a
+    draft model as costly as the target, nothing would)."""
+    monkeypatch.setattr(DraftPolicy, "num_to_propose", lambda self, request, n, most: most)
+    monkeypatch.setattr(DraftPolicy, "num_to_verify",
+                        lambda self, request, n: len(request.spec_token_ids))
+
+
+@pytest.mark.parametrize("setting", ["default", "eager", "small-chunks", "preemption"])
+def test_a_model_drafting_for_itself_is_always_right(model_dirs, always_draft, setting):
+    """The draft's KV stays in step with the target's through chunks, preemption and prefix
+    hits (the batch runs twice): drafting with the target's own weights, every draft is
+    kept, and the output is transformers'."""
+    path = model_dirs["llama"]
+    kwargs = dict(SETTINGS[setting])
+    if "kv_blocks" in kwargs:
+        kwargs["kv_cache_memory"] = 2 * kv_bytes_for_blocks(path, kwargs.pop("kv_blocks"))
+    llm = LLM(str(path), speculative_model=str(path), **kwargs)
+    prompts = random_prompts(PROMPT_LENS, seed=8)
+    for _ in range(2):
+        got = run_greedy(llm, prompts)
+        assert got == [hf_greedy(path, tuple(p), MAX_TOKENS) for p in prompts]
+    stats = llm.get_stats()
+    assert stats.num_draft_tokens > len(prompts) * MAX_TOKENS
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+    assert stats.prefix_cache_hits > 0
+    if setting == "preemption":
+        assert stats.num_preemptions > 0
+
+
+def test_another_model_drafts_without_changing_the_output(model_dirs, always_draft):
+    path = model_dirs["llama"]
+    llm = LLM(str(path), speculative_model=str(model_dirs["qwen3"]))
+    prompts = looping_prompts(seed=9)
+    assert run_greedy(llm, prompts) == [hf_greedy(path, tuple(p), MAX_TOKENS) for p in prompts]
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
+    assert llm.get_stats().num_draft_tokens > 0
+
+
+def test_a_draft_model_must_fit_the_target(model_dirs, tmp_path):
+    path = model_dirs["llama"]
+    other = tmp_path / "draft"
+    shutil.copytree(model_dirs["qwen3"], other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 2999}))
+    with pytest.raises(ValueError, match="vocab_size"):
+        LLM(str(path), speculative_model=str(other))
+    with pytest.raises(ValueError, match="preemption_mode"):
+        LLM(str(path), speculative_model=str(path), preemption_mode="swap")
+    with pytest.raises(ValueError, match="'ngram' or a draft model's checkpoint folder"):
+        LLM(str(path), speculative_model=str(tmp_path / "missing"))

@@ -186,3 +186,19 @@ def test_greedy_verify_keeps_drafts_while_they_are_the_argmax():
     assert sampler.verify(logits, [state], [[3, 4, 1]]) == [[3, 4, 0]]
     assert sampler.verify(logits, [state], [[3, 4, 0]]) == [[3, 4, 0, 5]]
     assert sampler.verify(logits, [state], [[2, 4, 0]]) == [[3]]
+
+
+def test_draft_model_steps_are_proposed_only_where_they_pay():
+    policy = DraftPolicy()
+    for rows in (1, 2) * 4:  # decode steps of 10 ms plus 1 ms a row
+        step = SchedulerOutput([ScheduledRequest("r", [0] * rows, 10, [0], True,
+                                                 num_draft_tokens=rows - 1)])
+        policy.observe_step(step, 0.010 + 0.001 * rows)
+    request = request_with([], hits=19, trials=20)
+    request.output_token_ids = [0]
+    policy.observe_drafting(0.002, 1)  # a cheap draft model: all four drafts
+    assert policy.num_to_propose(request, 1, 4) == 4
+    policy.observe_drafting(1.0, 1)  # as dear as whole steps: none, but a probe now and then
+    assert policy.num_to_propose(request, 1, 4) == 0
+    request.output_token_ids = [0] * 32
+    assert policy.num_to_propose(request, 1, 4) == 1

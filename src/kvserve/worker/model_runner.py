@@ -6,6 +6,8 @@ makes no scheduling decisions.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -24,12 +26,13 @@ from kvserve.models.loader import load_model
 from kvserve.worker.cpu_decode import CpuDecodeStack
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.disk_kv import DiskKVStore, model_identity
+from kvserve.worker.draft_model import DraftModel
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.host_kv import HostKVCache
 from kvserve.worker.input_batch import InputBuffers, ModelInputs
 from kvserve.worker.prompt_logprobs import prompt_logprobs
 from kvserve.worker.sampler import Sampler, SamplingState
-from kvserve.worker.speculative import Drafter
+from kvserve.worker.speculative import Drafter, can_draft
 from kvserve.worker.structured_output import GrammarMatchers
 
 
@@ -67,7 +70,10 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device,
                                GrammarMatchers(mc.path, mc.vocab_size))
         self.states: dict[str, SamplingState] = {}
-        self.drafter = Drafter(config.speculative) if config.speculative is not None else None
+        spec = config.speculative
+        self.drafter = Drafter(spec) if spec is not None and spec.draft is None else None
+        self.draft_model = (DraftModel(config, self.num_blocks)
+                            if spec is not None and spec.draft is not None else None)
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -87,6 +93,8 @@ class ModelRunner:
         if hidden is None:
             with forward_context(inputs.attn_metadata):
                 hidden = self.model(inputs.input_ids, inputs.positions)
+        if self.draft_model is not None:
+            self.draft_model.mirror(inputs)
         scored = prompt_logprobs(self.model, hidden, inputs, self.states)
         if not inputs.sample_requests:
             return ModelRunnerOutput([], [], prompt_logprobs=scored, failed_promotions=failed)
@@ -97,15 +105,24 @@ class ModelRunner:
         new_tokens, logprobs = self._sample(logits, requests, states)
         for state, token_ids in zip(states, new_tokens, strict=True):
             state.output_token_ids += token_ids
-        return ModelRunnerOutput(
+        output = ModelRunnerOutput(
             request_ids=request_ids,
             sampled_token_ids=new_tokens,
             failed_promotions=failed,
             logprobs=logprobs,
             prompt_logprobs=scored,
-            draft_token_ids=(self.drafter.propose(request_ids, states)
-                             if self.drafter is not None else {}),
         )
+        if self.drafter is not None:
+            output.draft_token_ids = self.drafter.propose(request_ids, states)
+        elif self.draft_model is not None:
+            start = time.perf_counter()
+            drafting = [i for i, (s, st) in enumerate(zip(requests, states, strict=True))
+                        if s.num_lookahead_tokens and can_draft(st)]
+            output.draft_token_ids, output.num_draft_steps = self.draft_model.propose(
+                [requests[i] for i in drafting], [new_tokens[i] for i in drafting],
+                [requests[i].num_lookahead_tokens for i in drafting])
+            output.draft_seconds = time.perf_counter() - start
+        return output
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
                 states: list[SamplingState]

@@ -67,10 +67,8 @@ class _TokenHistory:
 
 def can_draft(state: SamplingState) -> bool:
     """Whether the request's next tokens depend on the logits alone."""
-    p = state.params
-    return (state.matcher is None and p.logprobs is None and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty
-            and len(state.output_token_ids) >= p.min_tokens)
+    return (state.params.allows_drafts
+            and len(state.output_token_ids) >= state.params.min_tokens)
 
 
 def lookup_ngram(tokens: np.ndarray, num_drafts: int, min_n: int, max_n: int) -> list[int]:

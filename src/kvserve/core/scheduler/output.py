@@ -27,8 +27,10 @@ class ScheduledRequest:
     `sample` is set they end the request's known tokens, so the runner samples the next one.
     The last `num_draft_tokens` of them are speculative drafts that follow the known tokens:
     the runner samples after each, and keeps the drafts up to the first one sampled
-    otherwise. A streaming request's cache has dropped `num_evicted_tokens`: its tokens go
-    that many positions lower, in the cache and for the rotary embedding."""
+    otherwise. A draft model may draft `num_lookahead_tokens` after the step's new tokens,
+    in slots the block table holds for them. A streaming request's cache has dropped
+    `num_evicted_tokens`: its tokens go that many positions lower, in the cache and for the
+    rotary embedding."""
 
     request_id: str
     token_ids: list[int]
@@ -37,6 +39,7 @@ class ScheduledRequest:
     sample: bool
     num_evicted_tokens: int = 0
     num_draft_tokens: int = 0
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -116,3 +119,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     failed_promotions: list[bytes] = field(default_factory=list)  # unreadable disk blocks
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_seconds: float = 0.0  # a draft model's decode steps took, of the step's time
+    num_draft_steps: int = 0

@@ -58,6 +58,7 @@ class Scheduler:
         self._dropped: dict[str, int] = {}  # request id -> computed tokens its preemption dropped
         self.drafts = DraftPolicy()
         self._num_decoding = 0  # running requests with one token to compute, this step
+        self._lookahead: dict[str, int] = {}  # request id -> draft tokens to allocate, this step
         self.num_draft_tokens = 0  # speculative tokens verified
         self.num_accepted_tokens = 0  # of those, the ones the model agreed with
 
@@ -86,6 +87,7 @@ class Scheduler:
         decodes_first = sorted(self.running,
                                key=lambda r: (_has_prompt_left(r), self.policy.rank(r, now)))
         self._num_decoding = sum(not _has_prompt_left(r) for r in self.running)
+        self._lookahead: dict[str, int] = {}
         if self.config.policy == "prefill_first":
             # Whole prompts in a step of their own whenever any can run; decodes wait.
             self._admit_waiting(out, chunks, budget, whole_prompts=True)
@@ -113,11 +115,13 @@ class Scheduler:
                 continue  # prefilled: held until it moves to a decode replica
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_new = self.kv_cache.slide_window(request, num_new)
+            lookahead = self._num_lookahead(request, num_new)
             num_drafts = self._num_drafts(request, budget - num_new)
             num_new += num_drafts
-            while not self.kv_cache.allocate_slots(request, num_new):
-                if num_drafts:  # verify no drafts rather than preempt anyone
-                    num_new, num_drafts = num_new - num_drafts, 0
+            # Short of blocks, the lookahead, then the drafts give way before anyone else.
+            while not self.kv_cache.allocate_slots(request, num_new + lookahead):
+                if lookahead or num_drafts:
+                    num_new, num_drafts, lookahead = num_new - num_drafts, 0, 0
                     continue
                 victim = self._last_ranked()
                 budget += chunks.pop(victim.request_id, 0)
@@ -126,8 +130,18 @@ class Scheduler:
                     break
             else:
                 chunks[request.request_id] = num_new
+                self._lookahead[request.request_id] = lookahead
                 budget -= num_new
         return budget
+
+    def _num_lookahead(self, request: Request, num_new: int) -> int:
+        """With a draft model, the tokens it should draft after this step's chunk, which
+        need slots: none unless the chunk ends the request's known tokens (it samples)."""
+        most = self.config.draft_lookahead
+        if (not most or not request.sampling_params.allows_drafts
+                or request.num_computed_tokens + num_new != request.num_tokens):
+            return 0
+        return self.drafts.num_to_propose(request, self._num_decoding, most)
 
     def _num_drafts(self, request: Request, room: int) -> int:
         """How many of the request's drafts to verify this step: none unless it decodes, at
@@ -280,6 +294,7 @@ class Scheduler:
             sample=start + known == request.num_tokens,
             num_evicted_tokens=request.num_evicted_tokens,
             num_draft_tokens=len(drafts),
+            num_lookahead_tokens=self._lookahead.get(request.request_id, 0),
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

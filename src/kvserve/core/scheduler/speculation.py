@@ -10,6 +10,10 @@ produced), so a request whose drafts stopped paying off keeps being measured for
 drafts again when they would pay. A new request starts from the engine-wide rate. Until the
 fit has seen steps of different sizes, a row is taken to cost a tenth of a batch-1 step
 (about what one does on a 2-core CPU for a 135M-parameter model).
+
+A draft model's drafts also cost its decode steps, one per draft, measured too: the
+scheduler asks for as many as are worth that cost as well. A request that is asked for none
+is still asked for one every `PROBE_INTERVAL` tokens, so that its acceptance stays measured.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ _ENGINE_DECAY = 0.995  # the engine-wide rate follows the last ~200
 _PRIOR_WEIGHT = 2.0  # drafts' worth of the engine-wide rate in a request's estimate
 _COST_DECAY = 0.98  # per step
 _PRIOR_FIXED_ROWS = 9.0  # fixed cost / per-row cost until measured
+PROBE_INTERVAL = 16
 
 
 class DraftPolicy:
@@ -29,6 +34,7 @@ class DraftPolicy:
         # Decayed sums over decode-only steps for the least-squares fit of seconds on rows.
         self._n = self._x = self._y = self._xx = self._xy = 0.0
         self._hits = self._trials = 0.0  # engine-wide
+        self.draft_step_seconds = 0.0  # a draft model's decode step, once measured
 
     def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
         shape = sched.shape
@@ -42,17 +48,27 @@ class DraftPolicy:
         self._xx = d * self._xx + rows * rows
         self._xy = d * self._xy + rows * seconds
 
+    def observe_drafting(self, seconds: float, num_steps: int) -> None:
+        """Folds in the seconds a draft model took for `num_steps` decode steps."""
+        if num_steps:
+            rate = seconds / num_steps
+            old = self.draft_step_seconds
+            self.draft_step_seconds = rate if not old else old + 0.2 * (rate - old)
+
     def step_cost(self) -> tuple[float, float]:
-        """(fixed, per row) of a decode-only step, in units where only their ratio counts."""
+        """(fixed, per row) seconds of a decode-only step (in any unit before one is seen)."""
         n = self._n
-        if n:
-            var = self._xx / n - (self._x / n) ** 2
-            if var > 0.1:
-                per_row = (self._xy / n - self._x * self._y / n / n) / var
-                fixed = self._y / n - per_row * self._x / n
-                if per_row > 0 and fixed > 0:
-                    return fixed, per_row
-        return _PRIOR_FIXED_ROWS, 1.0
+        if not n:
+            return _PRIOR_FIXED_ROWS, 1.0
+        mean_rows, mean_seconds = self._x / n, self._y / n
+        var = self._xx / n - mean_rows ** 2
+        if var > 0.1:
+            per_row = (self._xy / n - mean_rows * mean_seconds) / var
+            fixed = mean_seconds - per_row * mean_rows
+            if per_row > 0 and fixed > 0:
+                return fixed, per_row
+        per_row = mean_seconds / (_PRIOR_FIXED_ROWS + mean_rows)
+        return _PRIOR_FIXED_ROWS * per_row, per_row
 
     def observe(self, request: Request, new_token_ids: list[int]) -> None:
         """Scores the request's drafts against the tokens the step gave it."""
@@ -72,13 +88,25 @@ class DraftPolicy:
     def num_to_verify(self, request: Request, num_decodes: int) -> int:
         """The number of the request's drafts, in a step of `num_decodes` decodes, that
         maximizes its expected tokens per second."""
+        return self._best(request, num_decodes, len(request.spec_token_ids), 0.0)
+
+    def num_to_propose(self, request: Request, num_decodes: int, most: int) -> int:
+        """How many tokens (up to `most`) a draft model should draft for the request's next
+        step: those worth their verification and their draft step."""
+        wanted = self._best(request, num_decodes, most,
+                            self.draft_step_seconds if self._n else 0.0)
+        if not wanted and request.num_output_tokens % PROBE_INTERVAL == 0:
+            return 1
+        return wanted
+
+    def _best(self, request: Request, num_decodes: int, most: int, per_draft: float) -> int:
         prior = (self._hits + 1) / (self._trials + 2)
         alpha = ((request.draft_hits + _PRIOR_WEIGHT * prior)
                  / (request.draft_trials + _PRIOR_WEIGHT))
         fixed, per_row = self.step_cost()
         best, best_rate, expected = 0, 0.0, num_decodes
-        for k in range(len(request.spec_token_ids) + 1):
-            rate = expected / (fixed + per_row * (num_decodes + k))
+        for k in range(most + 1):
+            rate = expected / (fixed + per_row * (num_decodes + k) + per_draft * k)
             if rate > best_rate:
                 best, best_rate = k, rate
             expected += alpha ** (k + 1)
