@@ -1,17 +1,17 @@
 """A small model with the same tokenizer that drafts tokens for a larger one (speculative
 decoding with a draft model).
 
-It keeps a KV pool of its own with the target's block ids, so one block table serves both.
-Every step it runs over the very tokens the target's step computed (`mirror`), which keeps
-its KV in step with the target's through chunked prefill, prefix-cache hits and recompute.
-After the target has sampled, `propose` runs k greedy decode steps from each request's new
-last token, writing its KV into the slots the scheduler allocated ahead for them; the next
-mirror rewrites those slots with the tokens that were kept. Its drafts are a function of the
-context, which is what the sampler's rejection sampling needs to keep the target's
-distribution.
+It keeps a KV pool of its own with the target's block ids, so one block table serves both,
+and runs only when it drafts: first over the request's tokens its cache lacks (the prompt
+at the first draft, the last token or two after a step, more after steps it sat out), then
+k - 1 greedy decode steps, writing its KV into slots the scheduler allocated ahead. Drafts
+the target kept leave valid KV behind them. Its drafts are a function of the context, which
+is what the sampler's rejection sampling needs to keep the target's distribution.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,8 +41,11 @@ class DraftModel:
         sched = config.scheduler
         self.max_model_len = sched.max_model_len
         max_blocks = -(-(sched.max_model_len + sched.draft_lookahead) // block_size)
-        self.inputs = InputBuffers(sched.max_num_seqs, sched.max_num_seqs, max_blocks,
-                                   block_size, cfg.sliding_window, config.device)
+        self.inputs = InputBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs),
+                                   sched.max_num_seqs, max_blocks, block_size,
+                                   cfg.sliding_window, config.device)
+        # Request id -> (its token count when it last drafted, those drafts).
+        self._cached: dict[str, tuple[int, list[int]]] = {}
         kernels = cpu_kernels()
         self.stack = (CpuDecodeStack(self.model, kernels)
                       if kernels is not None and not config.enforce_eager
@@ -55,31 +58,83 @@ class DraftModel:
                 hidden = self.model(inputs.input_ids, inputs.positions)
         return hidden
 
-    def mirror(self, inputs: ModelInputs) -> None:
-        """Writes the draft's KV for the tokens of the target's step."""
-        self._hidden(inputs)
+    def forget(self, request_id: str) -> None:
+        """The request ended, or its blocks were freed (preempted): its draft KV is gone."""
+        self._cached.pop(request_id, None)
 
     def propose(self, requests: list[ScheduledRequest], token_ids: list[list[int]],
                 num_drafts: list[int]) -> tuple[dict[str, list[int]], int]:
-        """Up to `num_drafts[i]` greedy drafts after `token_ids[i]`, the tokens request i's
-        step ended with (its last has no KV yet), within the slots its block table holds.
-        Returns request id -> drafts, and the number of draft decode steps run."""
-        rows = []
+        """Up to `num_drafts[i]` greedy drafts to follow `token_ids[i]`, request i's tokens
+        (prompt and outputs; its last has no KV in the target's cache yet), within the slots
+        its block table holds. Returns request id -> drafts, and the draft forwards run."""
+        block_size = self.inputs.block_size
+        jobs = []
         for s, tokens, count in zip(requests, token_ids, num_drafts, strict=True):
-            position = s.num_computed_tokens + len(s.token_ids) - s.num_draft_tokens \
-                + len(tokens) - 1
-            count = min(count, len(s.block_ids) * self.inputs.block_size - position,
+            position = len(tokens) - 1
+            count = min(count, len(s.block_ids) * block_size - position,
                         self.max_model_len - position - 1)
             if count > 0:
-                rows.append((s, position, count, [tokens[-1]]))
-        num_steps = max((count for _, _, count, _ in rows), default=0)
-        for step in range(num_steps):
-            active = [row for row in rows if row[2] > step]
-            inputs = self.inputs.prepare([
-                ScheduledRequest(s.request_id, [drafts[-1]], position + step, s.block_ids, True)
-                for s, position, _, drafts in active])
-            logits = self.model.compute_logits(self._hidden(inputs)[inputs.sample_rows])
-            for (_, _, _, drafts), token_id in zip(active, logits.argmax(dim=-1).tolist(),
-                                                   strict=True):
-                drafts.append(token_id)
-        return {s.request_id: drafts[1:] for s, _, _, drafts in rows}, num_steps
+                jobs.append(_Job(s, tokens, count, self._valid_prefix(s.request_id, tokens)))
+        num_forwards = self._catch_up(jobs)
+        for step in range(1, max((job.count for job in jobs), default=0)):
+            active = [job for job in jobs if job.count > step]
+            position = [len(job.tokens) - 1 + step for job in active]
+            self._sample([ScheduledRequest(job.request.request_id, [job.drafts[-1]], pos,
+                                           job.request.block_ids, True)
+                          for job, pos in zip(active, position, strict=True)], active)
+            num_forwards += 1
+        for job in jobs:
+            self._cached[job.request.request_id] = (len(job.tokens), job.drafts)
+        return {job.request.request_id: job.drafts for job in jobs}, num_forwards
+
+    def _valid_prefix(self, request_id: str, tokens: list[int]) -> int:
+        """How many leading tokens have their draft KV: those up to the last drafting, and
+        the drafts since kept (all but the last draft, which was never an input)."""
+        length, drafts = self._cached.get(request_id, (0, []))
+        kept = 0
+        for draft, token in zip(drafts[:-1], tokens[length:], strict=False):
+            if draft != token:
+                break
+            kept += 1
+        return min(length + kept, len(tokens) - 1)
+
+    def _catch_up(self, jobs: list[_Job]) -> int:
+        """Runs each job's uncached tokens, in forwards of at most the buffers' size, and
+        takes its first draft from the last; returns the forwards run."""
+        num_forwards = 0
+        while any(job.start < len(job.tokens) for job in jobs):
+            batch, owners, room = [], [], self.inputs.max_num_tokens
+            for job in jobs:
+                if job.start == len(job.tokens) or room == 0:
+                    continue
+                end = min(len(job.tokens), job.start + room)
+                batch.append(ScheduledRequest(job.request.request_id, job.tokens[job.start:end],
+                                              job.start, job.request.block_ids,
+                                              end == len(job.tokens)))
+                owners.append(job)
+                room -= end - job.start
+                job.start = end
+            self._sample(batch, [job for job, s in zip(owners, batch, strict=True) if s.sample])
+            num_forwards += 1
+        return num_forwards
+
+    def _sample(self, batch: list[ScheduledRequest], sampling: list[_Job]) -> None:
+        """One draft forward; appends the greedy token of each sampling row to its job."""
+        inputs = self.inputs.prepare(batch)
+        hidden = self._hidden(inputs)
+        if not sampling:
+            return
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        by_id = {job.request.request_id: job for job in sampling}
+        for s, token_id in zip(inputs.sample_requests, logits.argmax(dim=-1).tolist(),
+                               strict=True):
+            by_id[s.request_id].drafts.append(token_id)
+
+
+@dataclass
+class _Job:
+    request: ScheduledRequest
+    tokens: list[int]
+    count: int
+    start: int  # the first token without draft KV
+    drafts: list[int] = field(default_factory=list)

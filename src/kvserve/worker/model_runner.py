@@ -79,8 +79,10 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.states.pop(request_id, None)
-            if self.drafter is not None:
-                self.drafter.forget(request_id)
+        for request_id in (*sched.finished_request_ids, *sched.preempted_request_ids):
+            drafter = self.drafter or self.draft_model
+            if drafter is not None:
+                drafter.forget(request_id)
         for new in sched.new_requests:
             self.states[new.request_id] = self.sampler.new_state(
                 new.sampling_params, new.prompt_token_ids, new.eos_token_ids,
@@ -93,8 +95,7 @@ class ModelRunner:
         if hidden is None:
             with forward_context(inputs.attn_metadata):
                 hidden = self.model(inputs.input_ids, inputs.positions)
-        if self.draft_model is not None:
-            self.draft_model.mirror(inputs)
+
         scored = prompt_logprobs(self.model, hidden, inputs, self.states)
         if not inputs.sample_requests:
             return ModelRunnerOutput([], [], prompt_logprobs=scored, failed_promotions=failed)
@@ -119,7 +120,8 @@ class ModelRunner:
             drafting = [i for i, (s, st) in enumerate(zip(requests, states, strict=True))
                         if s.num_lookahead_tokens and can_draft(st)]
             output.draft_token_ids, output.num_draft_steps = self.draft_model.propose(
-                [requests[i] for i in drafting], [new_tokens[i] for i in drafting],
+                [requests[i] for i in drafting],
+                [states[i].prompt_token_ids + states[i].output_token_ids for i in drafting],
                 [requests[i].num_lookahead_tokens for i in drafting])
             output.draft_seconds = time.perf_counter() - start
         return output
