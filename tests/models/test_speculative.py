@@ -121,8 +121,8 @@ def test_a_model_drafting_for_itself_is_always_right(model_dirs, always_draft, s
     kept, and the output is transformers'."""
     path = model_dirs["llama"]
     kwargs = dict(SETTINGS[setting])
-    if "kv_blocks" in kwargs:
-        kwargs["kv_cache_memory"] = 2 * kv_bytes_for_blocks(path, kwargs.pop("kv_blocks"))
+    if "kv_blocks" in kwargs:  # the draft's KV as large as the target's: twice the bytes
+        kwargs["kv_cache_memory"] = 2 * kv_bytes_for_blocks(path, kwargs.pop("kv_blocks") - 4)
     llm = LLM(str(path), speculative_model=str(path), **kwargs)
     prompts = random_prompts(PROMPT_LENS, seed=8)
     for _ in range(2):

@@ -115,7 +115,7 @@ class Scheduler:
                 continue  # prefilled: held until it moves to a decode replica
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_new = self.kv_cache.slide_window(request, num_new)
-            lookahead = self._num_lookahead(request, num_new)
+            lookahead = self._num_lookahead(request, request.num_computed_tokens, num_new)
             num_drafts = self._num_drafts(request, budget - num_new)
             num_new += num_drafts
             # Short of blocks, the lookahead, then the drafts give way before anyone else.
@@ -134,12 +134,13 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _num_lookahead(self, request: Request, num_new: int) -> int:
-        """With a draft model, the tokens it should draft after this step's chunk, which
-        need slots: none unless the chunk ends the request's known tokens (it samples)."""
+    def _num_lookahead(self, request: Request, start: int, num_new: int) -> int:
+        """With a draft model, the tokens it should draft after this step's chunk (of
+        `num_new` tokens from `start`), which need slots: none unless the chunk ends the
+        request's known tokens (it samples)."""
         most = self.config.draft_lookahead
         if (not most or not request.sampling_params.allows_drafts
-                or request.num_computed_tokens + num_new != request.num_tokens):
+                or start + num_new != request.num_tokens):
             return 0
         return self.drafts.num_to_propose(request, self._num_decoding, most)
 
@@ -216,8 +217,12 @@ class Scheduler:
                 return None
             num_new = kv.slide_window(request, remaining if whole_prompts
                                       else min(remaining, budget))
-            if not self.kv_cache.allocate_slots(request, num_new, cached):
-                return None
+            lookahead = self._num_lookahead(request, num_cached_tokens, num_new)
+            if not self.kv_cache.allocate_slots(request, num_new + lookahead, cached):
+                lookahead = 0
+                if not self.kv_cache.allocate_slots(request, num_new, cached):
+                    return None
+            self._lookahead[request.request_id] = lookahead
             self.kv_cache.record_lookup(request, num_cached_tokens)
             request.num_computed_tokens = num_cached_tokens
             dropped = self._dropped.pop(request.request_id, 0)
