@@ -86,11 +86,17 @@ def test_policy_fits_the_step_cost_of_decode_rows():
     assert policy.num_to_verify(request_with([5, 6], hits=19, trials=20), 1) == 2
 
 
-def test_scheduler_verifies_drafts_and_uncounts_the_rejected():
-    sched = make_scheduler(budget=16, block_size=4)
-    request = add(sched, "a", num_prompt=6, max_tokens=20)
+def prefilled_with_drafts(drafts, budget=16, num_prompt=6, max_tokens=20):
+    """A scheduler whose one request has prefilled, sampled 7, and been given `drafts`."""
+    sched = make_scheduler(budget=budget, block_size=4)
+    request = add(sched, "a", num_prompt=num_prompt, max_tokens=max_tokens)
     out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput(["a"], [[7]], draft_token_ids={"a": [8, 9]}))
+    sched.update_from_output(out, ModelRunnerOutput(["a"], [[7]], draft_token_ids={"a": drafts}))
+    return sched, request
+
+
+def test_scheduler_verifies_drafts_and_uncounts_the_rejected():
+    sched, request = prefilled_with_drafts([8, 9])
     assert request.spec_token_ids == [8, 9]
     out = sched.schedule()
     (scheduled,) = out.scheduled
@@ -104,28 +110,15 @@ def test_scheduler_verifies_drafts_and_uncounts_the_rejected():
     assert sched.schedule().scheduled[0].token_ids == [4]
 
 
-def test_drafts_stop_at_max_tokens_the_budget_and_a_stop_token():
-    sched = make_scheduler(budget=3, block_size=4)
-    add(sched, "a", num_prompt=3, max_tokens=4)
-    out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput(["a"], [[7]],
-                                                    draft_token_ids={"a": [8, 9, 10]}))
-    # Budget 3: the token and two drafts.
-    assert sched.schedule().scheduled[0].num_draft_tokens == 2
-    sched = make_scheduler(budget=16, block_size=4)
-    add(sched, "c", num_prompt=3, max_tokens=3)
-    out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput(["c"], [[7]],
-                                                    draft_token_ids={"c": [8, 9, 10]}))
+def test_drafts_stop_at_the_budget_max_tokens_and_a_stop_token():
+    sched, _ = prefilled_with_drafts([8, 9, 10], budget=3, num_prompt=3)
+    assert sched.schedule().scheduled[0].num_draft_tokens == 2  # the token and two drafts
+    sched, _ = prefilled_with_drafts([8, 9, 10], max_tokens=3)
     # max_tokens 3 with one out: one draft, and the model's token.
     assert sched.schedule().scheduled[0].num_draft_tokens == 1
-    sched = make_scheduler(budget=16, block_size=4)
-    request = add(sched, "b", num_prompt=4, max_tokens=8)
+    sched, request = prefilled_with_drafts([2, 5, 6], max_tokens=8)
     out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput(["b"], [[7]],
-                                                    draft_token_ids={"b": [2, 5, 6]}))
-    out = sched.schedule()
-    sched.update_from_output(out, ModelRunnerOutput(["b"], [[2, 5, 6, 3]]))
+    sched.update_from_output(out, ModelRunnerOutput(["a"], [[2, 5, 6, 3]]))
     assert request.output_token_ids == [7, 2] and request.is_finished  # 2 is EOS
     sched.kv_cache.check_integrity()
     assert sched.kv_cache.num_used_blocks == 0
