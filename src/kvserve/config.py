@@ -378,13 +378,6 @@ class EngineConfig:
             raise ValueError(f"speculative_model: the draft's max_position_embeddings "
                              f"({draft.max_position_embeddings}) must be >= max_model_len "
                              f"({self.scheduler.max_model_len})")
-        # The host tiers hold the model's KV only: a draft's would be lost on the way.
-        if self.scheduler.preemption_mode == "swap":
-            raise ValueError("speculative_model: a draft model's KV is not swapped; use "
-                             "preemption_mode recompute or auto")
-        if self.cache.kv_offload_host:
-            raise ValueError("speculative_model: a draft model's KV is not offloaded; it "
-                             "needs kv_offload_host 0")
         self.scheduler.draft_lookahead = spec.num_speculative_tokens
 
     @classmethod
@@ -440,18 +433,25 @@ class EngineConfig:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Of one rank's share of a block (its KV heads, and a draft model's), which
-        `kv_cache_memory` and the host tiers' sizes count in."""
-        per_token = self.model.kv_bytes_per_token
+        """Of one rank's share of a block (its KV heads), which the host and disk tiers'
+        sizes count in."""
+        return self.model.kv_bytes_per_token * self.cache.block_size // self.tensor_parallel_size
+
+    @property
+    def pool_bytes_per_block(self) -> int:
+        """What a block takes of `kv_cache_memory`: its KV, and a draft model's. (The tiers
+        keep the model's KV only: a draft model recomputes its own after a swap or a hit
+        there.)"""
+        per_block = self.kv_bytes_per_block
         if self.speculative is not None and self.speculative.draft is not None:
-            per_token += self.speculative.draft.kv_bytes_per_token
-        return per_token * self.cache.block_size // self.tensor_parallel_size
+            per_block += (self.speculative.draft.kv_bytes_per_token * self.cache.block_size
+                          // self.tensor_parallel_size)
+        return per_block
 
     @property
     def num_host_kv_blocks(self) -> int:
-        """Blocks of swap space; none when preemption always recomputes, or with a draft
-        model (whose KV is not swapped)."""
-        if self.scheduler.preemption_mode == "recompute" or self.scheduler.draft_lookahead:
+        """Blocks of swap space; none when preemption always recomputes."""
+        if self.scheduler.preemption_mode == "recompute":
             return 0
         return self.cache.swap_space // self.kv_bytes_per_block
 
@@ -468,7 +468,7 @@ class EngineConfig:
 
     @property
     def num_kv_blocks(self) -> int:
-        per_block = self.kv_bytes_per_block
+        per_block = self.pool_bytes_per_block
         num_blocks = self.cache.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory ({self.cache.kv_cache_memory} bytes) must hold at "

@@ -114,11 +114,13 @@ def always_draft(monkeypatch):
                         lambda self, request, n: len(request.spec_token_ids))
 
 
-@pytest.mark.parametrize("setting", ["default", "eager", "small-chunks", "preemption"])
+@pytest.mark.parametrize("setting",
+                         ["default", "eager", "small-chunks", "preemption", "preemption-swap"])
 def test_a_model_drafting_for_itself_is_always_right(model_dirs, always_draft, setting):
-    """The draft's KV stays in step with the target's through chunks, preemption and prefix
-    hits (the batch runs twice): drafting with the target's own weights, every draft is
-    kept, and the output is transformers'."""
+    """The draft's KV stays in step with the target's through chunks, preemption (by
+    recompute and by swap, after which the draft recomputes its own) and prefix hits (the
+    batch runs twice): drafting with the target's own weights, every draft is kept, and the
+    output is transformers'."""
     path = model_dirs["llama"]
     kwargs = dict(SETTINGS[setting])
     if "kv_blocks" in kwargs:  # the draft's KV as large as the target's: twice the bytes
@@ -132,8 +134,10 @@ def test_a_model_drafting_for_itself_is_always_right(model_dirs, always_draft, s
     assert stats.num_draft_tokens > len(prompts) * MAX_TOKENS
     assert stats.num_accepted_tokens == stats.num_draft_tokens
     assert stats.prefix_cache_hits > 0
-    if setting == "preemption":
+    if setting.startswith("preemption"):
         assert stats.num_preemptions > 0
+        assert stats.num_swapped_preemptions == (stats.num_preemptions
+                                                 if setting == "preemption-swap" else 0)
 
 
 def test_another_model_drafts_without_changing_the_output(model_dirs, always_draft):
@@ -155,7 +159,5 @@ def test_a_draft_model_must_fit_the_target(model_dirs, tmp_path):
     (other / "config.json").write_text(json.dumps({**config, "vocab_size": 2999}))
     with pytest.raises(ValueError, match="vocab_size"):
         LLM(str(path), speculative_model=str(other))
-    with pytest.raises(ValueError, match="preemption_mode"):
-        LLM(str(path), speculative_model=str(path), preemption_mode="swap")
     with pytest.raises(ValueError, match="'ngram' or a draft model's checkpoint folder"):
         LLM(str(path), speculative_model=str(tmp_path / "missing"))
