@@ -10,6 +10,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.core.scheduler.speculation import DraftPolicy
+from kvserve.engine.metrics import EngineMetrics
 from tests.conftest import random_prompts
 from tests.models.test_hf_equivalence import (
     MAX_TOKENS,
@@ -89,7 +90,14 @@ def test_stops_limits_and_seeds_are_unchanged_by_drafts(llama_dir):
     again = speculative.generate(prompts, cases[-1], use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in again] == \
         [[c.token_ids for c in o.outputs] for o in got]
-    assert speculative.engine.stats().num_accepted_tokens > 0
+    stats = speculative.engine.stats()
+    assert stats.num_accepted_tokens > 0
+    metrics = EngineMetrics("m")
+    metrics.on_step(speculative.engine, [])
+    for name, value in (("draft", stats.num_draft_tokens),
+                        ("accepted", stats.num_accepted_tokens)):
+        assert metrics.registry.get_sample_value(
+            f"kvserve_spec_decode_{name}_tokens_total", {"model_name": "m"}) == value
     assert_no_blocks_held(speculative)
 
 
