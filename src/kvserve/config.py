@@ -334,8 +334,15 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs, no CPU decode stack: every layer from Python
     tensor_parallel_size: int = 1  # ranks, each with 1/T of the heads and MLP columns
     speculative: SpeculativeConfig | None = None
+    lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA name -> PEFT folder
+    max_loras: int = 8  # adapters loaded at once
 
     def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"lora_modules names {len(self.lora_modules)} adapters, more than "
+                             f"max_loras ({self.max_loras})")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
@@ -392,7 +399,8 @@ class EngineConfig:
                streaming_window: int = 0, attention_sinks: int | None = None,
                prefill_only: bool = False, tensor_parallel_size: int = 1,
                speculative_model: str | None = None, num_speculative_tokens: int = 4,
-               prompt_lookup_min: int = 2, prompt_lookup_max: int = 4) -> EngineConfig:
+               prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
+               lora_modules: dict[str, str] | None = None, max_loras: int = 8) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
             model=ModelConfig.from_pretrained(model, dtype, device),
@@ -417,6 +425,8 @@ class EngineConfig:
             speculative=_speculative_config(speculative_model, num_speculative_tokens,
                                             prompt_lookup_min, prompt_lookup_max, dtype,
                                             device),
+            lora_modules=dict(lora_modules or {}),
+            max_loras=max_loras,
         )
 
     @property

@@ -54,6 +54,7 @@ class ParentRequest:
     cache_salt: str | None = None
     priority: int = 0
     tenant: str | None = None
+    lora_name: str | None = None
     sequences: list[CompletionState] = field(default_factory=list)
     first_token_time: float | None = None
     # One entry per prompt token (None for the first, which nothing predicts), when asked for.
@@ -162,7 +163,7 @@ class InputProcessor:
         text, ids = self.tokenize(prompt, field_name)
         max_tokens = self.check_request(ids, params, field_name)
         options = prompt if isinstance(prompt, dict) else {}
-        for name in ("cache_salt", "tenant"):
+        for name in ("cache_salt", "tenant", "lora_name"):
             value = options.get(name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{field_name}.{name} must be a non-empty string")
@@ -171,7 +172,7 @@ class InputProcessor:
             raise ValueError(f"{field_name}.priority must be an integer, got {priority!r}")
         return ParentRequest(request_id or self.new_request_id(), text, ids,
                              options.get("cache_salt"), priority,
-                             options.get("tenant")), max_tokens
+                             options.get("tenant"), options.get("lora_name")), max_tokens
 
     def prepare_requests(self, prompts: list[PromptType], params: SamplingParams
                          ) -> list[tuple[ParentRequest, int]]:

@@ -42,6 +42,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model.path)
         self.core = EngineCore(config)
         self.inputs = InputProcessor(self.tokenizer, self.request_limits())
+        self.lora_names: set[str] = set()
+        for name, path in config.lora_modules.items():
+            self.add_lora(name, path)
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[ParentRequest, CompletionState]] = {}
         self.step_seconds = 0.0
@@ -74,6 +77,9 @@ class LLMEngine:
                       max_tokens: int) -> None:
         if parent.request_id in self._parents:
             raise ValueError(f"request_id {parent.request_id!r} is already in use")
+        if parent.lora_name is not None and parent.lora_name not in self.lora_names:
+            raise ValueError(f"lora_name {parent.lora_name!r} is not a loaded adapter "
+                             f"(loaded: {sorted(self.lora_names)})")
         self._parents[parent.request_id] = parent
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None] * len(parent.prompt_token_ids)
@@ -88,6 +94,7 @@ class LLMEngine:
                 eos_token_ids=self.config.model.eos_token_ids,
                 max_tokens=max_tokens,
                 cache_salt=parent.cache_salt,
+                lora_name=parent.lora_name,
                 priority=parent.priority,
                 tenant=parent.tenant,
             )
@@ -98,6 +105,13 @@ class LLMEngine:
             parent.sequences.append(seq)
             self._child_to_parent[request.request_id] = (parent, seq)
             self.core.add_request(request)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Loads a PEFT LoRA adapter that requests then pick by `lora_name`."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters do not run with tensor_parallel_size > 1 yet")
+        self.core.runner.add_lora(name, path)
+        self.lora_names.add(name)
 
     def abort_request(self, request_id: str) -> None:
         parent = self._parents.pop(request_id, None)

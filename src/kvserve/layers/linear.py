@@ -30,6 +30,7 @@ from kvserve.cpp_extension import cpu_kernels
 from kvserve.quantization.gptq import QuantizedWeight
 from kvserve.quantization.kernels import QuantizedKernel, choose_kernel
 from kvserve.quantization.squeezellm import LutWeight
+from kvserve.worker.forward_context import get_lora_rows
 from kvserve.worker.tensor_parallel import all_reduce, rank_slice, tp_group
 
 
@@ -58,6 +59,8 @@ class Linear(nn.Module):
         self.gemm: ModuleType | None = None  # cpu_kernels(), where prepare() picks its GEMM
         # Until prepare(): then "blocked" (csrc/gemm.cpp), "packed" (oneDNN) or "out_major" (CUDA).
         self.form = "transposed"
+        # LoRA adapter slot -> (A [in, R], B [R, out] scaled), added for the rows of the slot.
+        self.lora: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         summed = self.parallel == "row" and tp_group().size > 1
@@ -78,7 +81,17 @@ class Linear(nn.Module):
             all_reduce(out)
             if self.bias is not None:
                 out = out + self.bias
+        if self.lora:
+            self._add_lora(x, out)
         return out
+
+    def _add_lora(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += x A B for each adapter's rows: a matmul pair per adapter in the step."""
+        for slot, rows in get_lora_rows().items():
+            weights = self.lora.get(slot)
+            if weights is not None:
+                a, b = weights
+                out.index_add_(0, rows, (x.index_select(0, rows) @ a) @ b)
 
     @property
     def weight_bytes(self) -> int:

@@ -40,7 +40,7 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
     for hf_name, tensor in tensors:
         if _IGNORED.match(hf_name):
             continue
-        target = _target(hf_name, model)
+        target = checkpoint_target(hf_name, model)
         if target is None:
             raise CheckpointError(f"model: unexpected tensor {hf_name!r} in the checkpoint")
         name, kind, shard = target
@@ -108,7 +108,7 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def _target(hf_name: str, model: LlamaForCausalLM) -> tuple[str, str, int] | None:
+def checkpoint_target(hf_name: str, model: LlamaForCausalLM) -> tuple[str, str, int] | None:
     """Maps a HF tensor name to (our module name, 'weight'|'bias', shard)."""
     name = hf_name.removeprefix("model.")
     if name == "embed_tokens.weight":

@@ -22,6 +22,7 @@ from kvserve.core.scheduler.output import (
     TokenLogprobs,
 )
 from kvserve.cpp_extension import cpu_kernels
+from kvserve.lora.manager import LoRAManager
 from kvserve.models.loader import load_model
 from kvserve.worker.cpu_decode import CpuDecodeStack
 from kvserve.worker.cuda_graphs import DecodeGraphs
@@ -70,6 +71,8 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device,
                                GrammarMatchers(mc.path, mc.vocab_size))
         self.states: dict[str, SamplingState] = {}
+        self.loras = LoRAManager(self.model, config.max_loras)
+        self.lora_slots: dict[str, int] = {}  # request id -> its adapter's slot
         spec = config.speculative
         self.drafter = Drafter(spec) if spec is not None and spec.draft is None else None
         self.draft_model = (DraftModel(config, self.num_blocks)
@@ -79,6 +82,7 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self.states.pop(request_id, None)
+            self.lora_slots.pop(request_id, None)
         for request_id in (*sched.finished_request_ids, *sched.preempted_request_ids):
             drafter = self.drafter or self.draft_model
             if drafter is not None:
@@ -87,13 +91,16 @@ class ModelRunner:
             self.states[new.request_id] = self.sampler.new_state(
                 new.sampling_params, new.prompt_token_ids, new.eos_token_ids,
                 new.output_token_ids, new.generator_state)
+            if new.lora_name is not None:
+                self.lora_slots[new.request_id] = self.loras.slots[new.lora_name]
         failed = self._transfer(sched.transfers) if sched.transfers else []
         if sched.is_empty:
             return ModelRunnerOutput([], [], failed_promotions=failed)
         inputs = self.inputs.prepare(sched.scheduled)
-        hidden = self._fast_decode(inputs)
+        lora_rows = self._lora_rows(inputs)
+        hidden = None if lora_rows else self._fast_decode(inputs)
         if hidden is None:
-            with forward_context(inputs.attn_metadata):
+            with forward_context(inputs.attn_metadata, lora_rows):
                 hidden = self.model(inputs.input_ids, inputs.positions)
 
         scored = prompt_logprobs(self.model, hidden, inputs, self.states)
@@ -150,6 +157,18 @@ class ModelRunner:
         for i, token_ids in zip(drafted, verified, strict=True):
             new_tokens[i] = token_ids
         return new_tokens, logprobs
+
+    def add_lora(self, name: str, path: str) -> None:
+        self.loras.add(name, path)
+
+    def _lora_rows(self, inputs: ModelInputs) -> dict[int, torch.Tensor]:
+        """Adapter slot -> the step's rows that run it (steps with any run eagerly)."""
+        if not self.lora_slots:
+            return {}
+        slots = [self.lora_slots.get(s.request_id) for s in inputs.scheduled]
+        if all(slot is None for slot in slots):
+            return {}
+        return self.loras.rows(slots, inputs.query_start_host, inputs.input_ids.device)
 
     def _transfer(self, transfers: KVTransfers) -> list[bytes]:
         """Makes the step's KV copies in the order `KVTransfers` gives; returns the hashes of

@@ -1,7 +1,7 @@
 """Content hashes of full KV blocks, chained so that one hash names a block's whole prefix.
 
 Two blocks share a hash only when every token up to and including theirs is the same and so
-are the request's extra keys (its `cache_salt`, later a LoRA id): those go into the first
+are the request's extra keys (its `cache_salt` and LoRA adapter): those go into the first
 block's hash, and the chain carries them to every later one. SHA-256 keeps collisions out of
 reach, which matters once different tenants' salts are all that keeps their KV apart.
 """
@@ -29,7 +29,8 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int],
 
 def request_extra_keys(request: Request) -> tuple[str, ...]:
     """What besides the tokens changes this request's KV, or whom it may be shared with."""
-    return () if request.cache_salt is None else ("salt:" + request.cache_salt,)
+    keys = () if request.cache_salt is None else ("salt:" + request.cache_salt,)
+    return keys if request.lora_name is None else (*keys, "lora:" + request.lora_name)
 
 
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:

@@ -19,6 +19,7 @@ class NewRequestData:
     eos_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...] = ()
     generator_state: bytes | None = None
+    lora_name: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

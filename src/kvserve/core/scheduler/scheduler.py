@@ -237,7 +237,7 @@ class Scheduler:
             out.new_requests.append(NewRequestData(
                 request.request_id, request.prompt_token_ids, request.sampling_params,
                 request.eos_token_ids, tuple(request.output_token_ids),
-                request.generator_state))
+                request.generator_state, request.lora_name))
             request.generator_state = None
         return num_new
 

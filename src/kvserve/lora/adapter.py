@@ -1,0 +1,90 @@
+"""LoRA adapters as the `peft` library saves them: `adapter_config.json` and
+`adapter_model.safetensors`, with `lora_A` ([r, in]) and `lora_B` ([out, r]) per targeted
+projection. Loading maps each pair onto the engine's linear layers, fused ones included (a
+QKV layer whose q, k and v are targeted gets A = [A_q A_k A_v] and a block-diagonal B), with
+the scale `lora_alpha / r` (or `/ sqrt(r)` for rsLoRA) folded into B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from kvserve.errors import CheckpointError
+from kvserve.layers.linear import Linear
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.loader import checkpoint_target
+
+_PREFIX = "base_model.model."
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    rank: int
+    # Our linear layer's name -> (A [in, R], B [R, out] scaled), R = rank x targeted shards.
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def load_adapter(name: str, path: str | Path, model: LlamaForCausalLM) -> LoRAAdapter:
+    """Reads a PEFT LoRA folder for `model`; a CheckpointError names what does not fit."""
+    folder = Path(path)
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"lora {name!r}: no adapter_config.json in {str(folder)!r}")
+    config = json.loads(config_file.read_text())
+    rank, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", 0))
+    if rank < 1:
+        raise CheckpointError(f"lora {name!r}: adapter_config.json r must be >= 1, got {rank}")
+    unsupported = {"use_dora": bool(config.get("use_dora")),
+                   "bias": config.get("bias", "none") != "none",
+                   "modules_to_save": bool(config.get("modules_to_save")),
+                   "fan_in_fan_out": bool(config.get("fan_in_fan_out"))}
+    for key, present in unsupported.items():
+        if present:
+            raise CheckpointError(f"lora {name!r}: adapter_config.json {key} "
+                                  f"{config[key]!r} is not supported")
+    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    try:
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"lora {name!r}: cannot read adapter_model.safetensors: {e}"
+                              ) from None
+    modules = dict(model.named_modules())
+    shards: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for key, a in tensors.items():
+        if ".lora_A." not in key:
+            continue
+        hf_name = key.removeprefix(_PREFIX).replace(".lora_A", "")
+        b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+        target = checkpoint_target(hf_name, model)
+        if b is None or target is None or not isinstance(modules.get(target[0]), Linear):
+            raise CheckpointError(f"lora {name!r}: tensor {key!r} has no lora_B or targets "
+                                  "no linear layer of the model")
+        layer, _, shard = target
+        dtype = modules[layer].weight.dtype
+        b = model.adapt_checkpoint_tensor(hf_name, b.to(dtype) * scale)
+        shards.setdefault(layer, {})[shard] = (a.to(dtype), b)
+    weights = {}
+    for layer, parts in shards.items():
+        linear = modules[layer]
+        a_cat = torch.cat([parts[s][0] for s in sorted(parts)]).t().contiguous()
+        b_full = torch.zeros(a_cat.shape[1], linear.out_features, dtype=a_cat.dtype)
+        for i, shard in enumerate(sorted(parts)):
+            a, b = parts[shard]
+            start = sum(linear.output_sizes[:shard])
+            if a.shape != (rank, linear.in_features) or b.shape != (linear.output_sizes[shard],
+                                                                     rank):
+                raise CheckpointError(f"lora {name!r}: layer {layer!r} shard {shard}: shapes "
+                                      f"{list(a.shape)} and {list(b.shape)} do not fit")
+            b_full[i * rank:(i + 1) * rank, start:start + b.shape[0]] = b.t()
+        weights[layer] = (a_cat, b_full)
+    if not weights:
+        raise CheckpointError(f"lora {name!r}: adapter_model.safetensors has no lora_A tensor")
+    return LoRAAdapter(name, rank, weights)

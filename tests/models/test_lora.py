@@ -1,0 +1,94 @@
+"""LoRA adapters in PEFT's format: outputs equal transformers on the merged weights, with
+adapters and the base model mixed in one batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from kvserve import LLM, SamplingParams
+from kvserve.errors import CheckpointError
+from tests.conftest import random_prompts
+from tests.models.test_hf_equivalence import MAX_TOKENS, assert_no_blocks_held
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_adapter(base: Path, folder: Path, seed: int, rank: int = 4, alpha: float = 8.0,
+                  targets: list[str] = TARGETS) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A PEFT LoRA folder with random A and B (B nonzero, unlike a fresh PEFT one, so that it
+    changes the output); returns {module name: (A, B)}."""
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    pairs, tensors = {}, {}
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in targets and isinstance(module, torch.nn.Linear):
+            a = torch.randn(rank, module.in_features, generator=gen) * 0.2
+            b = torch.randn(module.out_features, rank, generator=gen) * 0.2
+            pairs[name] = (a, b)
+            tensors[f"base_model.model.{name}.lora_A.weight"] = a
+            tensors[f"base_model.model.{name}.lora_B.weight"] = b
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets,
+        "bias": "none", "base_model_name_or_path": str(base)}))
+    return pairs
+
+
+def merged_greedy(base: Path, pairs: dict, scale: float, prompts: list[list[int]]
+                  ) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, (a, b) in pairs.items():
+            modules[name].weight += scale * b @ a
+        return [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS,
+                               min_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+
+
+def test_adapters_and_the_base_model_in_one_batch(model_dirs, tmp_path):
+    base = model_dirs["llama"]
+    first = write_adapter(base, tmp_path / "first", seed=1)
+    second = write_adapter(base, tmp_path / "second", seed=2, rank=8, alpha=4.0,
+                           targets=["q_proj", "v_proj", "down_proj"])
+    llm = LLM(str(base), lora_modules={"first": str(tmp_path / "first")})
+    llm.engine.add_lora("second", str(tmp_path / "second"))
+    prompts = random_prompts([5, 40, 17], seed=3)
+    expected = {None: merged_greedy(base, {}, 1.0, prompts),
+                "first": merged_greedy(base, first, 8.0 / 4, prompts),
+                "second": merged_greedy(base, second, 4.0 / 8, prompts)}
+    assert expected["first"] != expected[None] and expected["second"] != expected[None]
+    names = [None, "first", "second"] * 3
+    batch = [{"prompt_token_ids": prompts[i % 3], "lora_name": name} if name else
+             {"prompt_token_ids": prompts[i % 3]} for i, name in enumerate(names)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for _ in range(2):  # the second run hits the prefix cache, which keeps adapters apart
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        for i, (name, out) in enumerate(zip(names, outputs, strict=True)):
+            assert out.outputs[0].token_ids == expected[name][i % 3], (name, i)
+    assert llm.get_stats().prefix_cache_hits > 0
+    assert_no_blocks_held(llm)
+
+
+def test_bad_adapters_and_names_are_refused(model_dirs, tmp_path):
+    base = model_dirs["llama"]
+    llm = LLM(str(base))
+    with pytest.raises(ValueError, match="lora_name 'missing' is not a loaded adapter"):
+        llm.generate({"prompt_token_ids": [1, 2, 3], "lora_name": "missing"}, use_tqdm=False)
+    with pytest.raises(CheckpointError, match="no adapter_config.json"):
+        llm.engine.add_lora("empty", str(tmp_path))
+    write_adapter(base, tmp_path / "dora", seed=1)
+    config = json.loads((tmp_path / "dora" / "adapter_config.json").read_text())
+    (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({**config,
+                                                                      "use_dora": True}))
+    with pytest.raises(CheckpointError, match="use_dora"):
+        llm.engine.add_lora("dora", str(tmp_path / "dora"))
+    with pytest.raises(ValueError, match="max_loras"):
+        LLM(str(base), max_loras=1, lora_modules={"a": "x", "b": "y"})
