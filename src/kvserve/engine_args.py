@@ -14,6 +14,14 @@ from kvserve.config import (
     GiB,
 )
 
+
+def _lora_module(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
 # (flag, argparse options); each flag's dest is an `EngineConfig.create` keyword.
 ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -79,6 +87,10 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                  help="ngram: the shortest suffix looked up (default 2)")),
     ("--prompt-lookup-max", dict(type=int, default=4,
                                  help="ngram: the longest suffix looked up (default 4)")),
+    ("--lora-modules", dict(nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                            help="PEFT LoRA adapters to load, each served as model NAME")),
+    ("--max-loras", dict(type=int, default=8, help="most LoRA adapters loaded at once "
+                                                   "(default 8)")),
 )
 
 
@@ -105,6 +117,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs["swap_space"] = int(args.swap_space * GiB)
     kwargs["kv_offload_host"] = int(kwargs.pop("kv_offload_host_gib") * GiB)
     kwargs["kv_offload_disk"] = int(kwargs.pop("kv_offload_disk_gib") * GiB)
+    kwargs["lora_modules"] = dict(kwargs["lora_modules"] or ())
     return {"model": args.model, **kwargs}
 
 
@@ -117,6 +130,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
             flags.append(flag if value else f"--no-{flag.removeprefix('--')}")
         elif options.get("action") == "store_true":
             flags += [flag] if value else []
+        elif flag == "--lora-modules":
+            flags += [flag, *(f"{name}={path}" for name, path in value)] if value else []
         elif value is not None:
             flags += [flag, str(value)]
     return flags

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
+from kvserve.entrypoints.openai.launch import server_process
 from kvserve.errors import CheckpointError
 from tests.conftest import random_prompts
 from tests.models.test_hf_equivalence import MAX_TOKENS, assert_no_blocks_held
@@ -92,3 +94,36 @@ def test_bad_adapters_and_names_are_refused(model_dirs, tmp_path):
         llm.engine.add_lora("dora", str(tmp_path / "dora"))
     with pytest.raises(ValueError, match="max_loras"):
         LLM(str(base), max_loras=1, lora_modules={"a": "x", "b": "y"})
+
+
+def test_the_server_serves_adapters_as_models(model_dirs, tmp_path):
+    base = model_dirs["llama"]
+    write_adapter(base, tmp_path / "first", seed=1)
+    write_adapter(base, tmp_path / "second", seed=2)
+    llm = LLM(str(base), lora_modules={"first": str(tmp_path / "first"),
+                                       "second": str(tmp_path / "second")})
+    prompt = random_prompts([12], seed=5)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def offline(name: str) -> str:
+        return llm.generate({"prompt_token_ids": prompt, "lora_name": name}, params,
+                            use_tqdm=False)[0].outputs[0].text
+
+    flags = ["--served-model-name", "base", "--lora-modules", f"first={tmp_path / 'first'}"]
+    with server_process(str(base), flags, timeout=300) as url:
+        def complete(model: str) -> httpx.Response:
+            return httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+                "ignore_eos": True})
+
+        models = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+        assert models == ["base", "first"]
+        assert complete("first").json()["choices"][0]["text"] == offline("first")
+        assert complete("second").status_code == 404
+        loaded = httpx.post(f"{url}/v1/load_lora_adapter",
+                            json={"lora_name": "second", "lora_path": str(tmp_path / "second")})
+        assert loaded.status_code == 200, loaded.text
+        assert complete("second").json()["choices"][0]["text"] == offline("second")
+        bad = httpx.post(f"{url}/v1/load_lora_adapter",
+                         json={"lora_name": "third", "lora_path": str(tmp_path / "none")})
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]

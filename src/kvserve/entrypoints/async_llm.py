@@ -90,6 +90,14 @@ class StreamingLLM:
                      ) -> list[RequestStream]:
         raise NotImplementedError
 
+    @property
+    def lora_names(self) -> set[str]:
+        """The LoRA adapters a request can name as its model."""
+        return set()
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        raise ValueError("lora_name: adapters load at run time on a single engine only")
+
     async def generate(self, prompt: PromptType, params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
         stream = self.add_requests([prompt], params)[0]
@@ -120,6 +128,13 @@ class AsyncLLM(StreamingLLM):
         self._num_added = 0
         self._thread = threading.Thread(target=self._loop, name="kvserve-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def lora_names(self) -> set[str]:
+        return set(self.engine.lora_names)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        await self.call_on_engine(lambda: self.engine.add_lora(name, path))
 
     @property
     def num_waiting(self) -> int:

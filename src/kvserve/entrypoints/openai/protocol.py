@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from kvserve.sampling_params import SamplingParams, StructuredOutputParams
 
@@ -58,15 +58,18 @@ class SamplingRequest(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    # The LoRA adapter that `model` names, set by the server.
+    _lora_name: str | None = PrivateAttr(default=None)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def engine_prompt(self, prompt: dict[str, Any]) -> dict[str, Any]:
-        """A prompt for the engine, with this request's cache salt, priority and tenant."""
+        """A prompt for the engine, with this request's cache salt, priority, tenant and
+        LoRA adapter."""
         options = {"cache_salt": self.cache_salt, "priority": self.priority,
-                   "tenant": self.user}
+                   "tenant": self.user, "lora_name": self._lora_name}
         return {**prompt, **{k: v for k, v in options.items() if v is not None}}
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
@@ -156,6 +159,13 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class LoadLoRARequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): serve a PEFT LoRA folder as model `lora_name`."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
 
 
 class MigrateRequest(BaseModel):

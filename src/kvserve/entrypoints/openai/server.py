@@ -29,6 +29,7 @@ from kvserve.entrypoints.openai.protocol import (
     CompletionRequest,
     ErrorInfo,
     ErrorResponse,
+    LoadLoRARequest,
     MigrateRequest,
 )
 from kvserve.entrypoints.openai.serving import ServingBackend, now, sse
@@ -196,10 +197,10 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
         return await call_next(request)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != config.model_name:
+        if name is not None and name != config.model_name and name not in llm.lora_names:
             raise APIError(404, f"model {name!r} does not exist; this server serves "
-                                f"{config.model_name!r}", "invalid_request_error", "model",
-                           "model_not_found")
+                                f"{sorted({config.model_name, *llm.lora_names})}",
+                           "invalid_request_error", "model", "model_not_found")
 
     @app.get("/health")
     async def health() -> Response:
@@ -223,13 +224,21 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": now(), "owned_by": "kvserve",
-            "max_model_len": llm.inputs.max_model_len}]}
+        base = {"object": "model", "created": now(), "owned_by": "kvserve",
+                "max_model_len": llm.inputs.max_model_len}
+        return {"object": "list", "data": [{"id": config.model_name, **base}] + [
+            {"id": name, "parent": config.model_name, **base} for name in sorted(llm.lora_names)]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRARequest) -> Response:
+        await llm.load_lora_adapter(body.lora_name, body.lora_path)
+        return Response(f"loaded LoRA adapter {body.lora_name!r}", status_code=200)
 
     async def respond(server: CompletionServer | ChatServer,
                       body: CompletionRequest | ChatCompletionRequest, request: Request) -> Any:
         check_model(body.model)
+        if body.model in llm.lora_names:
+            body._lora_name = body.model
         if body.stream:
             events = server.stream(body)  # type: ignore[arg-type]
             return StreamingResponse(_until_disconnected(request, events),
