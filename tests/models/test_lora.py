@@ -9,38 +9,20 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
 from kvserve.entrypoints.openai.launch import server_process
 from kvserve.errors import CheckpointError
+from kvserve.tools.make_lora import TARGETS, make_lora
 from tests.conftest import random_prompts
 from tests.models.test_hf_equivalence import MAX_TOKENS, assert_no_blocks_held
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
 
 def write_adapter(base: Path, folder: Path, seed: int, rank: int = 4, alpha: float = 8.0,
-                  targets: list[str] = TARGETS) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """A PEFT LoRA folder with random A and B (B nonzero, unlike a fresh PEFT one, so that it
-    changes the output); returns {module name: (A, B)}."""
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    pairs, tensors = {}, {}
-    for name, module in model.named_modules():
-        if name.rpartition(".")[2] in targets and isinstance(module, torch.nn.Linear):
-            a = torch.randn(rank, module.in_features, generator=gen) * 0.2
-            b = torch.randn(module.out_features, rank, generator=gen) * 0.2
-            pairs[name] = (a, b)
-            tensors[f"base_model.model.{name}.lora_A.weight"] = a
-            tensors[f"base_model.model.{name}.lora_B.weight"] = b
-    folder.mkdir(parents=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets,
-        "bias": "none", "base_model_name_or_path": str(base)}))
-    return pairs
+                  targets: tuple[str, ...] = TARGETS) -> dict[str, tuple[torch.Tensor,
+                                                                        torch.Tensor]]:
+    return make_lora(base, folder, rank, alpha, targets, seed, std=0.2)
 
 
 def merged_greedy(base: Path, pairs: dict, scale: float, prompts: list[list[int]]
@@ -59,7 +41,7 @@ def test_adapters_and_the_base_model_in_one_batch(model_dirs, tmp_path):
     base = model_dirs["llama"]
     first = write_adapter(base, tmp_path / "first", seed=1)
     second = write_adapter(base, tmp_path / "second", seed=2, rank=8, alpha=4.0,
-                           targets=["q_proj", "v_proj", "down_proj"])
+                           targets=("q_proj", "v_proj", "down_proj"))
     llm = LLM(str(base), lora_modules={"first": str(tmp_path / "first")})
     llm.engine.add_lora("second", str(tmp_path / "second"))
     prompts = random_prompts([5, 40, 17], seed=3)

@@ -11,6 +11,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         disagg,
         kernels,
         latency,
+        lora,
         migration,
         offload,
         preemption,
@@ -44,4 +45,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     disagg.add_parser(bench_sub)
     structured.add_parser(bench_sub)
     speculative.add_parser(bench_sub)
+    lora.add_parser(bench_sub)
     simulate.add_validation_parser(bench_sub)

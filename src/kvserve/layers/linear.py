@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.cpp_extension import cpu_kernels
+from kvserve.lora.batch import LoRABatch
 from kvserve.quantization.gptq import QuantizedWeight
 from kvserve.quantization.kernels import QuantizedKernel, choose_kernel
 from kvserve.quantization.squeezellm import LutWeight
-from kvserve.worker.forward_context import get_lora_rows
+from kvserve.worker.forward_context import get_lora_batch
 from kvserve.worker.tensor_parallel import all_reduce, rank_slice, tp_group
 
 
@@ -59,8 +60,10 @@ class Linear(nn.Module):
         self.gemm: ModuleType | None = None  # cpu_kernels(), where prepare() picks its GEMM
         # Until prepare(): then "blocked" (csrc/gemm.cpp), "packed" (oneDNN) or "out_major" (CUDA).
         self.form = "transposed"
-        # LoRA adapter slot -> (A [in, R], B [R, out] scaled), added for the rows of the slot.
-        self.lora: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Every loaded adapter's A [in, slots x width] and scaled B [slots x width, out]
+        # (see lora/batch.py), in the layer's GEMM form; None: no adapter targets it.
+        self.lora: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.lora_columns = 0  # slots x width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         summed = self.parallel == "row" and tp_group().size > 1
@@ -81,17 +84,33 @@ class Linear(nn.Module):
             all_reduce(out)
             if self.bias is not None:
                 out = out + self.bias
-        if self.lora:
-            self._add_lora(x, out)
+        batch = get_lora_batch() if self.lora is not None else None
+        if batch is not None:
+            self._add_lora(x, out, batch)
         return out
 
-    def _add_lora(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out += x A B for each adapter's rows: a matmul pair per adapter in the step."""
-        for slot, rows in get_lora_rows().items():
-            weights = self.lora.get(slot)
-            if weights is not None:
-                a, b = weights
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a) @ b)
+    def set_lora(self, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Takes the adapters' packed A [in, slots x width] and B [slots x width, out]; on
+        the blocked GEMM (as 16-output blocks, like the weight) where the layer runs on it."""
+        if a is None or b is None:
+            self.lora, self.lora_columns = None, 0
+            return
+        self.lora_columns = a.shape[1]
+        if self.gemm is not None and all(self.gemm.gemm_supports(w.t()) for w in (a, b)):
+            self.lora = (self.gemm.pack_weight(a.t().contiguous()),
+                         self.gemm.pack_weight(b.t().contiguous()))
+        else:
+            self.lora = (a, b)
+
+    def _add_lora(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
+        """out += ((x A) * mask) B: each row through its own adapter's columns only."""
+        a, b = self.lora
+        mask = batch.mask(self.lora_columns // batch.num_slots, out.dtype)
+        if self.gemm is not None and a.dim() != 2:  # packed
+            shrunk = self.gemm.blocked_linear(x.contiguous(), a, self.lora_columns, None)
+            out.add_(self.gemm.blocked_linear(shrunk.mul_(mask), b, self.out_features, None))
+        else:
+            out.addmm_((x @ a).mul_(mask), b)
 
     @property
     def weight_bytes(self) -> int:

@@ -6,29 +6,28 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
-
 from kvserve.attention.backend import AttentionMetadata
+from kvserve.lora.batch import LoRABatch
 
 _current: AttentionMetadata | None = None
-_lora_rows: dict[int, torch.Tensor] = {}
+_lora: LoRABatch | None = None
 
 
 @contextmanager
-def forward_context(meta: AttentionMetadata,
-                    lora_rows: dict[int, torch.Tensor] | None = None) -> Iterator[None]:
-    """`lora_rows`: adapter slot -> the rows (token indices) it applies to."""
-    global _current, _lora_rows
+def forward_context(meta: AttentionMetadata, lora: LoRABatch | None = None
+                    ) -> Iterator[None]:
+    global _current, _lora
     previous, _current = _current, meta
-    previous_rows, _lora_rows = _lora_rows, lora_rows or {}
+    previous_lora, _lora = _lora, lora
     try:
         yield
     finally:
-        _current, _lora_rows = previous, previous_rows
+        _current, _lora = previous, previous_lora
 
 
-def get_lora_rows() -> dict[int, torch.Tensor]:
-    return _lora_rows
+def get_lora_batch() -> LoRABatch | None:
+    """Which adapter each row of the step runs; None when none does."""
+    return _lora
 
 
 def get_attention_metadata() -> AttentionMetadata:

@@ -22,6 +22,7 @@ from kvserve.core.scheduler.output import (
     TokenLogprobs,
 )
 from kvserve.cpp_extension import cpu_kernels
+from kvserve.lora.batch import LoRABatch
 from kvserve.lora.manager import LoRAManager
 from kvserve.models.loader import load_model
 from kvserve.worker.cpu_decode import CpuDecodeStack
@@ -97,10 +98,10 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput([], [], failed_promotions=failed)
         inputs = self.inputs.prepare(sched.scheduled)
-        lora_rows = self._lora_rows(inputs)
-        hidden = None if lora_rows else self._fast_decode(inputs)
+        lora = self._lora_batch(inputs)
+        hidden = None if lora is not None else self._fast_decode(inputs)
         if hidden is None:
-            with forward_context(inputs.attn_metadata, lora_rows):
+            with forward_context(inputs.attn_metadata, lora):
                 hidden = self.model(inputs.input_ids, inputs.positions)
 
         scored = prompt_logprobs(self.model, hidden, inputs, self.states)
@@ -161,14 +162,16 @@ class ModelRunner:
     def add_lora(self, name: str, path: str) -> None:
         self.loras.add(name, path)
 
-    def _lora_rows(self, inputs: ModelInputs) -> dict[int, torch.Tensor]:
-        """Adapter slot -> the step's rows that run it (steps with any run eagerly)."""
+    def _lora_batch(self, inputs: ModelInputs) -> LoRABatch | None:
+        """The adapter of each row of the step; None when all run the base model. (Steps
+        with adapters run eagerly.)"""
         if not self.lora_slots:
-            return {}
-        slots = [self.lora_slots.get(s.request_id) for s in inputs.scheduled]
-        if all(slot is None for slot in slots):
-            return {}
-        return self.loras.rows(slots, inputs.query_start_host, inputs.input_ids.device)
+            return None
+        slots = [self.lora_slots.get(s.request_id, -1) for s in inputs.scheduled]
+        if max(slots, default=-1) < 0:
+            return None
+        slot_of_row = np.repeat(slots, np.diff(inputs.query_start_host))
+        return self.loras.batch(torch.from_numpy(slot_of_row).to(inputs.input_ids.device))
 
     def _transfer(self, transfers: KVTransfers) -> list[bytes]:
         """Makes the step's KV copies in the order `KVTransfers` gives; returns the hashes of
