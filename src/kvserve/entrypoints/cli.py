@@ -66,6 +66,14 @@ def _make_model(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+def _make_lora(args: argparse.Namespace) -> None:
+    from kvserve.tools.make_lora import make_lora
+
+    make_lora(args.model, args.output, rank=args.rank, alpha=args.alpha,
+              targets=tuple(args.targets), seed=args.seed)
+    print(f"wrote {args.output}")
+
+
 def _quantize(args: argparse.Namespace) -> None:
     from kvserve.quantization.quantize import quantize_model
 
@@ -81,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.benchmarks.cli import add_bench_parser
     from kvserve.cluster.router import ROUTERS
     from kvserve.evals import perplexity, streaming
+    from kvserve.tools.make_lora import TARGETS
     from kvserve.tools.make_model import ARCHES, PRESETS
 
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
@@ -145,6 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train this many steps on the standard library's sources (the "
                          "held-out loss goes to training.json); 0 keeps random weights")
     mk.set_defaults(func=_make_model)
+
+    ml = sub.add_parser("make-lora", help="write a random LoRA adapter for a checkpoint, in "
+                                          "PEFT's format")
+    ml.add_argument("model", help="HF checkpoint folder of the base model")
+    ml.add_argument("--output", required=True)
+    ml.add_argument("--rank", type=int, default=16)
+    ml.add_argument("--alpha", type=float, default=32.0)
+    ml.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
+    ml.add_argument("--seed", type=int, default=0)
+    ml.set_defaults(func=_make_lora)
 
     qt = sub.add_parser("quantize", help="quantize a checkpoint's linear layers")
     qt.add_argument("model", help="HF checkpoint folder (full precision)")
