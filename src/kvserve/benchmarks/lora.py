@@ -8,23 +8,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
-from typing import Any
 
-from kvserve.benchmarks.device import synchronize
 from kvserve.benchmarks.report import print_table, save_json
+from kvserve.benchmarks.structured import timed
 from kvserve.benchmarks.workloads import fixed
 from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.sampling_params import SamplingParams
 from kvserve.tools.make_lora import make_lora
-
-
-def timed(llm: Any, prompts: list[dict[str, Any]], params: SamplingParams) -> float:
-    llm.reset_prefix_cache()
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    synchronize(llm.engine.config.device)
-    return time.perf_counter() - start
 
 
 def run(args: argparse.Namespace) -> None:
@@ -48,7 +38,7 @@ def run(args: argparse.Namespace) -> None:
     timed(llm, mixed[:2], params)
     rows = []
     for i in range(args.runs):
-        base_s, mixed_s = timed(llm, base, params), timed(llm, mixed, params)
+        base_s, mixed_s = timed(llm, base, params)[0], timed(llm, mixed, params)[0]
         rows.append({"run": i + 1, "base tok/s": round(num_tokens / base_s, 1),
                      f"{len(names)} adapters tok/s": round(num_tokens / mixed_s, 1),
                      "ratio": round(base_s / mixed_s, 3)})

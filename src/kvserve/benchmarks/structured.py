@@ -33,7 +33,7 @@ SCHEMA: dict[str, Any] = {
         "priority": {"enum": ["low", "normal", "high"]}}}
 
 
-def timed(llm: Any, prompts: list[dict[str, Any]], params: list[SamplingParams]
+def timed(llm: Any, prompts: list[dict[str, Any]], params: SamplingParams | list[SamplingParams]
           ) -> tuple[float, list[Any]]:
     llm.reset_prefix_cache()
     start = time.perf_counter()
