@@ -29,7 +29,6 @@ class DraftModel:
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
         assert config.speculative is not None and config.speculative.draft is not None
         cfg = config.speculative.draft
-        self.device = config.device
         self.model = load_model(cfg, get_attention_backend(config.device, cfg.head_dim),
                                 config.device)
         block_size = config.cache.block_size

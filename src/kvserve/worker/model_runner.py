@@ -103,7 +103,6 @@ class ModelRunner:
         if hidden is None:
             with forward_context(inputs.attn_metadata, lora):
                 hidden = self.model(inputs.input_ids, inputs.positions)
-
         scored = prompt_logprobs(self.model, hidden, inputs, self.states)
         if not inputs.sample_requests:
             return ModelRunnerOutput([], [], prompt_logprobs=scored, failed_promotions=failed)
