@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 
 from kvserve.attention.cpu_paged import CpuPagedAttention
+from kvserve.cpp_extension import cpu_kernels
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.worker.input_batch import ModelInputs
 
@@ -29,6 +30,15 @@ class CpuDecodeStack:
             [_layer_weights(layer, kernels) for layer in model.layers], model.norm.weight,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
             cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, enforce_eager: bool) -> CpuDecodeStack | None:
+        """The model's stack, unless `enforce_eager`, the kernels did not build, or the model
+        has layers the stack does not cover."""
+        kernels = cpu_kernels()
+        if enforce_eager or kernels is None or not cls.covers(model):
+            return None
+        return cls(model, kernels)
 
     @staticmethod
     def covers(model: torch.nn.Module) -> bool:

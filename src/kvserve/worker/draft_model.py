@@ -18,11 +18,11 @@ import torch
 from kvserve.attention.selector import get_attention_backend
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler.output import ScheduledRequest
-from kvserve.cpp_extension import cpu_kernels
 from kvserve.models.loader import load_model
 from kvserve.worker.cpu_decode import CpuDecodeStack
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.input_batch import InputBuffers, ModelInputs
+from kvserve.worker.kv_pool import allocate_kv_pool
 
 
 class DraftModel:
@@ -32,11 +32,7 @@ class DraftModel:
         self.model = load_model(cfg, get_attention_backend(config.device, cfg.head_dim),
                                 config.device)
         block_size = config.cache.block_size
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, num_blocks,
-                                    block_size, cfg.head_dim, dtype=cfg.dtype,
-                                    device=config.device)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.kv_cache = self.kv_cache[i]
+        self.kv_cache = allocate_kv_pool(self.model, cfg, num_blocks, block_size, config.device)
         sched = config.scheduler
         self.max_model_len = sched.max_model_len
         max_blocks = -(-(sched.max_model_len + sched.draft_lookahead) // block_size)
@@ -45,10 +41,7 @@ class DraftModel:
                                    cfg.sliding_window, config.device)
         # Request id -> (its token count when it last drafted, those drafts).
         self._cached: dict[str, tuple[int, list[int]]] = {}
-        kernels = cpu_kernels()
-        self.stack = (CpuDecodeStack(self.model, kernels)
-                      if kernels is not None and not config.enforce_eager
-                      and CpuDecodeStack.covers(self.model) else None)
+        self.stack = CpuDecodeStack.build(self.model, config.enforce_eager)
 
     def _hidden(self, inputs: ModelInputs) -> torch.Tensor:
         hidden = self.stack.run(inputs) if self.stack is not None else None

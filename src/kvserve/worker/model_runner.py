@@ -21,7 +21,6 @@ from kvserve.core.scheduler.output import (
     SchedulerOutput,
     TokenLogprobs,
 )
-from kvserve.cpp_extension import cpu_kernels
 from kvserve.lora.batch import LoRABatch
 from kvserve.lora.manager import LoRAManager
 from kvserve.models.loader import load_model
@@ -32,6 +31,7 @@ from kvserve.worker.draft_model import DraftModel
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.host_kv import HostKVCache
 from kvserve.worker.input_batch import InputBuffers, ModelInputs
+from kvserve.worker.kv_pool import allocate_kv_pool
 from kvserve.worker.prompt_logprobs import prompt_logprobs
 from kvserve.worker.sampler import Sampler, SamplingState
 from kvserve.worker.speculative import Drafter, can_draft
@@ -47,13 +47,8 @@ class ModelRunner:
                                 config.device)
         self.block_size = config.cache.block_size
         self.num_blocks = config.num_kv_blocks
-        # One tensor for the whole pool: [layers, K/V, kv heads, blocks, block_size, head_dim].
-        # Zero-filled so padded reads are finite (they are masked, and 0 * NaN would not be).
-        self.kv_cache = torch.zeros(mc.num_layers, 2, mc.num_kv_heads, self.num_blocks,
-                                    self.block_size, mc.head_dim, dtype=mc.dtype,
-                                    device=self.device)
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn.kv_cache = self.kv_cache[i]
+        self.kv_cache = allocate_kv_pool(self.model, mc, self.num_blocks, self.block_size,
+                                         self.device)
         num_host = config.num_host_kv_blocks + config.num_offload_kv_blocks
         self.host_kv_cache = HostKVCache(self.kv_cache, num_host) if num_host else None
         self.disk_kv = None
@@ -250,9 +245,8 @@ class ModelRunner:
                             capture=torch.device(self.device).type == "cuda")
 
     def _cpu_decode_stack(self) -> CpuDecodeStack | None:
-        """On CPU, decode steps run as one C++ call unless `enforce_eager`."""
-        kernels = cpu_kernels()
-        if (self.config.enforce_eager or kernels is None or self.config.tensor_parallel_size > 1
-                or not CpuDecodeStack.covers(self.model)):
+        """On CPU, decode steps run as one C++ call unless `enforce_eager` (or the model is
+        split among ranks)."""
+        if self.config.tensor_parallel_size > 1:
             return None
-        return CpuDecodeStack(self.model, kernels)
+        return CpuDecodeStack.build(self.model, self.config.enforce_eager)
