@@ -109,3 +109,9 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+def num_kept_drafts(drafts: list[int], token_ids: list[int]) -> int:
+    """How many leading drafts equal the tokens that came (as far as both go)."""
+    return next((i for i, (d, t) in enumerate(zip(drafts, token_ids, strict=False)) if d != t),
+                min(len(drafts), len(token_ids)))

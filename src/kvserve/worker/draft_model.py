@@ -19,6 +19,7 @@ from kvserve.attention.selector import get_attention_backend
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler.output import ScheduledRequest
 from kvserve.models.loader import load_model
+from kvserve.request import num_kept_drafts
 from kvserve.worker.cpu_decode import CpuDecodeStack
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.input_batch import InputBuffers, ModelInputs
@@ -83,12 +84,7 @@ class DraftModel:
         """How many leading tokens have their draft KV: those up to the last drafting, and
         the drafts since kept (all but the last draft, which was never an input)."""
         length, drafts = self._cached.get(request_id, (0, []))
-        kept = 0
-        for draft, token in zip(drafts[:-1], tokens[length:], strict=False):
-            if draft != token:
-                break
-            kept += 1
-        return min(length + kept, len(tokens) - 1)
+        return min(length + num_kept_drafts(drafts[:-1], tokens[length:]), len(tokens) - 1)
 
     def _catch_up(self, jobs: list[_Job]) -> int:
         """Runs each job's uncached tokens, in forwards of at most the buffers' size, and

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvserve.core.scheduler.output import TokenLogprobs
+from kvserve.request import num_kept_drafts
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.structured_output import GrammarMatchers
 
@@ -109,7 +110,7 @@ class Sampler:
             first_rows.append(first_rows[-1] + len(d) + 1)
         argmax = logits.argmax(dim=-1).tolist()
         random = [i for i, st in enumerate(states) if not st.params.is_greedy]
-        accepted = [_agreeing(d, argmax[first:first + len(d)])
+        accepted = [num_kept_drafts(d, argmax[first:first + len(d)])
                     for d, first in zip(drafts, first_rows, strict=False)]
         chosen = [argmax[first + a] for first, a in zip(first_rows, accepted, strict=False)]
         if random:
@@ -169,12 +170,6 @@ class Sampler:
         total = cdf[:, -1:]
         target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
         return torch.searchsorted(cdf, target, right=True).squeeze(1)
-
-
-def _agreeing(drafts: list[int], targets: list[int]) -> int:
-    """How many leading drafts equal the model's own choices."""
-    return next((j for j, (d, t) in enumerate(zip(drafts, targets, strict=True)) if d != t),
-                len(drafts))
 
 
 def _apply_penalties(logits: torch.Tensor, st: SamplingState) -> None:

@@ -19,7 +19,7 @@ is still asked for one every `PROBE_INTERVAL` tokens, so that its acceptance sta
 from __future__ import annotations
 
 from kvserve.core.scheduler.output import SchedulerOutput
-from kvserve.request import Request
+from kvserve.request import Request, num_kept_drafts
 
 _DECAY = 0.95  # per draft scored: a request's acceptance follows its last ~20 drafts
 _ENGINE_DECAY = 0.995  # the engine-wide rate follows the last ~200
@@ -73,11 +73,7 @@ class DraftPolicy:
     def observe(self, request: Request, new_token_ids: list[int]) -> None:
         """Scores the request's drafts against the tokens the step gave it."""
         drafts = request.spec_token_ids
-        hits = 0
-        for draft, token in zip(drafts, new_token_ids, strict=False):
-            if draft != token:
-                break
-            hits += 1
+        hits = num_kept_drafts(drafts, new_token_ids)
         trials = hits + (hits < min(len(drafts), len(new_token_ids)))
         if trials:
             request.draft_hits = _DECAY ** trials * request.draft_hits + hits
