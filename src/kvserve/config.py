@@ -228,6 +228,9 @@ class CacheConfig:
     # and its newest `streaming_window` blocks, so a stream can run without end.
     streaming_window: int = 0  # blocks; 0: off
     attention_sinks: int | None = None  # tokens (whole blocks kept); default 4 with a window
+    # CacheBlend: the share of a segmented prompt's reused chunk tokens whose KV is computed
+    # again in context (those whose KV deviates most), to restore cross-chunk attention.
+    blend_recompute_ratio: float = 0.15
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -241,6 +244,9 @@ class CacheConfig:
         if self.kv_offload_dir is not None and not self.kv_offload_host:
             raise ValueError("kv_offload_dir needs kv_offload_host > 0: the disk tier is "
                              "filled from, and read back through, the host tier")
+        if not 0.0 <= self.blend_recompute_ratio <= 1.0:
+            raise ValueError(f"blend_recompute_ratio must be in [0, 1], "
+                             f"got {self.blend_recompute_ratio}")
         if self.streaming_window < 0 or self.streaming_window == 1:
             raise ValueError(f"streaming_window must be 0 (off) or >= 2 blocks, "
                              f"got {self.streaming_window}")
@@ -400,7 +406,8 @@ class EngineConfig:
                prefill_only: bool = False, tensor_parallel_size: int = 1,
                speculative_model: str | None = None, num_speculative_tokens: int = 4,
                prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
-               lora_modules: dict[str, str] | None = None, max_loras: int = 8) -> EngineConfig:
+               lora_modules: dict[str, str] | None = None, max_loras: int = 8,
+               blend_recompute_ratio: float = 0.15) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
             model=ModelConfig.from_pretrained(model, dtype, device),
@@ -410,7 +417,8 @@ class EngineConfig:
                               kv_offload_dir=kv_offload_dir,
                               kv_offload_disk=kv_offload_disk,
                               streaming_window=streaming_window,
-                              attention_sinks=attention_sinks),
+                              attention_sinks=attention_sinks,
+                              blend_recompute_ratio=blend_recompute_ratio),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len or 0,

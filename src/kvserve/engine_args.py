@@ -91,6 +91,10 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                             help="PEFT LoRA adapters to load, each served as model NAME")),
     ("--max-loras", dict(type=int, default=8, help="most LoRA adapters loaded at once "
                                                    "(default 8)")),
+    ("--blend-recompute-ratio", dict(type=float, default=0.15,
+                                     help="CacheBlend: for a prompt given as segments, the "
+                                          "share of reused chunk tokens recomputed in context "
+                                          "(default 0.15)")),
 )
 
 

@@ -66,6 +66,12 @@ class Request:
     priority: int = 0  # under the priority policy, lower values are served first
     tenant: str | None = None  # under the fair policy, tenants share the token budget
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, chained
+    # CacheBlend: the prompt is these segments' tokens in turn; all but the last are chunks
+    # whose KV, computed on its own, is reused wherever they appear (see
+    # core/scheduler/blend.py). `blended` once that happened (or was given up for a plain
+    # prefill): a recompute after preemption is then a plain prefill.
+    segment_lens: tuple[int, ...] = ()
+    blended: bool = False
     generator_state: bytes | None = None  # a migrated request's seeded sampler, until resumed
     # Speculative decoding: the tokens drafted to follow, some of which the next step
     # verifies, and a decayed count of how earlier drafts fared (see speculation.py).
@@ -77,6 +83,12 @@ class Request:
     def num_cached_tokens(self) -> int:
         """Computed tokens whose KV the cache still holds."""
         return self.num_computed_tokens - self.num_evicted_tokens
+
+    @property
+    def blend_key(self) -> str | None:
+        """What sets a segmented prompt's KV apart from a plain prompt's of the same tokens:
+        its segment boundaries."""
+        return "blend:" + ",".join(map(str, self.segment_lens)) if self.segment_lens else None
 
     @property
     def tenant_key(self) -> str:

@@ -28,6 +28,7 @@ class RequestLimits:
     block_size: int
     num_kv_blocks: int
     window_blocks: int = 0  # a stream's sink plus window blocks; 0 without a window
+    blending: bool = False  # whether prompts may come as segments (CacheBlend)
 
     def max_blocks_per_request(self, num_tokens: int) -> int:
         """The most blocks a request of `num_tokens` ever holds at once."""
@@ -55,6 +56,7 @@ class ParentRequest:
     priority: int = 0
     tenant: str | None = None
     lora_name: str | None = None
+    segment_lens: tuple[int, ...] = ()  # a prompt given as segments: theirs, in turn
     sequences: list[CompletionState] = field(default_factory=list)
     first_token_time: float | None = None
     # One entry per prompt token (None for the first, which nothing predicts), when asked for.
@@ -96,17 +98,49 @@ class InputProcessor:
                 raise ValueError(f"{field_name} must not be empty")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list | tuple) or not ids:
-                raise ValueError(f"{field_name}.prompt_token_ids must be a non-empty list")
-            vocab = self.limits.vocab_size
-            for t in ids:
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                    raise ValueError(f"{field_name}.prompt_token_ids: token id {t!r} is out of "
-                                     f"the vocabulary [0, {vocab})")
-            return prompt.get("prompt"), list(ids)
+            ids = self._check_token_ids(prompt["prompt_token_ids"],
+                                        f"{field_name}.prompt_token_ids")
+            return prompt.get("prompt"), ids
         raise ValueError(f"{field_name} must be a string or a dict with 'prompt' or "
                          f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def tokenize_segments(self, segments: Any, field_name: str = "prompt.segments"
+                          ) -> tuple[str | None, list[int], tuple[int, ...]]:
+        """A prompt given as segments (CacheBlend): each a string or a list of token ids,
+        tokenized on its own (special tokens only at the start). Returns the joined text (when
+        all are strings), the token ids and each segment's length."""
+        if not self.limits.blending:
+            raise ValueError(f"{field_name} needs prefix caching on (the chunk store is its "
+                             "cache) and tensor_parallel_size 1")
+        if not isinstance(segments, list | tuple) or len(segments) < 2:
+            raise ValueError(f"{field_name} must be a list of at least 2 segments: the "
+                             "reusable chunks, then the rest of the prompt")
+        ids: list[int] = []
+        lens = []
+        for i, segment in enumerate(segments):
+            if isinstance(segment, str) and segment:
+                tokens = self.tokenizer.encode(segment, add_special_tokens=i == 0)
+            elif isinstance(segment, list | tuple):
+                tokens = self._check_token_ids(segment, f"{field_name}[{i}]")
+            else:
+                raise ValueError(f"{field_name}[{i}] must be a non-empty string or list of "
+                                 "token ids")
+            if not tokens:
+                raise ValueError(f"{field_name}[{i}] has no tokens")
+            ids += tokens
+            lens.append(len(tokens))
+        text = "".join(segments) if all(isinstance(s, str) for s in segments) else None
+        return text, ids, tuple(lens)
+
+    def _check_token_ids(self, ids: Any, field_name: str) -> list[int]:
+        if not isinstance(ids, list | tuple) or not ids:
+            raise ValueError(f"{field_name} must be a non-empty list")
+        vocab = self.limits.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"{field_name}: token id {t!r} is out of the vocabulary "
+                                 f"[0, {vocab})")
+        return list(ids)
 
     def apply_chat_template(self, conversation: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
@@ -125,9 +159,10 @@ class InputProcessor:
         return list(ids)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                      field_name: str = "prompt") -> int:
+                      field_name: str = "prompt", segment_lens: tuple[int, ...] = ()) -> int:
         """Validates the request against the context and the KV pool; returns max_tokens.
-        With a streaming window the cache, not the sequence, is bounded: any length goes."""
+        With a streaming window the cache, not the sequence, is bounded: any length goes.
+        A blended prompt also holds its chunks' blocks while it is blended."""
         num_prompt = len(prompt_token_ids)
         if not num_prompt:
             raise ValueError(f"{field_name} must not be empty")
@@ -148,7 +183,11 @@ class InputProcessor:
                 raise ValueError(f"max_tokens ({max_tokens}) plus the prompt ({num_prompt} "
                                  f"tokens) exceeds the context limit (max_model_len) of "
                                  f"{limits.max_model_len}")
-        needed = limits.max_blocks_per_request(num_prompt + max_tokens)
+        needed = limits.max_blocks_per_request(num_prompt + max_tokens) + sum(
+            limits.max_blocks_per_request(n) for n in segment_lens[:-1])
+        if segment_lens and params.prompt_logprobs is not None:
+            raise ValueError(f"{field_name}.segments: prompt_logprobs needs every prompt "
+                             "token computed in context; a blended prompt recomputes a few")
         if needed > limits.num_kv_blocks:
             raise ValueError(f"{field_name} with max_tokens needs {needed} KV blocks but the pool "
                              f"(kv_cache_memory) holds {limits.num_kv_blocks}")
@@ -160,9 +199,17 @@ class InputProcessor:
         """Tokenizes and validates a prompt; returns it with its max_tokens, ready for
         `LLMEngine.add_validated`. Raises ValueError naming `field_name` and the broken
         limit."""
-        text, ids = self.tokenize(prompt, field_name)
-        max_tokens = self.check_request(ids, params, field_name)
         options = prompt if isinstance(prompt, dict) else {}
+        lens: tuple[int, ...] = ()
+        if "segments" in options:
+            text, ids, lens = self.tokenize_segments(options["segments"],
+                                                     f"{field_name}.segments")
+            if options.get("lora_name") is not None:
+                raise ValueError(f"{field_name}.segments: blended prompts run the base model, "
+                                 "not a lora_name")
+        else:
+            text, ids = self.tokenize(prompt, field_name)
+        max_tokens = self.check_request(ids, params, field_name, lens)
         for name in ("cache_salt", "tenant", "lora_name"):
             value = options.get(name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -172,7 +219,8 @@ class InputProcessor:
             raise ValueError(f"{field_name}.priority must be an integer, got {priority!r}")
         return ParentRequest(request_id or self.new_request_id(), text, ids,
                              options.get("cache_salt"), priority,
-                             options.get("tenant"), options.get("lora_name")), max_tokens
+                             options.get("tenant"), options.get("lora_name"),
+                             lens), max_tokens
 
     def prepare_requests(self, prompts: list[PromptType], params: SamplingParams
                          ) -> list[tuple[ParentRequest, int]]:

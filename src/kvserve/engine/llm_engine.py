@@ -65,7 +65,9 @@ class LLMEngine:
         kv = self.core.kv_cache
         return RequestLimits(self.max_model_len, self.config.model.vocab_size, kv.block_size,
                              kv.pool.num_blocks,
-                             kv.sink_blocks + kv.window_blocks if kv.window_blocks else 0)
+                             kv.sink_blocks + kv.window_blocks if kv.window_blocks else 0,
+                             blending=(kv.enable_prefix_caching
+                                       and self.config.tensor_parallel_size == 1))
 
     def add_request(self, prompt: PromptType, params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -95,6 +97,7 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 cache_salt=parent.cache_salt,
                 lora_name=parent.lora_name,
+                segment_lens=parent.segment_lens,
                 priority=parent.priority,
                 tenant=parent.tenant,
             )

@@ -19,7 +19,7 @@ from kvserve.layers.activation import silu_and_mul
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, to_interleaved
-from kvserve.worker.forward_context import get_attention_metadata
+from kvserve.worker.forward_context import get_attention_metadata, get_selective_recompute
 
 _ROTATED = re.compile(r"\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
 
@@ -107,11 +107,15 @@ class LlamaForCausalLM(nn.Module):
                                       cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states [N, hidden] for a flat batch of tokens."""
+        """Hidden states [N, hidden] for a flat batch of tokens; with blended prompts, of the
+        rows that went on (see worker/blend.py)."""
         x = self.embed_tokens[input_ids]
         freqs_cis = self.rotary(positions)
         residual = None
-        for layer in self.layers:
+        blend = get_selective_recompute()
+        for index, layer in enumerate(self.layers):
+            if blend is not None and index == blend.layer:
+                (x, freqs_cis), residual = blend.select(layer, x, residual, freqs_cis), None
             x, residual = layer(x, residual, freqs_cis)
         return self.norm(x, residual)[0]
 

@@ -14,7 +14,7 @@ over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import chain
 
 import numpy as np
@@ -22,6 +22,7 @@ import torch
 
 from kvserve.attention.backend import AttentionMetadata, PrefillChunk
 from kvserve.core.scheduler.output import ScheduledRequest
+from kvserve.worker.blend import BlendedPrompt
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class ModelInputs:
     sample_requests: list[ScheduledRequest]  # each has 1 + num_draft_tokens sample rows
     scheduled: list[ScheduledRequest]  # in row order: decodes (drafts split), then chunks
     query_start_host: np.ndarray  # first row of each of `scheduled`, then the row count
+    blends: list[BlendedPrompt] = field(default_factory=list)  # its blended prompts
 
 
 class StagedTensor:
@@ -141,6 +143,8 @@ class InputBuffers:
             sample_requests=[s for s in decodes + drafted + chunks if s.sample],
             scheduled=ordered,
             query_start_host=query_start.copy(),
+            blends=[_blended(i, int(query_start[i]), s) for i, s in enumerate(ordered)
+                    if s.reused_spans],
         )
         self._mark_uploads()
         return inputs
@@ -174,6 +178,13 @@ class InputBuffers:
                              scheduled=[], query_start_host=np.arange(batch_size + 1))
         self._mark_uploads()
         return inputs
+
+
+def _blended(seq: int, first_row: int, scheduled: ScheduledRequest) -> BlendedPrompt:
+    reused = np.zeros(len(scheduled.token_ids), dtype=bool)
+    for start, end in scheduled.reused_spans:
+        reused[start:end] = True
+    return BlendedPrompt(seq, first_row, len(scheduled.token_ids), reused)
 
 
 def _draft_rows(scheduled: ScheduledRequest) -> list[ScheduledRequest]:

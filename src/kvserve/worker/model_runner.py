@@ -15,6 +15,7 @@ from kvserve.attention.selector import get_attention_backend
 from kvserve.attention.torch_ref import apply_rotary
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler.output import (
+    ChunkCopy,
     KVTransfers,
     ModelRunnerOutput,
     ScheduledRequest,
@@ -24,6 +25,7 @@ from kvserve.core.scheduler.output import (
 from kvserve.lora.batch import LoRABatch
 from kvserve.lora.manager import LoRAManager
 from kvserve.models.loader import load_model
+from kvserve.worker.blend import SelectiveRecompute
 from kvserve.worker.cpu_decode import CpuDecodeStack
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.disk_kv import DiskKVStore, model_identity
@@ -96,8 +98,14 @@ class ModelRunner:
         lora = self._lora_batch(inputs)
         hidden = None if lora is not None else self._fast_decode(inputs)
         if hidden is None:
-            with forward_context(inputs.attn_metadata, lora):
+            blend = (SelectiveRecompute(inputs.blends, inputs.attn_metadata, lora,
+                                        self.config.cache.blend_recompute_ratio,
+                                        inputs.input_ids.shape[0])
+                     if inputs.blends else None)
+            with forward_context(inputs.attn_metadata, lora, blend):
                 hidden = self.model(inputs.input_ids, inputs.positions)
+            if blend is not None:
+                hidden = blend.restore(hidden)
         scored = prompt_logprobs(self.model, hidden, inputs, self.states)
         if not inputs.sample_requests:
             return ModelRunnerOutput([], [], prompt_logprobs=scored, failed_promotions=failed)
@@ -170,6 +178,8 @@ class ModelRunner:
     def _transfer(self, transfers: KVTransfers) -> list[bytes]:
         """Makes the step's KV copies in the order `KVTransfers` gives; returns the hashes of
         disk blocks that could not be read."""
+        for copy in transfers.chunks:
+            self._copy_chunk(copy)
         for block_ids, num_positions in transfers.shift:
             self._shift_keys(block_ids, num_positions)
         host, disk = self.host_kv_cache, self.disk_kv
@@ -225,6 +235,25 @@ class ModelRunner:
         keys = self.kv_cache[:, 0]  # [layers, kv heads, blocks, block_size, head_dim]
         rotation = self.model.rotary.freqs_cis[num_positions].conj()
         keys.index_copy_(2, ids, apply_rotary(keys.index_select(2, ids), rotation))
+
+    def _copy_chunk(self, copy: ChunkCopy) -> None:
+        """Copies a chunk's KV (every layer) to its place in a blended prompt's blocks,
+        turning its keys by the chunk's new first position: rotary embeddings compose, so a
+        key computed at position i becomes the key at position + i."""
+        size = self.block_size
+        src = np.arange(copy.num_tokens)
+        dst = src + copy.position
+        src_slots = np.asarray(copy.src_blocks)[src // size] * size + src % size
+        dst_slots = np.asarray(copy.dst_blocks)[dst // size] * size + dst % size
+        device = self.kv_cache.device
+        src_t = torch.from_numpy(src_slots).to(device)
+        dst_t = torch.from_numpy(dst_slots).to(device)
+        layers, _, heads, _, _, head_dim = self.kv_cache.shape
+        flat = self.kv_cache.view(layers, 2, heads, -1, head_dim)
+        rotation = self.model.rotary.freqs_cis[copy.position]
+        flat[:, 0].index_copy_(2, dst_t, apply_rotary(flat[:, 0].index_select(2, src_t),
+                                                      rotation))
+        flat[:, 1].index_copy_(2, dst_t, flat[:, 1].index_select(2, src_t))
 
     def _fast_decode(self, inputs: ModelInputs) -> torch.Tensor | None:
         """A decode-only step's hidden states from a CUDA graph or the CPU decode stack;

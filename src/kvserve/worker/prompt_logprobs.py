@@ -23,7 +23,9 @@ def prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, inputs: ModelI
     num_top: list[int] = []
     spans: list[tuple[str, int, int]] = []
     for i, s in enumerate(inputs.scheduled):
-        state = states[s.request_id]
+        state = states.get(s.request_id)  # none for a blended prompt's chunk
+        if state is None:
+            continue
         k = state.params.prompt_logprobs
         prompt = state.prompt_token_ids
         first = s.num_computed_tokens

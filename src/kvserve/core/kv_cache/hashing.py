@@ -27,10 +27,20 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int],
     return digest.digest()
 
 
+def salt_keys(cache_salt: str | None) -> tuple[str, ...]:
+    return () if cache_salt is None else ("salt:" + cache_salt,)
+
+
 def request_extra_keys(request: Request) -> tuple[str, ...]:
-    """What besides the tokens changes this request's KV, or whom it may be shared with."""
-    keys = () if request.cache_salt is None else ("salt:" + request.cache_salt,)
-    return keys if request.lora_name is None else (*keys, "lora:" + request.lora_name)
+    """What besides the tokens changes this request's KV, or whom it may be shared with. A
+    blended prompt's KV is an approximation of its prefill's: it is only ever shared with
+    prompts blended from the same segments."""
+    keys = salt_keys(request.cache_salt)
+    if request.lora_name is not None:
+        keys = (*keys, "lora:" + request.lora_name)
+    if request.blend_key is not None:
+        keys = (*keys, request.blend_key)
+    return keys
 
 
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
@@ -40,6 +50,21 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
         tokens = request.token_ids_slice(index * block_size, (index + 1) * block_size)
         hashes.append(hash_block(hashes[-1] if hashes else None, tokens,
                                  request_extra_keys(request) if index == 0 else ()))
+    return hashes
+
+
+def chunk_block_hashes(token_ids: list[int], block_size: int,
+                       extra_keys: tuple[str, ...] = ()) -> list[BlockHash]:
+    """The hashes of a chunk's KV blocks computed on its own from position 0: its full
+    blocks hash as a prompt of those tokens would (so the two share KV), and a partial last
+    block gets a hash of its own, which no prompt's full block can have."""
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids), block_size):
+        tokens = token_ids[start:start + block_size]
+        keys = extra_keys if start == 0 else ()
+        if len(tokens) < block_size:
+            keys = (*keys, "partial")
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens, keys))
     return hashes
 
 

@@ -13,6 +13,11 @@ and back into fresh device blocks when it resumes (`swap_in`). Every copy a step
 collected in `KVTransfers` for the runner, which makes them before the step's forward; host
 blocks read in a step are released only after it (`end_step`), so that no copy of the same
 step can overwrite them first.
+
+A blended prompt (CacheBlend) reuses the KV of its chunks computed on their own, kept in the
+same pool under `chunk_block_hashes` and offloaded like any cached block. While it is blended
+the request holds its chunks' blocks (`hold_segments`), so that none is evicted between
+computing a missing chunk and copying it in, and lets go after (`release_segments`).
 """
 
 from __future__ import annotations
@@ -21,9 +26,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvserve.core.kv_cache.block_pool import BlockPool
-from kvserve.core.kv_cache.hashing import BlockHash, update_block_hashes
+from kvserve.core.kv_cache.hashing import (
+    BlockHash,
+    chunk_block_hashes,
+    salt_keys,
+    update_block_hashes,
+)
 from kvserve.core.kv_cache.offload import OffloadTiers
-from kvserve.core.scheduler.output import KVTransfers
+from kvserve.core.scheduler.output import ChunkCopy, KVTransfers
 from kvserve.request import Request
 
 
@@ -37,6 +47,19 @@ class CachedPrefix:
 
     def __len__(self) -> int:
         return len(self.blocks)
+
+
+@dataclass
+class SegmentKV:
+    """A reused chunk of a blended prompt: its tokens `start .. start + num_tokens - 1`, and
+    their KV computed on its own from position 0 in blocks of its own (the last maybe
+    partial)."""
+
+    start: int
+    num_tokens: int
+    hashes: list[BlockHash]
+    blocks: list[int] = field(default_factory=list)  # device blocks, once held
+    computed: bool = False  # its KV is in the pool or a tier (else computed when held)
 
 
 class KVCacheManager:
@@ -65,6 +88,7 @@ class KVCacheManager:
         self._host_releasing: list[int] = []  # read by this step's swap-ins
         self._incoming: set[int] = set()  # host blocks of KV sent ahead of a migrating request
         self._num_cached: dict[str, int] = {}  # leading blocks of each table registered
+        self.segment_holds: dict[str, list[int]] = {}  # blended request id -> chunk blocks
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found computed (in any tier)
         self.peak_used_blocks = 0
@@ -180,8 +204,68 @@ class KVCacheManager:
         table = self.block_tables.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
         self.pool.free(table[::-1])
+        self.release_segments(request)
         if self.host_pool is not None:
             self.host_pool.free(self.host_tables.pop(request.request_id, []))
+
+    def find_segments(self, request: Request) -> list[SegmentKV]:
+        """The reused chunks of a blended prompt (every segment but the last), each marked
+        computed when the pool or the host tier holds all its blocks."""
+        keys = salt_keys(request.cache_salt)
+        segments, start = [], 0
+        for length in request.segment_lens[:-1]:
+            tokens = request.prompt_token_ids[start:start + length]
+            hashes = chunk_block_hashes(tokens, self.block_size, keys)
+            computed = all(self.pool.lookup(h) is not None
+                           or (self.tiers is not None and self.tiers.host_block(h) is not None)
+                           for h in hashes)
+            segments.append(SegmentKV(start, length, hashes, computed=computed))
+            start += length
+        return segments
+
+    def hold_segments(self, request: Request, segments: list[SegmentKV]) -> bool:
+        """Holds the blocks of the computed chunks (loading those in the host tier into fresh
+        blocks) and fresh blocks for the others, to compute; False, changing nothing, when
+        the pool lacks free blocks."""
+        found = [self.pool.lookup(h) for s in segments if s.computed for h in s.hashes]
+        held = [b for b in found if b is not None]
+        revived = sum(1 for b in set(held) if self.pool.ref_counts[b] == 0)
+        needed = (len(found) - len(held)
+                  + sum(len(s.hashes) for s in segments if not s.computed))
+        if needed + revived > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(held)
+        fresh = self.pool.allocate(needed)
+        for segment in segments:
+            if not segment.computed:
+                segment.blocks = [fresh.pop() for _ in segment.hashes]
+                continue
+            for block_hash in segment.hashes:
+                block_id = self.pool.lookup(block_hash)
+                if block_id is None:
+                    assert self.tiers is not None
+                    block_id = fresh.pop()
+                    self.tiers.load(self.tiers.pin(block_hash), block_id)
+                segment.blocks.append(block_id)
+        self.segment_holds[request.request_id] = [b for s in segments for b in s.blocks]
+        return True
+
+    def cache_segments(self, segments: list[SegmentKV]) -> None:
+        """Registers chunks just computed into their held blocks."""
+        for segment in segments:
+            for block_id, block_hash in zip(segment.blocks, segment.hashes, strict=True):
+                self.pool.cache(block_id, block_hash)
+            segment.computed = True
+
+    def copy_segments(self, request: Request, segments: list[SegmentKV]) -> None:
+        """Has the runner copy each held chunk's KV to its place in the request's blocks."""
+        table = self.block_tables[request.request_id]
+        self.transfers.chunks.extend(
+            ChunkCopy(s.blocks, table, s.start, s.num_tokens) for s in segments)
+
+    def release_segments(self, request: Request) -> None:
+        """Lets go of a blended request's chunk blocks (they stay cached)."""
+        self.pool.free(self.segment_holds.pop(request.request_id, [])[::-1])
 
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self.host_tables
@@ -302,7 +386,8 @@ class KVCacheManager:
         """Asserts that every block is either free or referenced exactly as often as block
         tables hold it, that no table holds a block twice, that the hash index and the
         per-block hashes agree, and that the host tiers hold exactly what is accounted for."""
-        held = Counter(b for table in self.block_tables.values() for b in table)
+        held = Counter(b for tables in (self.block_tables, self.segment_holds)
+                       for table in tables.values() for b in table)
         for table in self.block_tables.values():
             assert len(set(table)) == len(table), f"block table holds a block twice: {table}"
         free = set(self.pool.free_block_ids())

@@ -31,7 +31,9 @@ class ScheduledRequest:
     otherwise. A draft model may draft `num_lookahead_tokens` after the step's new tokens,
     in slots the block table holds for them. A streaming request's cache has dropped
     `num_evicted_tokens`: its tokens go that many positions lower, in the cache and for the
-    rotary embedding."""
+    rotary embedding. A blended prompt (CacheBlend) comes whole, with `reused_spans`: the
+    [start, end) token ranges whose KV was copied in from chunks computed on their own; the
+    runner recomputes only some of those tokens in context."""
 
     request_id: str
     token_ids: list[int]
@@ -41,15 +43,30 @@ class ScheduledRequest:
     num_evicted_tokens: int = 0
     num_draft_tokens: int = 0
     num_lookahead_tokens: int = 0
+    reused_spans: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
+class ChunkCopy:
+    """A chunk's KV, computed from position 0 into `src_blocks`, copied to the tokens
+    `position .. position + num_tokens - 1` of a request whose block table is `dst_blocks`,
+    its keys turned by `position` to match."""
+
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    position: int
+    num_tokens: int
 
 
 @dataclass(slots=True)
 class KVTransfers:
-    """KV block work for the runner to do before the step's forward, in this order: key
-    shifts of sliding windows, spills (host block -> file), deletes, device -> host (requests
-    preempted by swap, cached blocks evicted from the pool), promotions (file -> host block),
-    host -> device (requests resuming, prefix hits in the host tier)."""
+    """KV block work for the runner to do before the step's forward, in this order: chunk
+    copies of blended prompts (into fresh blocks, from held ones), key shifts of sliding
+    windows, spills (host block -> file), deletes, device -> host (requests preempted by
+    swap, cached blocks evicted from the pool), promotions (file -> host block), host ->
+    device (requests resuming, prefix hits in the host tier)."""
 
+    chunks: list[ChunkCopy] = field(default_factory=list)
     shift: list[tuple[list[int], int]] = field(default_factory=list)  # (device blocks, tokens)
     spill: list[tuple[int, bytes]] = field(default_factory=list)  # (host block, block hash)
     delete: list[bytes] = field(default_factory=list)  # files beyond the disk tier's size
@@ -59,7 +76,7 @@ class KVTransfers:
 
     def __bool__(self) -> bool:
         return bool(self.spill or self.delete or self.to_host or self.promote
-                    or self.to_device or self.shift)
+                    or self.to_device or self.shift or self.chunks)
 
 
 @dataclass(slots=True, frozen=True)

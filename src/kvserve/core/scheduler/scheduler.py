@@ -18,6 +18,12 @@ last step: as many as `DraftPolicy` expects to pay off, and the budget, its max_
 max_model_len allow. The runner returns the drafts the model agreed with plus one token of
 its own; the KV written for the rejected ones is overwritten later (their slots lie past the
 request's computed tokens).
+A prompt given as segments (CacheBlend) is blended: at admission it holds the KV blocks of its
+chunks (every segment but the last) computed on their own; chunks not in the cache yet are
+computed in this step, each as a sequence of its own from position 0, and the request waits a
+step. Then it is scheduled whole, its chunks' KV copied into its blocks, and the runner
+recomputes only part of it in context. A prompt longer than a step's budget is prefilled
+plainly instead.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import time
 from collections.abc import Iterable
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.kv_cache.manager import CachedPrefix, KVCacheManager
+from kvserve.core.kv_cache.manager import CachedPrefix, KVCacheManager, SegmentKV
 from kvserve.core.scheduler.output import (
     ModelRunnerOutput,
     NewRequestData,
@@ -61,6 +67,11 @@ class Scheduler:
         self._lookahead: dict[str, int] = {}  # request id -> draft tokens to allocate, this step
         self.num_draft_tokens = 0  # speculative tokens verified
         self.num_accepted_tokens = 0  # of those, the ones the model agreed with
+        self._segments: dict[str, list[SegmentKV]] = {}  # blended request id -> held chunks
+        self._filling: list[SegmentKV] = []  # chunks this step computes
+        self.num_blended_prompts = 0
+        self.num_chunk_hit_tokens = 0  # blended prompts' tokens whose KV was in the cache
+        self.num_chunk_fill_tokens = 0  # of those not, computed on their own first
 
     def add_request(self, request: Request, first_in_line: bool = False) -> None:
         """Queues a validated request at the back of the waiting queue (or its front)."""
@@ -174,6 +185,15 @@ class Scheduler:
                 budget += self._defer_prefills_for(request, chunks)
                 if budget == 0:
                     break
+            if request.segment_lens and not request.blended:
+                if request.num_tokens <= self.config.max_num_batched_tokens:
+                    num_new = self._start_blend(request, out, budget)
+                    if num_new is None:
+                        break
+                    chunks[request.request_id] = num_new
+                    budget -= num_new
+                    continue
+                request.blended = True  # no step holds it whole: a plain prefill
             swapped = self.kv_cache.is_swapped(request)
             cached = CachedPrefix() if swapped else self.kv_cache.find_cached_prefix(request)
             if cached.on_disk:  # read into host memory this step, loaded the next
@@ -227,6 +247,48 @@ class Scheduler:
             request.num_computed_tokens = num_cached_tokens
             dropped = self._dropped.pop(request.request_id, 0)
             self.num_recomputed_tokens += max(dropped - num_cached_tokens, 0)
+        self._run(request, out)
+        return num_new
+
+    def _start_blend(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
+        """Admits a blended prompt whole once it holds its chunks' KV, with their copies into
+        its blocks; returns its token count. None while it waits: for budget, blocks or a
+        sequence slot, or for its missing chunks, as many of which as fit this step
+        computes (each a sequence of its own)."""
+        kv, request_id, num_tokens = self.kv_cache, request.request_id, request.num_tokens
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        segments = self._segments.get(request_id)
+        if segments is None:
+            segments = kv.find_segments(request)
+            if not kv.hold_segments(request, segments):
+                return None
+            self._segments[request_id] = segments
+            self.num_chunk_hit_tokens += sum(s.num_tokens for s in segments if s.computed)
+        missing = [(i, s) for i, s in enumerate(segments) if not s.computed]
+        if missing:
+            room = self.config.max_num_seqs - len(self.running)
+            for i, segment in missing:
+                if room == 0 or segment.num_tokens > budget:
+                    break
+                out.scheduled.append(ScheduledRequest(
+                    f"{request_id}/chunk{i}",
+                    request.prompt_token_ids[segment.start:segment.start + segment.num_tokens],
+                    0, segment.blocks, sample=False))
+                self._filling.append(segment)
+                self.num_chunk_fill_tokens += segment.num_tokens
+                room, budget = room - 1, budget - segment.num_tokens
+            return None
+        if num_tokens > budget or not kv.allocate_slots(request, num_tokens):
+            return None
+        kv.copy_segments(request, segments)
+        self.num_blended_prompts += 1
+        self._run(request, out)
+        return num_tokens
+
+    def _run(self, request: Request, out: SchedulerOutput) -> None:
+        """Moves an admitted request from waiting to running; tells the runner of it the
+        first time."""
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -239,7 +301,6 @@ class Scheduler:
                 request.eos_token_ids, tuple(request.output_token_ids),
                 request.generator_state, request.lora_name))
             request.generator_state = None
-        return num_new
 
     def _defer_prefills_for(self, request: Request, chunks: dict[str, int]) -> int:
         """Takes back this step's prefill chunks of running requests that `request`
@@ -289,6 +350,7 @@ class Scheduler:
         start = request.num_computed_tokens
         known = min(num_new, request.num_tokens - start)
         drafts = request.spec_token_ids[:num_new - known]
+        segments = self._segments.get(request.request_id) if start == 0 else None
         request.num_computed_tokens += num_new
         self.policy.on_scheduled(request, num_new)
         return ScheduledRequest(
@@ -300,11 +362,13 @@ class Scheduler:
             num_evicted_tokens=request.num_evicted_tokens,
             num_draft_tokens=len(drafts),
             num_lookahead_tokens=self._lookahead.get(request.request_id, 0),
+            reused_spans=tuple((s.start, s.start + s.num_tokens) for s in segments or ()),
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         request.spec_token_ids = []
+        self._segments.pop(request.request_id, None)
         if self._swaps(request):
             self.kv_cache.swap_out(request)
             self.num_swapped_preemptions += 1
@@ -333,6 +397,7 @@ class Scheduler:
         finishes the requests that hit a token-level stop (tokens after it are dropped);
         keeps the next step's drafts. Returns the requests that got a token."""
         self.kv_cache.end_step(result.failed_promotions)
+        self._end_blends(scheduled)
         sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=True))
         for scheduled_request in scheduled.scheduled:
             request = self.requests.get(scheduled_request.request_id)
@@ -362,6 +427,17 @@ class Scheduler:
             request.spec_token_ids = result.draft_token_ids.get(request_id, [])
             updated.append(request)
         return updated
+
+    def _end_blends(self, scheduled: SchedulerOutput) -> None:
+        """Registers the chunks computed this step; blended requests let go of theirs."""
+        self.kv_cache.cache_segments(self._filling)
+        self._filling = []
+        for scheduled_request in scheduled.scheduled:
+            request = self.requests.get(scheduled_request.request_id)
+            if scheduled_request.reused_spans and request is not None:
+                request.blended = True
+                self.kv_cache.release_segments(request)
+                self._segments.pop(request.request_id, None)
 
     def detach_request(self, request_id: str) -> Request | None:
         """Takes a running request out of this engine unfinished, to go on in another
@@ -405,6 +481,7 @@ class Scheduler:
         self.kv_cache.free(request)
         self.policy.on_finished(request)
         self._dropped.pop(request.request_id, None)
+        self._segments.pop(request.request_id, None)
         request.status = status
         del self.requests[request.request_id]
         if request.request_id in self._started_ids:

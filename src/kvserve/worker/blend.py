@@ -1,0 +1,153 @@
+"""CacheBlend's selective recompute: a blended prompt's forward computes only a few of its
+reused tokens again in context.
+
+Before the forward, each chunk's KV, computed on its own, has been copied into the prompt's
+blocks at its place (keys turned to their new positions). That KV lacks the chunk's
+attention to the chunks before it. The first layer runs on every token, which rewrites that
+layer's KV in context. At the second layer's input, the KV of every reused token is computed
+again and compared with the copied one: the `recompute_ratio` share with the largest
+deviation, plus every token not reused (the last segment), go on through the remaining
+layers; the others keep their (copied, second layer: refreshed) KV and leave the forward.
+The tokens that go on attend as decode rows of one sequence, each to the positions up to its
+own, over KV that mixes copied and recomputed entries. With a ratio of 0, the copied KV is
+used as it is: only the tokens not reused are computed, from the first layer on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvserve.attention.backend import AttentionMetadata, PrefillChunk
+from kvserve.attention.torch_ref import apply_rotary
+from kvserve.lora.batch import LoRABatch
+from kvserve.worker.forward_context import forward_context, narrow_rows
+
+
+@dataclass(slots=True)
+class BlendedPrompt:
+    """A blended prompt's rows of the step: `num_rows` from `first_row`, at positions 0 ..
+    num_rows - 1, sequence `seq` of the attention metadata. `reused` marks the rows whose KV
+    was copied in from chunks."""
+
+    seq: int
+    first_row: int
+    num_rows: int
+    reused: np.ndarray  # bool [num_rows]
+
+
+class SelectiveRecompute:
+    """Narrows a step's rows at layer `layer` to those that go on (see the module doc)."""
+
+    def __init__(self, blends: list[BlendedPrompt], meta: AttentionMetadata,
+                 lora: LoRABatch | None, recompute_ratio: float, num_rows: int) -> None:
+        self.blends = blends
+        self.meta = meta
+        self.lora = lora
+        self.ratio = recompute_ratio
+        self.layer = 1 if recompute_ratio > 0 else 0
+        self.num_rows = num_rows
+        self.kept: torch.Tensor | None = None  # the rows that went on, in their new order
+
+    def select(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+               freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows that go on through `layer` and after: their hidden state (residual
+        folded in) and rotations. The forward context narrows to them too."""
+        if residual is not None:
+            x = x + residual
+        meta = self.meta
+        positions = [self._rows_going_on(layer, x, freqs_cis, b) for b in self.blends]
+        blend_seqs = {b.seq for b in self.blends}
+        chunks = [c for c in meta.prefills if c.seq not in blend_seqs]
+        order = np.concatenate(
+            [np.arange(meta.num_decodes)]
+            + [b.first_row + p for b, p in zip(self.blends, positions, strict=True)]
+            + [np.arange(c.query_start, c.query_start + c.num_query_tokens) for c in chunks])
+        self.kept = torch.from_numpy(order).to(x.device)
+        lora = self.lora
+        if lora is not None:
+            lora = LoRABatch(lora.slot_of_row[self.kept], lora.num_slots)
+        narrow_rows(self._metadata(positions, chunks), lora)
+        return x[self.kept], freqs_cis[self.kept]
+
+    def restore(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final hidden states back in the step's row order (rows that left: zeros)."""
+        if self.kept is None:
+            return hidden
+        full = hidden.new_zeros(self.num_rows, hidden.shape[1])
+        return full.index_copy_(0, self.kept, hidden)
+
+    def _rows_going_on(self, layer: nn.Module, x: torch.Tensor, freqs_cis: torch.Tensor,
+                       blend: BlendedPrompt) -> np.ndarray:
+        """The positions of the blended prompt's rows that go on: every row not reused, and
+        the reused rows whose refreshed KV deviates most from the copied."""
+        candidates = np.flatnonzero(blend.reused)
+        forced = np.flatnonzero(~blend.reused)
+        num_kept = math.ceil(self.ratio * len(candidates))
+        if not num_kept:
+            return forced
+        rows = slice(blend.first_row, blend.first_row + blend.num_rows)
+        with forward_context(self.meta):  # the blended rows run the base model
+            deviation = _refresh_kv(layer, x[rows], freqs_cis[rows],
+                                    self.meta.slot_mapping[rows])
+        index = torch.from_numpy(candidates).to(x.device)
+        top = torch.topk(deviation[index], num_kept).indices.cpu().numpy()
+        return np.sort(np.concatenate([forced, candidates[top]]))
+
+    def _metadata(self, blend_positions: list[np.ndarray],
+                  chunks: list[PrefillChunk]) -> AttentionMetadata:
+        """The step's metadata over the rows that go on: the decode rows, then each blended
+        prompt's rows as decode rows of its sequence (each with the context up to its own
+        position), then the other prefill chunks."""
+        meta = self.meta
+        num_decodes = meta.num_decodes + sum(len(p) for p in blend_positions)
+        seq_of_row = np.concatenate([np.arange(meta.num_decodes)]
+                                    + [np.full(len(p), b.seq)
+                                       for p, b in zip(blend_positions, self.blends, strict=True)]
+                                    + [np.array([c.seq for c in chunks], dtype=np.int64)])
+        seq_lens = np.concatenate([meta.seq_lens_host[:meta.num_decodes]]
+                                  + [p + 1 for p in blend_positions]
+                                  + [np.array([c.context_len for c in chunks], dtype=np.int64)])
+        query_start = np.concatenate([np.arange(num_decodes + 1), num_decodes + np.cumsum(
+            [c.num_query_tokens for c in chunks], dtype=np.int64)])
+        prefills = [PrefillChunk(num_decodes + i, int(query_start[num_decodes + i]),
+                                 c.num_query_tokens, c.context_len)
+                    for i, c in enumerate(chunks)]
+        device = meta.slot_mapping.device
+        return AttentionMetadata(
+            slot_mapping=meta.slot_mapping[self.kept],
+            query_start_loc=torch.from_numpy(query_start).to(device),
+            seq_lens=torch.from_numpy(seq_lens).to(device),
+            block_tables=meta.block_tables[torch.from_numpy(seq_of_row).to(device)],
+            num_decodes=num_decodes,
+            seq_lens_host=seq_lens,
+            prefills=prefills,
+            sliding_window=meta.sliding_window,
+            decode_rows_share_sequences=True,
+        )
+
+
+def _refresh_kv(layer: nn.Module, x: torch.Tensor, freqs_cis: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+    """Computes the layer's keys and values of hidden states `x` (residual folded in) at
+    their cache `slots`, writes them there and returns each row's squared deviation from
+    what the slots held."""
+    attn = layer.self_attn
+    num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    heads = attn.qkv_proj(layer.input_layernorm(x)).view(x.shape[0], -1, head_dim)
+    k = heads[:, num_heads:num_heads + num_kv_heads]
+    v = heads[:, num_heads + num_kv_heads:]
+    if attn.k_norm is not None:
+        k = attn.k_norm(k.reshape(-1, head_dim)).view(x.shape[0], -1, head_dim)
+    k = apply_rotary(k, freqs_cis).transpose(0, 1)
+    v = v.transpose(0, 1)
+    cache = attn.kv_cache.view(2, num_kv_heads, -1, head_dim)
+    deviation = ((k.float() - cache[0][:, slots].float()).square().sum((0, 2))
+                 + (v.float() - cache[1][:, slots].float()).square().sum((0, 2)))
+    cache[0].index_copy_(1, slots, k)
+    cache[1].index_copy_(1, slots, v)
+    return deviation

@@ -1,0 +1,147 @@
+"""CacheBlend: prompts given as segments reuse their chunks' KV wherever the chunks appear.
+Recomputing every reused token gives transformers' greedy output on the joined prompt; a
+chunk reused where it was computed (first) is exact with no recompute at all; the copied KV
+is the chunk's own, moved to its new positions; no block is left held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from tests.conftest import random_prompts
+from tests.models.test_hf_equivalence import (
+    MAX_TOKENS,
+    assert_no_blocks_held,
+    hf_greedy,
+    kv_bytes_for_blocks,
+)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def corpus(seed: int = 5) -> list[list[int]]:
+    """Chunks of a few blocks, a block and a half, one token, and a question."""
+    return random_prompts([40, 16, 24, 1, 57, 9], seed=seed)
+
+
+def blended(llm: LLM, segment_lists: list[list[list[int]]],
+            params: SamplingParams = GREEDY) -> list[list[int]]:
+    outputs = llm.generate([{"segments": s} for s in segment_lists], params, use_tqdm=False)
+    assert_no_blocks_held(llm)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+SETTINGS = {
+    "default": {},
+    "eager": {"enforce_eager": True},
+    "small-pool": {"kv_blocks": 30, "max_num_seqs": 2},
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_full_recompute_matches_transformers(model_dirs, arch, setting):
+    """Chunks in several orders, cold then cached, batched with plain prompts."""
+    path = model_dirs[arch]
+    kwargs = dict(SETTINGS[setting])
+    if "kv_blocks" in kwargs:
+        kwargs["kv_cache_memory"] = kv_bytes_for_blocks(path, kwargs.pop("kv_blocks"))
+    llm = LLM(str(path), blend_recompute_ratio=1.0, **kwargs)
+    a, b, c, d, e, question = corpus()
+    segment_lists = [[a, b, question], [b, a, c, question], [d, e, a, question],
+                     [a, b, question], [c, d, b, e, question]]
+    plain = random_prompts([30, 5], seed=8)
+    outputs = llm.generate([{"segments": s} for s in segment_lists]
+                           + [{"prompt_token_ids": p} for p in plain], GREEDY, use_tqdm=False)
+    assert_no_blocks_held(llm)
+    prompts = [sum(s, []) for s in segment_lists] + plain
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(path, tuple(prompt), MAX_TOKENS)
+    scheduler = llm.engine.core.scheduler
+    assert scheduler.num_blended_prompts == len(segment_lists)
+    assert scheduler.num_chunk_hit_tokens > 0 and scheduler.num_chunk_fill_tokens > 0
+
+
+def test_chunk_first_in_the_prompt_needs_no_recompute(llama_dir):
+    """A chunk at position 0 has the same KV on its own as in the prompt: with nothing
+    recomputed, the output is the full prefill's."""
+    llm = LLM(str(llama_dir), blend_recompute_ratio=0.0)
+    a, _, _, _, _, question = corpus()
+    for _ in range(2):  # the chunk computed, then found
+        got = blended(llm, [[a, question]])[0]
+        assert got == hf_greedy(llama_dir, tuple(a + question), MAX_TOKENS)
+
+
+def test_copied_keys_are_moved_to_their_positions(llama_dir):
+    """The first layer's KV depends on each token and its position alone, so a chunk's KV
+    copied behind another equals the full prefill's there."""
+    a, b, *_, question = corpus()
+    prompt = a + b + question
+    layer0 = {}
+    for ratio, request in ((None, {"prompt_token_ids": prompt}),
+                           (0.0, {"segments": [a, b, question]})):
+        llm = LLM(str(llama_dir), blend_recompute_ratio=ratio or 0.0,
+                  enable_prefix_caching=True)
+        engine = llm.engine
+        engine.add_request(request, SamplingParams(max_tokens=4, ignore_eos=True), "r")
+        while not engine.core.scheduler.requests["r"].num_output_tokens:
+            engine.step()
+        table = engine.core.kv_cache.get_block_ids("r")
+        kv = engine.core.runner.kv_cache[0]  # [K/V, heads, blocks, block_size, dim]
+        layer0[ratio] = kv[:, :, table].flatten(2, 3)[:, :, :len(prompt) - 1].clone()
+    torch.testing.assert_close(layer0[0.0], layer0[None], atol=1e-5, rtol=1e-5)
+
+
+def test_prompt_beyond_the_budget_is_prefilled_plainly(llama_dir):
+    llm = LLM(str(llama_dir), max_num_batched_tokens=64, blend_recompute_ratio=0.0)
+    a, b, c, *_, question = corpus()
+    got = blended(llm, [[a, c, b, question]])[0]
+    assert got == hf_greedy(llama_dir, tuple(a + c + b + question), MAX_TOKENS)
+    assert llm.engine.core.scheduler.num_blended_prompts == 0
+
+
+def test_bad_segments_name_the_field(llama_dir):
+    llm = LLM(str(llama_dir))
+    a, *_ = corpus()
+    for segments, message in (([a], "at least 2 segments"), ([a, ""], r"segments\[1\]"),
+                              ([a, [10**9]], "out of the vocabulary"),
+                              ("text", "at least 2 segments")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate({"segments": segments}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate({"segments": [a, a]}, SamplingParams(prompt_logprobs=1), use_tqdm=False)
+    off = LLM(str(llama_dir), enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="prefix caching"):
+        off.generate({"segments": [a, a]}, GREEDY, use_tqdm=False)
+    assert_no_blocks_held(llm)
+
+
+def test_abort_while_chunks_fill_lets_go_of_their_blocks(llama_dir):
+    llm = LLM(str(llama_dir))
+    engine = llm.engine
+    a, b, *_, question = corpus()
+    engine.add_request({"segments": [a, b, question]}, GREEDY, "r")
+    engine.step()  # computes the chunks; the prompt waits for the next step
+    assert engine.core.kv_cache.segment_holds["r"]
+    engine.abort_request("r")
+    assert_no_blocks_held(llm)
+    # The chunks stay cached: the same segments in another order hit them.
+    blended(llm, [[b, a, question]])
+    scheduler = engine.core.scheduler
+    assert scheduler.num_chunk_hit_tokens == len(a) + len(b)
+    assert scheduler.num_chunk_fill_tokens == len(a) + len(b)
+
+
+def test_preempted_blended_prompt_goes_on_plainly(llama_dir):
+    """Under a pool too small for all, blended prompts are preempted by recompute after their
+    blend step; their outputs stay those of full recompute."""
+    llm = LLM(str(llama_dir), blend_recompute_ratio=1.0, max_num_batched_tokens=160,
+              preemption_mode="recompute", kv_cache_memory=kv_bytes_for_blocks(llama_dir, 22))
+    a, b, c, d, e, question = corpus()
+    segment_lists = [[a, b, question], [c, e, question], [e, d, a, question]]
+    got = blended(llm, segment_lists, SamplingParams(temperature=0.0, max_tokens=60,
+                                                     ignore_eos=True))
+    for segments, tokens in zip(segment_lists, got, strict=True):
+        assert tokens == hf_greedy(llama_dir, tuple(sum(segments, [])), 60)
+    assert llm.engine.core.scheduler.num_preemptions > 0
