@@ -97,6 +97,22 @@ def test_token_prompts_echo_and_logprobs(client: openai.OpenAI, llm: LLM) -> Non
     assert echoed.choices[0].text.startswith("import os")
 
 
+def test_segments_blend_like_the_offline_api(server: str, client: openai.OpenAI,
+                                             llm: LLM) -> None:
+    segments = ["The tower was built in 1889. ", "It is 330 metres tall. ", "How tall is it?"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate({"segments": segments}, params, use_tqdm=False)[0]
+    got = client.completions.create(model=MODEL, prompt=None, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True, "segments": segments})
+    assert got.choices[0].text == expected.outputs[0].text
+    assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
+    for body, message in (({"segments": ["only one"]}, "at least 2 segments"),
+                          ({"segments": segments, "prompt": "x"}, "not both")):
+        response = httpx.post(f"{server}/v1/completions", headers=AUTH,
+                              json={"model": MODEL, "max_tokens": 2, **body})
+        assert response.status_code == 400 and message in response.text
+
+
 def test_prompt_logprobs_as_vllm_returns_them(client: openai.OpenAI, llm: LLM) -> None:
     ids = [5, 6, 7, 8, 9]
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)

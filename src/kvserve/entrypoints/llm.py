@@ -53,7 +53,9 @@ class LLM:
         is validated before any runs, so one bad prompt raises ValueError naming its index
         and leaves the engine as it was. `priority` (one per prompt, lower first) matters
         under `scheduling_policy="priority"`; a prompt dict may also carry `priority`,
-        `tenant` (for `"fair"`) and `cache_salt`."""
+        `tenant` (for `"fair"`) and `cache_salt`. A prompt `{"segments": [...]}` (texts or
+        token-id lists) is blended (CacheBlend): every segment but the last is a chunk whose
+        KV is reused wherever it appears."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         prompts = list(prompts)

@@ -111,7 +111,10 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # kvserve's extra, instead of `prompt` (CacheBlend): the prompt as reusable chunks (texts
+    # or token ids) and then the rest; each chunk's KV is reused wherever it appears.
+    segments: list[str | list[int]] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

@@ -25,6 +25,10 @@ from kvserve.sampling_params import SamplingParams
 
 def prompts_of(request: CompletionRequest) -> list[dict[str, Any]]:
     prompt = request.prompt
+    if request.segments is not None:
+        if prompt is not None:
+            raise ValueError("segments: give prompt or segments, not both")
+        return [request.engine_prompt({"segments": request.segments})]
     if not prompt:
         raise ValueError("prompt must not be empty")
     if isinstance(prompt, str) or isinstance(prompt[0], int):
