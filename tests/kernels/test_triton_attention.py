@@ -3,11 +3,14 @@ runner's own input buffers. Without CUDA they run in Triton's interpreter (tests
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from kvserve.attention.backend import PrefillChunk  # noqa: E402
 from kvserve.attention.torch_ref import TorchPagedAttention  # noqa: E402
 from kvserve.attention.triton.backend import TritonPagedAttention  # noqa: E402
 from kvserve.attention.triton.decode import paged_decode_attention  # noqa: E402
@@ -75,6 +78,21 @@ def test_mixed_step_matches_the_torch_backend(num_heads, num_kv_heads, head_dim,
     expected, got, ref_cache, our_cache = run_both(step)
     torch.testing.assert_close(our_cache, ref_cache, rtol=0, atol=1e-6)
     torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_queries_at_some_positions_match_those_rows_of_the_full_step():
+    """A blended prompt's recomputed tokens: a chunk of scattered positions beside a decode."""
+    qk, v, freqs, cache, meta = make_step([(9, 1), (0, 70)], 4, 2, 32, 8, window=30)
+    full = TorchPagedAttention().forward(qk.clone(), v, freqs, cache, meta, 0.3)  # all KV
+    rows = torch.tensor([0, 1, 3, 40, 41, 64, 70], device=DEVICE)  # the decode, then the chunk
+    positions = torch.cat([torch.tensor([9], device=DEVICE), rows[1:] - 1])
+    narrowed = replace(meta, slot_mapping=meta.slot_mapping[rows],
+                       query_start_loc=torch.tensor([0, 1, len(rows)], device=DEVICE),
+                       prefills=[PrefillChunk(1, 1, len(rows) - 1, 70)],
+                       query_positions=positions)
+    got = TritonPagedAttention(num_programs=8).forward(qk[rows].clone(), v[rows], freqs[rows],
+                                                       cache.clone(), narrowed, 0.3)
+    torch.testing.assert_close(got, full[rows], rtol=2e-5, atol=2e-5)
 
 
 def test_prefill_only_and_decode_only_steps():

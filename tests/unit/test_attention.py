@@ -144,6 +144,32 @@ def test_prefill_kernel_matches_the_reference(dtype, window, head_dim, num_q, ct
     torch.testing.assert_close(got.float(), want.float(), **tolerance)
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 9])
+def test_queries_at_some_positions_match_those_rows_of_the_full_prefill(backend, dtype,
+                                                                         window):
+    """A blended prompt's recomputed tokens: scattered positions, the last one included."""
+    attention = BACKENDS[backend]()
+    if dtype not in getattr(attention, "prefill_dtypes", {dtype}):
+        pytest.skip(f"no prefill kernel for {dtype} on this CPU")
+    ctx = 130
+    _, cache, meta, dense = paged_case([ctx], head_dim=32, seed=4)
+    cache = cache.to(dtype)
+    block_ids = meta.block_tables[0, :-(-ctx // BLOCK)]
+    k, v = (dense[0][i].transpose(0, 1).to(dtype) for i in (0, 1))
+    q = torch.randn(ctx, 6, 32, generator=torch.Generator().manual_seed(5)).to(dtype)
+    full = attention.prefill(q, k, v, cache, PrefillChunk(0, 0, ctx, ctx), block_ids, window,
+                             0.25)
+    positions = torch.tensor([0, 3, 4, 5, 17, 63, 64, 65, 100, 128, 129])
+    got = attention.prefill(q[positions], k[positions], v[positions], cache,
+                            PrefillChunk(0, 0, len(positions), ctx), block_ids, window, 0.25,
+                            positions)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {
+        "rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), full[positions].float(), **tolerance)
+
+
 def test_kernel_builds_on_this_machine():
     """CI machines have a compiler; a silent fallback to the slow path would hide a break."""
     assert cpu_kernels() is not None

@@ -19,7 +19,8 @@ import torch
 @dataclass(slots=True)
 class PrefillChunk:
     """Sequence `seq` of the step, which has `num_query_tokens` > 1 query rows from
-    `query_start`, at positions `context_len - num_query_tokens .. context_len - 1`."""
+    `query_start`, at positions `context_len - num_query_tokens .. context_len - 1` (or, with
+    the metadata's `query_positions`, at those ascending positions below `context_len`)."""
 
     seq: int
     query_start: int
@@ -46,6 +47,9 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]  # the multi-token sequences, described on the host
     sliding_window: int | None
     decode_rows_share_sequences: bool = False
+    # [num_tokens] each row's position, given when a chunk's queries are only some of its
+    # context's last positions (a blended prompt's recomputed tokens)
+    query_positions: torch.Tensor | None = None
 
     def decode_tables(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode rows' block tables, cut to the longest decode's blocks, and their

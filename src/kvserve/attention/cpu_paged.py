@@ -50,10 +50,12 @@ class CpuPagedAttention(TorchPagedAttention):
         block_size = kv_cache.shape[3]
         for chunk in meta.prefills:
             first = chunk.query_start - num_decodes
+            rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
             block_ids = meta.block_tables[chunk.seq, :-(-chunk.context_len // block_size)]
-            out[chunk.query_start:chunk.query_start + chunk.num_query_tokens] = \
-                self._prefill_chunk(q[first:first + chunk.num_query_tokens], kv_cache, chunk,
-                                    block_ids, meta.sliding_window, scale)
+            positions = None if meta.query_positions is None else meta.query_positions[rows]
+            out[rows] = self._prefill_chunk(q[first:first + chunk.num_query_tokens], kv_cache,
+                                            chunk, block_ids, meta.sliding_window, scale,
+                                            positions)
         return out
 
     def _decode_rows(self, qk: torch.Tensor, v: torch.Tensor, rotation: torch.Tensor,
@@ -77,17 +79,19 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 chunk: PrefillChunk, block_ids: torch.Tensor, window: int | None,
-                scale: float) -> torch.Tensor:
+                scale: float, positions: torch.Tensor | None = None) -> torch.Tensor:
         if q.dtype not in self.prefill_dtypes or not self._covers(q):
-            return super().prefill(q, k, v, kv_cache, chunk, block_ids, window, scale)
+            return super().prefill(q, k, v, kv_cache, chunk, block_ids, window, scale,
+                                   positions)
         return self._prefill_chunk(_with_contiguous_heads(q), kv_cache, chunk, block_ids,
-                                   window, scale)
+                                   window, scale, positions)
 
     def _prefill_chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,
-                       block_ids: torch.Tensor, window: int | None,
-                       scale: float) -> torch.Tensor:
-        return self.kernel.prefill_attention(q, kv_cache, block_ids.contiguous(),
-                                             chunk.context_len, scale, window or 0)
+                       block_ids: torch.Tensor, window: int | None, scale: float,
+                       positions: torch.Tensor | None) -> torch.Tensor:
+        return self.kernel.prefill_attention(
+            q, kv_cache, block_ids.contiguous(), chunk.context_len, scale, window or 0,
+            None if positions is None else positions.contiguous())
 
     @staticmethod
     def _covers(x: torch.Tensor) -> bool:

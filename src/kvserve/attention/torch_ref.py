@@ -27,8 +27,9 @@ class TorchPagedAttention(AttentionBackend):
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
             block_ids = meta.block_tables[chunk.seq, :-(-chunk.context_len // block_size)]
+            positions = None if meta.query_positions is None else meta.query_positions[rows]
             out[rows] = self.prefill(q[rows], k[rows], v[rows], kv_cache, chunk, block_ids,
-                                     meta.sliding_window, scale)
+                                     meta.sliding_window, scale, positions)
         return out
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -38,10 +39,11 @@ class TorchPagedAttention(AttentionBackend):
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 chunk: PrefillChunk, block_ids: torch.Tensor, window: int | None,
-                scale: float) -> torch.Tensor:
+                scale: float, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of one prefill chunk (its rotated queries, keys and values, the
-        latter already in the cache) over its context."""
-        return _prefill(q, k, v, kv_cache, chunk, block_ids, window, scale)
+        latter already in the cache) over its context; its queries at `positions` when
+        given."""
+        return _prefill(q, k, v, kv_cache, chunk, block_ids, window, scale, positions)
 
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -85,18 +87,20 @@ def _decode_bias(seq_lens: torch.Tensor, width: int, window: int | None,
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              chunk: PrefillChunk, block_ids: torch.Tensor, window: int | None,
-             scale: float) -> torch.Tensor:
+             scale: float, positions: torch.Tensor | None) -> torch.Tensor:
     num_q, ctx = chunk.num_query_tokens, chunk.context_len
     head_dim = q.shape[-1]
-    if num_q == ctx:  # no earlier context: the new keys are the whole context
+    if num_q == ctx and positions is None:  # the new keys are the whole context
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
     else:
         num_kv_heads = kv_cache.shape[1]
         keys = kv_cache[0][:, block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
         values = kv_cache[1][:, block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
     mask = None
-    if num_q != ctx or (window is not None and window < ctx):
-        mask = causal_mask(num_q, ctx, window, q.device)
+    if positions is not None or num_q != ctx or (window is not None and window < ctx):
+        if positions is None:
+            positions = torch.arange(ctx - num_q, ctx, device=q.device)
+        mask = causal_mask(positions, ctx, window)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
         attn_mask=mask, is_causal=mask is None, scale=scale,
@@ -104,11 +108,11 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
     return out.squeeze(0).transpose(0, 1).reshape(num_q, -1)
 
 
-def causal_mask(num_q: int, ctx: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """Bool [num_q, ctx]: query i (at position ctx - num_q + i) sees key j iff j <= its
-    position and, with a sliding window W, j > position - W."""
-    pos = torch.arange(ctx - num_q, ctx, device=device).unsqueeze(1)
-    key = torch.arange(ctx, device=device).unsqueeze(0)
+def causal_mask(positions: torch.Tensor, ctx: int, window: int | None) -> torch.Tensor:
+    """Bool [queries, ctx]: the query at `positions[i]` sees key j iff j <= its position
+    and, with a sliding window W, j > position - W."""
+    pos = positions.unsqueeze(1)
+    key = torch.arange(ctx, device=positions.device).unsqueeze(0)
     allowed = key <= pos
     if window is not None:
         allowed &= key > pos - window

@@ -7,6 +7,7 @@ import argparse
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from kvserve.benchmarks import (
+        blend,
         cluster,
         disagg,
         kernels,
@@ -46,4 +47,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     structured.add_parser(bench_sub)
     speculative.add_parser(bench_sub)
     lora.add_parser(bench_sub)
+    blend.add_parser(bench_sub)
     simulate.add_validation_parser(bench_sub)

@@ -21,8 +21,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotate_cache_and_decode", &kvserve::rotate_cache_and_decode, release);
   m.def("rotate_and_cache", &kvserve::rotate_and_cache, release,
         "rotary and cache write of rotate_cache_and_decode, without the attention");
-  m.def("prefill_attention", &kvserve::prefill_attention, release,
-        "causal attention of a prefill chunk over its paged context");
+  m.def("prefill_attention", &kvserve::prefill_attention, py::arg("q"), py::arg("kv_cache"),
+        py::arg("block_ids"), py::arg("ctx"), py::arg("scale"), py::arg("window"),
+        py::arg("positions") = py::none(), release,
+        "causal attention of a prefill chunk (or of some of its positions) over its context");
   m.def("apply_token_bitmask", &kvserve::apply_token_bitmask, release,
         "-inf, in place, for the tokens a grammar's bitmask row leaves out");
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")

@@ -76,15 +76,15 @@ struct RowState {
   float total = 0.f;
 };
 
-// Query rows r0.. (ROWS of them, consecutive positions from `first_pos`) of one head.
+// Query rows r0.. (ROWS of them, at ascending positions `pos`) of one head.
 template <typename T, int ROWS>
-void attend_rows(const T* q, int64_t q_stride, int64_t first_pos, const T* packed_k,
+void attend_rows(const T* q, int64_t q_stride, const int64_t* pos, const T* packed_k,
                  const T* packed_v, int64_t head_dim, float scale, int64_t window, float* acc_out,
                  T* probs, T* out, int64_t out_stride) {
   RowState state[ROWS];
   std::fill(acc_out, acc_out + ROWS * head_dim, 0.f);
-  const int64_t last_pos = first_pos + ROWS - 1;
-  const int64_t lowest = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const int64_t last_pos = pos[ROWS - 1];
+  const int64_t lowest = window > 0 ? std::max<int64_t>(0, pos[0] - window + 1) : 0;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t tile = lowest / kKeyTile; tile * kKeyTile <= last_pos; ++tile) {
     __m512 scores[ROWS][4];
@@ -93,16 +93,17 @@ void attend_rows(const T* q, int64_t q_stride, int64_t first_pos, const T* packe
     accumulate<T, ROWS, 4>(scores, q, q_stride, head_dim,
                            packed_k + tile * kKeyTile * head_dim);
     for (int i = 0; i < ROWS; ++i) {
-      const int64_t pos = first_pos + i;
+      const int64_t row_pos = pos[i];
       __mmask16 visible[4];
       __m512 row_max = _mm512_set1_ps(kNegInf);
       for (int b = 0; b < 4; ++b) {
         const __m512i key = _mm512_add_epi32(
             _mm512_set1_epi32(static_cast<int32_t>(tile * kKeyTile + b * kBlock)), lane);
-        visible[b] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(pos)));
+        visible[b] =
+            _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(row_pos)));
         if (window > 0)
           visible[b] &= _mm512_cmpgt_epi32_mask(
-              key, _mm512_set1_epi32(static_cast<int32_t>(pos - window)));
+              key, _mm512_set1_epi32(static_cast<int32_t>(row_pos - window)));
         scores[i][b] = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), visible[b], scores[i][b],
                                           _mm512_set1_ps(scale));
         row_max = _mm512_max_ps(row_max, scores[i][b]);
@@ -144,13 +145,13 @@ void attend_rows(const T* q, int64_t q_stride, int64_t first_pos, const T* packe
 }
 
 template <typename T>
-void attend_tile(int rows, const T* q, int64_t q_stride, int64_t first_pos, const T* packed_k,
+void attend_tile(int rows, const T* q, int64_t q_stride, const int64_t* pos, const T* packed_k,
                  const T* packed_v, int64_t head_dim, float scale, int64_t window, float* acc,
                  T* probs, T* out, int64_t out_stride) {
   switch (rows) {
 #define KVSERVE_ROWS(R)                                                                     \
   case R:                                                                                   \
-    attend_rows<T, R>(q, q_stride, first_pos, packed_k, packed_v, head_dim, scale, window, \
+    attend_rows<T, R>(q, q_stride, pos, packed_k, packed_v, head_dim, scale, window,       \
                       acc, probs, out, out_stride);                                        \
     break;
     KVSERVE_ROWS(1) KVSERVE_ROWS(2) KVSERVE_ROWS(3) KVSERVE_ROWS(4) KVSERVE_ROWS(5)
@@ -162,7 +163,8 @@ void attend_tile(int rows, const T* q, int64_t q_stride, int64_t first_pos, cons
 
 template <typename T>
 void prefill(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* block_ids,
-             int64_t ctx, float scale, int64_t window, torch::Tensor& out) {
+             int64_t ctx, float scale, int64_t window, const int64_t* positions,
+             torch::Tensor& out) {
   const int64_t num_q = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
   const int64_t block_size = kv_cache.size(3);
@@ -194,8 +196,10 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_
       const int64_t r0 = tile * kTileRows;
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, num_q - r0));
       const int64_t kv = head / group;
-      attend_tile<T>(rows, qd + r0 * q_stride + head * head_dim, q_stride,
-                     ctx - num_q + r0, packed_k + kv * padded * head_dim,
+      int64_t pos[kTileRows];
+      for (int i = 0; i < rows; ++i) pos[i] = positions ? positions[r0 + i] : ctx - num_q + r0 + i;
+      attend_tile<T>(rows, qd + r0 * q_stride + head * head_dim, q_stride, pos,
+                     packed_k + kv * padded * head_dim,
                      packed_v + kv * padded * head_dim, head_dim, scale, window, acc.data(),
                      probs.data(), od + r0 * out_stride + head * head_dim, out_stride);
     }
@@ -207,12 +211,14 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_
 
 namespace kvserve {
 
-// q: [num_q, Hq, D] rotated queries at positions ctx - num_q .. ctx - 1 (heads contiguous,
-// rows may be strided); kv_cache: [2, Hkv, num_blocks, block_size, D] holding the context's
-// keys and values (the new ones written); block_ids: the context's blocks. Returns
-// [num_q, Hq * D]. With window > 0 a query sees only the last `window` positions.
+// q: [num_q, Hq, D] rotated queries at positions ctx - num_q .. ctx - 1, or at the ascending
+// `positions` (< ctx) when given (heads contiguous, rows may be strided); kv_cache:
+// [2, Hkv, num_blocks, block_size, D] holding the context's keys and values (the new ones
+// written); block_ids: the context's blocks. Returns [num_q, Hq * D]. With window > 0 a query
+// sees only the last `window` positions.
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_ids,
-                                int64_t ctx, double scale, int64_t window) {
+                                int64_t ctx, double scale, int64_t window,
+                                c10::optional<torch::Tensor> positions) {
   const int64_t num_q = q.size(0), head_dim = q.size(2);
   TORCH_CHECK(gemm_supports(q.new_empty({kBlock, 2})) && kv_cache.scalar_type() ==
                   q.scalar_type() && kv_cache.is_contiguous(),
@@ -225,14 +231,19 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::
                   block_ids.numel() * kv_cache.size(3) >= ctx,
               "prefill_attention: ", num_q, " queries, a context of ", ctx,
               " and int64 block ids covering it");
+  TORCH_CHECK(!positions || (positions->scalar_type() == torch::kLong &&
+                              positions->is_contiguous() && positions->numel() == num_q),
+              "prefill_attention: positions, when given, are num_q contiguous int64");
   auto out = torch::empty({num_q, q.size(1) * head_dim}, q.options());
   if (num_q == 0) return out;
 #ifdef __AVX512F__
   const float s = static_cast<float>(scale);
   const int64_t* ids = block_ids.data_ptr<int64_t>();
-  if (q.scalar_type() == torch::kFloat) prefill<float>(q, kv_cache, ids, ctx, s, window, out);
+  const int64_t* pos = positions ? positions->data_ptr<int64_t>() : nullptr;
+  if (q.scalar_type() == torch::kFloat)
+    prefill<float>(q, kv_cache, ids, ctx, s, window, pos, out);
 #ifdef __AVX512BF16__
-  else prefill<at::BFloat16>(q, kv_cache, ids, ctx, s, window, out);
+  else prefill<at::BFloat16>(q, kv_cache, ids, ctx, s, window, pos, out);
 #endif
 #endif
   return out;

@@ -8,9 +8,10 @@ layer's KV in context. At the second layer's input, the KV of every reused token
 again and compared with the copied one: the `recompute_ratio` share with the largest
 deviation, plus every token not reused (the last segment), go on through the remaining
 layers; the others keep their (copied, second layer: refreshed) KV and leave the forward.
-The tokens that go on attend as decode rows of one sequence, each to the positions up to its
-own, over KV that mixes copied and recomputed entries. With a ratio of 0, the copied KV is
-used as it is: only the tokens not reused are computed, from the first layer on.
+The tokens that go on stay a prefill chunk whose queries sit at their own positions
+(`AttentionMetadata.query_positions`), over KV that mixes copied and recomputed entries.
+With a ratio of 0, the copied KV is used as it is: only the tokens not reused are computed,
+from the first layer on.
 """
 
 from __future__ import annotations
@@ -44,13 +45,15 @@ class SelectiveRecompute:
     """Narrows a step's rows at layer `layer` to those that go on (see the module doc)."""
 
     def __init__(self, blends: list[BlendedPrompt], meta: AttentionMetadata,
-                 lora: LoRABatch | None, recompute_ratio: float, num_rows: int) -> None:
+                 positions: torch.Tensor, lora: LoRABatch | None,
+                 recompute_ratio: float) -> None:
         self.blends = blends
         self.meta = meta
+        self.positions = positions
         self.lora = lora
         self.ratio = recompute_ratio
         self.layer = 1 if recompute_ratio > 0 else 0
-        self.num_rows = num_rows
+        self.num_rows = positions.shape[0]
         self.kept: torch.Tensor | None = None  # the rows that went on, in their new order
 
     def select(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
@@ -60,18 +63,31 @@ class SelectiveRecompute:
         if residual is not None:
             x = x + residual
         meta = self.meta
-        positions = [self._rows_going_on(layer, x, freqs_cis, b) for b in self.blends]
-        blend_seqs = {b.seq for b in self.blends}
-        chunks = [c for c in meta.prefills if c.seq not in blend_seqs]
-        order = np.concatenate(
-            [np.arange(meta.num_decodes)]
-            + [b.first_row + p for b, p in zip(self.blends, positions, strict=True)]
-            + [np.arange(c.query_start, c.query_start + c.num_query_tokens) for c in chunks])
-        self.kept = torch.from_numpy(order).to(x.device)
+        going_on = {b.seq: self._rows_going_on(layer, x, freqs_cis, b) for b in self.blends}
+        kept, prefills, num_kept = [np.arange(meta.num_decodes)], [], meta.num_decodes
+        for chunk in meta.prefills:
+            rows = going_on.get(chunk.seq, np.arange(chunk.num_query_tokens))
+            kept.append(chunk.query_start + rows)
+            prefills.append(PrefillChunk(chunk.seq, num_kept, len(rows), chunk.context_len))
+            num_kept += len(rows)
+        self.kept = torch.from_numpy(np.concatenate(kept)).to(x.device)
         lora = self.lora
         if lora is not None:
             lora = LoRABatch(lora.slot_of_row[self.kept], lora.num_slots)
-        narrow_rows(self._metadata(positions, chunks), lora)
+        query_start = np.array([c.query_start for c in prefills] + [num_kept], dtype=np.int64)
+        narrow_rows(AttentionMetadata(
+            slot_mapping=meta.slot_mapping[self.kept],
+            query_start_loc=torch.cat([meta.query_start_loc[:meta.num_decodes],
+                                       torch.from_numpy(query_start).to(x.device)]),
+            seq_lens=meta.seq_lens,
+            block_tables=meta.block_tables,
+            num_decodes=meta.num_decodes,
+            seq_lens_host=meta.seq_lens_host,
+            prefills=prefills,
+            sliding_window=meta.sliding_window,
+            decode_rows_share_sequences=meta.decode_rows_share_sequences,
+            query_positions=self.positions[self.kept],
+        ), lora)
         return x[self.kept], freqs_cis[self.kept]
 
     def restore(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -97,38 +113,6 @@ class SelectiveRecompute:
         index = torch.from_numpy(candidates).to(x.device)
         top = torch.topk(deviation[index], num_kept).indices.cpu().numpy()
         return np.sort(np.concatenate([forced, candidates[top]]))
-
-    def _metadata(self, blend_positions: list[np.ndarray],
-                  chunks: list[PrefillChunk]) -> AttentionMetadata:
-        """The step's metadata over the rows that go on: the decode rows, then each blended
-        prompt's rows as decode rows of its sequence (each with the context up to its own
-        position), then the other prefill chunks."""
-        meta = self.meta
-        num_decodes = meta.num_decodes + sum(len(p) for p in blend_positions)
-        seq_of_row = np.concatenate([np.arange(meta.num_decodes)]
-                                    + [np.full(len(p), b.seq)
-                                       for p, b in zip(blend_positions, self.blends, strict=True)]
-                                    + [np.array([c.seq for c in chunks], dtype=np.int64)])
-        seq_lens = np.concatenate([meta.seq_lens_host[:meta.num_decodes]]
-                                  + [p + 1 for p in blend_positions]
-                                  + [np.array([c.context_len for c in chunks], dtype=np.int64)])
-        query_start = np.concatenate([np.arange(num_decodes + 1), num_decodes + np.cumsum(
-            [c.num_query_tokens for c in chunks], dtype=np.int64)])
-        prefills = [PrefillChunk(num_decodes + i, int(query_start[num_decodes + i]),
-                                 c.num_query_tokens, c.context_len)
-                    for i, c in enumerate(chunks)]
-        device = meta.slot_mapping.device
-        return AttentionMetadata(
-            slot_mapping=meta.slot_mapping[self.kept],
-            query_start_loc=torch.from_numpy(query_start).to(device),
-            seq_lens=torch.from_numpy(seq_lens).to(device),
-            block_tables=meta.block_tables[torch.from_numpy(seq_of_row).to(device)],
-            num_decodes=num_decodes,
-            seq_lens_host=seq_lens,
-            prefills=prefills,
-            sliding_window=meta.sliding_window,
-            decode_rows_share_sequences=True,
-        )
 
 
 def _refresh_kv(layer: nn.Module, x: torch.Tensor, freqs_cis: torch.Tensor,

@@ -98,9 +98,8 @@ class ModelRunner:
         lora = self._lora_batch(inputs)
         hidden = None if lora is not None else self._fast_decode(inputs)
         if hidden is None:
-            blend = (SelectiveRecompute(inputs.blends, inputs.attn_metadata, lora,
-                                        self.config.cache.blend_recompute_ratio,
-                                        inputs.input_ids.shape[0])
+            blend = (SelectiveRecompute(inputs.blends, inputs.attn_metadata, inputs.positions,
+                                        lora, self.config.cache.blend_recompute_ratio)
                      if inputs.blends else None)
             with forward_context(inputs.attn_metadata, lora, blend):
                 hidden = self.model(inputs.input_ids, inputs.positions)

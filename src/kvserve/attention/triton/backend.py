@@ -39,5 +39,5 @@ class TritonPagedAttention(AttentionBackend):
                 q, kv_cache, meta.block_tables[num_decodes:],
                 meta.query_start_loc[num_decodes:], meta.seq_lens[num_decodes:],
                 max(c.num_query_tokens for c in meta.prefills), scale, meta.sliding_window,
-                out)
+                out, meta.query_positions)
         return out.view(q.shape[0], -1)

@@ -18,11 +18,12 @@ from kvserve.attention.triton.tiles import MASKED, NO_WINDOW, attend_tile, load_
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, out_ptr,
+    q_ptr, kv_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, positions_ptr, out_ptr,
     scale, window,
     stride_qt, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
 ):
     seq, tile, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     query_start = tl.load(query_start_ptr + seq)
@@ -33,13 +34,17 @@ def _prefill_kernel(
     i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
     is_query = i < num_queries
-    q_pos = seq_len - num_queries + i
     rows = query_start + i
+    if HAS_POSITIONS:
+        q_pos = tl.load(positions_ptr + rows, mask=is_query, other=0)
+        last = tl.max(tl.where(is_query, q_pos, 0)) + 1
+        first = tl.maximum(tl.min(tl.where(is_query, q_pos, seq_len)) - window + 1, 0)
+    else:
+        q_pos = seq_len - num_queries + i
+        last = tl.minimum(seq_len, seq_len - num_queries + (tile + 1) * BLOCK_M)
+        first = tl.maximum(seq_len - num_queries + tile * BLOCK_M - window + 1, 0)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=is_query[:, None], other=0.0)
-
-    last = tl.minimum(seq_len, seq_len - num_queries + (tile + 1) * BLOCK_M)
-    first = tl.maximum(seq_len - num_queries + tile * BLOCK_M - window + 1, 0)
     first = first // BLOCK_N * BLOCK_N
     m = tl.full([BLOCK_M], MASKED, tl.float32)  # every query row sees at least itself
     l_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -62,10 +67,12 @@ def _prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                            window: int | None, out: torch.Tensor) -> torch.Tensor:
+                            window: int | None, out: torch.Tensor,
+                            positions: torch.Tensor | None = None) -> torch.Tensor:
     """q, out: [num_tokens, Hq, D], rows of chunk i at query_start_loc[i] .. [i + 1] - 1;
     kv_cache: [2, Hkv, num_blocks, block_size, D], already holding every chunk's new keys;
-    block_tables: [num_chunks, ...]; seq_lens: [num_chunks] context lengths."""
+    block_tables: [num_chunks, ...]; seq_lens: [num_chunks] context lengths; positions:
+    [num_tokens] each row's position, when chunks' queries are not their last ones."""
     num_chunks = seq_lens.shape[0]
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     num_heads = q.shape[1]
@@ -73,10 +80,12 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor,
     block_m = 64 if max_query_len > 32 else 16
     grid = (num_chunks, triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_kernel[grid](
-        q, kv_cache, block_tables, query_start_loc, seq_lens, out, scale, window or NO_WINDOW,
+        q, kv_cache, block_tables, query_start_loc, seq_lens,
+        positions if positions is not None else seq_lens, out, scale, window or NO_WINDOW,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=max(64, block_size),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_POSITIONS=positions is not None)
     return out
