@@ -66,6 +66,9 @@ class EngineStats:
     execute_seconds: float = 0.0  # of those, in the model runner (forward and sampling)
     num_draft_tokens: int = 0  # speculative tokens verified
     num_accepted_tokens: int = 0  # of those, the ones the model agreed with
+    num_blended_prompts: int = 0  # prompts given as segments and blended (CacheBlend)
+    blend_chunk_hit_tokens: int = 0  # their chunks' tokens whose KV was cached
+    blend_chunk_fill_tokens: int = 0  # and those computed on their own first
 
     @property
     def host_seconds(self) -> float:

@@ -106,6 +106,8 @@ def test_segments_blend_like_the_offline_api(server: str, client: openai.OpenAI,
                                     extra_body={"ignore_eos": True, "segments": segments})
     assert got.choices[0].text == expected.outputs[0].text
     assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert metric(server, "kvserve_blend_prompts_total") >= 1
+    assert metric(server, "kvserve_blend_chunk_fill_tokens_total") > 0
     for body, message in (({"segments": ["only one"]}, "at least 2 segments"),
                           ({"segments": segments, "prompt": "x"}, "not both")):
         response = httpx.post(f"{server}/v1/completions", headers=AUTH,

@@ -210,7 +210,10 @@ class LLMEngine:
             step_seconds=self.step_seconds,
             execute_seconds=self.core.execute_seconds,
             num_draft_tokens=scheduler.num_draft_tokens,
-            num_accepted_tokens=scheduler.num_accepted_tokens)
+            num_accepted_tokens=scheduler.num_accepted_tokens,
+            num_blended_prompts=scheduler.num_blended_prompts,
+            blend_chunk_hit_tokens=scheduler.num_chunk_hit_tokens,
+            blend_chunk_fill_tokens=scheduler.num_chunk_fill_tokens)
 
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the updated state of every request that changed."""

@@ -104,6 +104,14 @@ class EngineMetrics:
             "num_accepted_tokens": Counter(
                 "kvserve_spec_decode_accepted_tokens",
                 "Speculative tokens the model agreed with", **labels),
+            "num_blended_prompts": Counter(
+                "kvserve_blend_prompts", "Prompts given as segments and blended", **labels),
+            "blend_chunk_hit_tokens": Counter(
+                "kvserve_blend_chunk_hit_tokens",
+                "Blended prompts' chunk tokens whose KV was cached", **labels),
+            "blend_chunk_fill_tokens": Counter(
+                "kvserve_blend_chunk_fill_tokens",
+                "Blended prompts' chunk tokens computed on their own first", **labels),
         }
         self._last_totals = dict.fromkeys(self._totals, 0)
         self._times: dict[str, RequestTimes] = {}
