@@ -145,3 +145,21 @@ def test_preempted_blended_prompt_goes_on_plainly(llama_dir):
     for segments, tokens in zip(segment_lists, got, strict=True):
         assert tokens == hf_greedy(llama_dir, tuple(sum(segments, [])), 60)
     assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def test_chunks_evicted_to_the_host_tier_are_loaded_back(llama_dir):
+    """The chunk store is the prefix cache: chunks pushed out of a small pool by other
+    prompts go to the host tier, and a later blended prompt loads them from there."""
+    llm = LLM(str(llama_dir), blend_recompute_ratio=1.0,
+              kv_cache_memory=kv_bytes_for_blocks(llama_dir, 24),
+              kv_offload_host=kv_bytes_for_blocks(llama_dir, 64))
+    a, b, *_, question = corpus()
+    blended(llm, [[a, b, question]])
+    for prompt in random_prompts([120, 120], seed=9):  # fills the pool, evicting the chunks
+        llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    got = blended(llm, [[b, a, question]])[0]
+    assert got == hf_greedy(llama_dir, tuple(b + a + question), MAX_TOKENS)
+    stats = llm.get_stats()
+    assert stats.blend_chunk_hit_tokens == len(a) + len(b)
+    assert stats.blend_chunk_fill_tokens == len(a) + len(b)
+    assert stats.prefix_cache_host_hits > 0
