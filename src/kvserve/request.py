@@ -63,6 +63,7 @@ class Request:
     stop_reason: str | int | None = None
     cache_salt: str | None = None  # requests with different salts never share KV blocks
     lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
+    lora_load: int = 0  # which loading of that adapter: a reloaded one never shares KV
     priority: int = 0  # under the priority policy, lower values are served first
     tenant: str | None = None  # under the fair policy, tenants share the token budget
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, chained

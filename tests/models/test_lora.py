@@ -78,6 +78,33 @@ def test_bad_adapters_and_names_are_refused(model_dirs, tmp_path):
         LLM(str(base), max_loras=1, lora_modules={"a": "x", "b": "y"})
 
 
+def test_an_adapter_unloaded_and_reloaded_under_its_name_never_hits_the_old_kv(model_dirs,
+                                                                              tmp_path):
+    base = model_dirs["llama"]
+    write_adapter(base, tmp_path / "first", seed=1)
+    write_adapter(base, tmp_path / "second", seed=2)
+    llm = LLM(str(base), max_loras=1, lora_modules={"a": str(tmp_path / "first")})
+    prompt = {"prompt_token_ids": random_prompts([40], seed=3)[0], "lora_name": "a"}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.engine.add_request(prompt, params, "running")
+    llm.engine.step()
+    with pytest.raises(ValueError, match="in use by 1 unfinished"):
+        llm.engine.remove_lora("a")
+    llm.engine.abort_request("running")
+    llm.engine.remove_lora("a")  # its slot is free for another (max_loras=1)
+    with pytest.raises(ValueError, match="not a loaded adapter"):
+        llm.engine.remove_lora("a")
+    llm.engine.add_lora("a", str(tmp_path / "second"))
+    hits = llm.get_stats().prefix_cache_hits
+    second = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.get_stats().prefix_cache_hits == hits  # the first adapter's KV is not reused
+    fresh = LLM(str(base), lora_modules={"a": str(tmp_path / "second")})
+    assert second == fresh.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert second != first
+    assert_no_blocks_held(llm)
+
+
 def test_the_server_serves_adapters_as_models(model_dirs, tmp_path):
     base = model_dirs["llama"]
     write_adapter(base, tmp_path / "first", seed=1)
@@ -109,3 +136,8 @@ def test_the_server_serves_adapters_as_models(model_dirs, tmp_path):
         bad = httpx.post(f"{url}/v1/load_lora_adapter",
                          json={"lora_name": "third", "lora_path": str(tmp_path / "none")})
         assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "first"})
+        assert unloaded.status_code == 200, unloaded.text
+        assert complete("first").status_code == 404
+        again = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "first"})
+        assert again.status_code == 404 and "lora_name" in again.json()["error"]["message"]

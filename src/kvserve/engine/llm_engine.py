@@ -43,6 +43,7 @@ class LLMEngine:
         self.core = EngineCore(config)
         self.inputs = InputProcessor(self.tokenizer, self.request_limits())
         self.lora_names: set[str] = set()
+        self._lora_loads: dict[str, int] = {}  # name -> times loaded, for the KV's hashes
         for name, path in config.lora_modules.items():
             self.add_lora(name, path)
         self._parents: dict[str, ParentRequest] = {}
@@ -97,6 +98,7 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 cache_salt=parent.cache_salt,
                 lora_name=parent.lora_name,
+                lora_load=self._lora_loads.get(parent.lora_name, 0),
                 segment_lens=parent.segment_lens,
                 priority=parent.priority,
                 tenant=parent.tenant,
@@ -115,6 +117,18 @@ class LLMEngine:
             raise ValueError("LoRA adapters do not run with tensor_parallel_size > 1 yet")
         self.core.runner.add_lora(name, path)
         self.lora_names.add(name)
+        self._lora_loads[name] = self._lora_loads.get(name, 0) + 1
+
+    def remove_lora(self, name: str) -> None:
+        """Unloads an adapter no unfinished request runs with, freeing its slot."""
+        if name not in self.lora_names:
+            raise ValueError(f"lora_name {name!r} is not a loaded adapter "
+                           f"(loaded: {sorted(self.lora_names)})")
+        users = sum(1 for r in self.core.scheduler.requests.values() if r.lora_name == name)
+        if users:
+            raise ValueError(f"lora_name {name!r} is in use by {users} unfinished requests")
+        self.core.runner.remove_lora(name)
+        self.lora_names.discard(name)
 
     def abort_request(self, request_id: str) -> None:
         parent = self._parents.pop(request_id, None)

@@ -98,6 +98,9 @@ class StreamingLLM:
     async def load_lora_adapter(self, name: str, path: str) -> None:
         raise ValueError("lora_name: adapters load at run time on a single engine only")
 
+    async def unload_lora_adapter(self, name: str) -> None:
+        raise ValueError("lora_name: adapters unload at run time on a single engine only")
+
     async def generate(self, prompt: PromptType, params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
         stream = self.add_requests([prompt], params)[0]
@@ -135,6 +138,9 @@ class AsyncLLM(StreamingLLM):
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
         await self.call_on_engine(lambda: self.engine.add_lora(name, path))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self.call_on_engine(lambda: self.engine.remove_lora(name))
 
     @property
     def num_waiting(self) -> int:

@@ -44,6 +44,11 @@ class LoRAManager:
         self.slots[name] = slot
         self._pack()
 
+    def remove(self, name: str) -> None:
+        """Unloads an adapter; its slot is free for the next."""
+        del self.adapters[self.slots.pop(name)]
+        self._pack()
+
     def _pack(self) -> None:
         """Lays every slot's weights side by side in each layer, each slot as wide as the
         layer's widest (zeros where an adapter is narrower or does not target the layer)."""

@@ -163,6 +163,9 @@ class ModelRunner:
     def add_lora(self, name: str, path: str) -> None:
         self.loras.add(name, path)
 
+    def remove_lora(self, name: str) -> None:
+        self.loras.remove(name)
+
     def _lora_batch(self, inputs: ModelInputs) -> LoRABatch | None:
         """The adapter of each row of the step; None when all run the base model. (Steps
         with adapters run eagerly.)"""

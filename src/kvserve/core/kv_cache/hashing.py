@@ -37,7 +37,7 @@ def request_extra_keys(request: Request) -> tuple[str, ...]:
     prompts blended from the same segments."""
     keys = salt_keys(request.cache_salt)
     if request.lora_name is not None:
-        keys = (*keys, "lora:" + request.lora_name)
+        keys = (*keys, f"lora:{request.lora_name}#{request.lora_load}")
     if request.blend_key is not None:
         keys = (*keys, request.blend_key)
     return keys

@@ -164,6 +164,12 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class UnloadLoRARequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's): stop serving adapter `lora_name`."""
+
+    lora_name: str = Field(min_length=1)
+
+
 class LoadLoRARequest(BaseModel):
     """POST /v1/load_lora_adapter (vLLM's): serve a PEFT LoRA folder as model `lora_name`."""
 

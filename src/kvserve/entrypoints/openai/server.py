@@ -31,6 +31,7 @@ from kvserve.entrypoints.openai.protocol import (
     ErrorResponse,
     LoadLoRARequest,
     MigrateRequest,
+    UnloadLoRARequest,
 )
 from kvserve.entrypoints.openai.serving import ServingBackend, now, sse
 from kvserve.entrypoints.openai.serving_chat import ChatServer
@@ -233,6 +234,14 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
     async def load_lora_adapter(body: LoadLoRARequest) -> Response:
         await llm.load_lora_adapter(body.lora_name, body.lora_path)
         return Response(f"loaded LoRA adapter {body.lora_name!r}", status_code=200)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRARequest) -> Response:
+        if body.lora_name not in llm.lora_names:
+            raise APIError(404, f"lora_name {body.lora_name!r} is not a loaded adapter",
+                           "invalid_request_error", "lora_name", "model_not_found")
+        await llm.unload_lora_adapter(body.lora_name)
+        return Response(f"unloaded LoRA adapter {body.lora_name!r}", status_code=200)
 
     async def respond(server: CompletionServer | ChatServer,
                       body: CompletionRequest | ChatCompletionRequest, request: Request) -> Any:
