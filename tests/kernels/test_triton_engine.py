@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvserve import LLM  # noqa: E402
+from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.attention.triton.backend import TritonPagedAttention  # noqa: E402
 from kvserve.worker.cuda_graphs import graph_batch_sizes  # noqa: E402
 from tests.conftest import random_prompts  # noqa: E402
@@ -90,3 +90,17 @@ def test_a_step_never_waits_for_the_gpu(model_dirs):
         runner.graphs.run(inputs, batch_size)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_blended_prompts_on_triton_attention(model_dirs, triton_everywhere):
+    """A blended prompt's recomputed tokens run as one prefill chunk at their own positions;
+    recomputing all of them gives the plain prompt's output."""
+    path = model_dirs["llama"]
+    llm = LLM(str(path), device=DEVICE, dtype="float32", blend_recompute_ratio=1.0)
+    a, b, question = random_prompts([40, 23, 9], seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for segments in ([a, b, question], [b, a, question]):
+        out = llm.generate({"segments": segments}, params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(path, tuple(sum(segments, [])),
+                                                     MAX_TOKENS)
+    assert llm.get_stats().blend_chunk_hit_tokens == len(a) + len(b)

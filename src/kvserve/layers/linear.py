@@ -20,6 +20,7 @@ picks for the device, or, where none fits, as the dense weight they dequantize t
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import torch
@@ -33,6 +34,16 @@ from kvserve.quantization.kernels import QuantizedKernel, choose_kernel
 from kvserve.quantization.squeezellm import LutWeight
 from kvserve.worker.forward_context import get_lora_batch
 from kvserve.worker.tensor_parallel import all_reduce, rank_slice, tp_group
+
+
+@functools.cache
+def _triton_lora() -> ModuleType | None:
+    """The segmented LoRA kernels, where Triton is installed."""
+    try:
+        from kvserve.lora import triton_lora
+    except ImportError:
+        return None
+    return triton_lora
 
 
 def _onednn_available() -> bool:
@@ -103,8 +114,14 @@ class Linear(nn.Module):
             self.lora = (a, b)
 
     def _add_lora(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
-        """out += ((x A) * mask) B: each row through its own adapter's columns only."""
+        """out += ((x A) * mask) B: each row through its own adapter's columns only. On CUDA,
+        Triton's kernels segmented by adapter compute the same without the other adapters'
+        columns."""
         a, b = self.lora
+        kernels = _triton_lora() if out.is_cuda else None
+        if kernels is not None:
+            kernels.add_lora(x, out, a, b, batch.slot_of_row, batch.num_slots)
+            return
         mask = batch.mask(self.lora_columns // batch.num_slots, out.dtype)
         if self.gemm is not None and a.dim() != 2:  # packed
             shrunk = self.gemm.blocked_linear(x.contiguous(), a, self.lora_columns, None)
