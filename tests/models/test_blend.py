@@ -139,12 +139,15 @@ def test_preempted_blended_prompt_goes_on_plainly(llama_dir):
     llm = LLM(str(llama_dir), blend_recompute_ratio=1.0, max_num_batched_tokens=160,
               preemption_mode="recompute", kv_cache_memory=kv_bytes_for_blocks(llama_dir, 22))
     a, b, c, d, e, question = corpus()
-    segment_lists = [[a, b, question], [c, e, question], [e, d, a, question]]
+    segment_lists = [[a, b, question], [c, e, question], [e, d, a, question],
+                     [b, c, question]]
     got = blended(llm, segment_lists, SamplingParams(temperature=0.0, max_tokens=60,
                                                      ignore_eos=True))
     for segments, tokens in zip(segment_lists, got, strict=True):
         assert tokens == hf_greedy(llama_dir, tuple(sum(segments, [])), 60)
-    assert llm.engine.core.scheduler.num_preemptions > 0
+    scheduler = llm.engine.core.scheduler
+    assert scheduler.num_preemptions > 0
+    assert scheduler.num_blended_prompts == len(segment_lists)  # none blended twice
 
 
 def test_chunks_evicted_to_the_host_tier_are_loaded_back(llama_dir):
@@ -163,3 +166,27 @@ def test_chunks_evicted_to_the_host_tier_are_loaded_back(llama_dir):
     assert stats.blend_chunk_hit_tokens == len(a) + len(b)
     assert stats.blend_chunk_fill_tokens == len(a) + len(b)
     assert stats.prefix_cache_host_hits > 0
+
+
+def test_waiting_blended_prompt_lets_go_of_its_chunks_for_a_running_request(llama_dir):
+    """A blended prompt holds its chunks while it waits for blocks; a running request that
+    runs short takes them back instead of being preempted."""
+    llm = LLM(str(llama_dir), kv_cache_memory=kv_bytes_for_blocks(llama_dir, 12))
+    engine = llm.engine
+    a, b, *_, question = corpus()
+    long_prompt = random_prompts([100], seed=12)[0]
+    engine.add_request({"prompt_token_ids": long_prompt},
+                       SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), "long")
+    engine.add_request({"segments": [a, b, question]}, GREEDY, "blended")
+    done = {}
+    for _ in range(500):  # a few times the steps it takes: held chunks must not stall it
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests()
+    assert done["long"] == hf_greedy(llama_dir, tuple(long_prompt), 60)
+    assert engine.core.scheduler.num_preemptions == 0
+    assert engine.core.scheduler.num_blended_prompts == 1
+    assert_no_blocks_held(llm)

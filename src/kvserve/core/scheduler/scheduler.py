@@ -129,10 +129,13 @@ class Scheduler:
             lookahead = self._num_lookahead(request, request.num_computed_tokens, num_new)
             num_drafts = self._num_drafts(request, budget - num_new)
             num_new += num_drafts
-            # Short of blocks, the lookahead, then the drafts give way before anyone else.
+            # Short of blocks, the lookahead, then the drafts, then waiting blended prompts'
+            # chunks give way before anyone is preempted.
             while not self.kv_cache.allocate_slots(request, num_new + lookahead):
                 if lookahead or num_drafts:
                     num_new, num_drafts, lookahead = num_new - num_drafts, 0, 0
+                    continue
+                if self._release_chunks():
                     continue
                 victim = self._last_ranked()
                 budget += chunks.pop(victim.request_id, 0)
@@ -205,6 +208,8 @@ class Scheduler:
             if len(self.running) < self.config.max_num_seqs:
                 num_new = self._start(request, cached, out, budget,
                                       whole_prompts and bool(chunks), whole_prompts)
+            if num_new is None and self._release_chunks(keep=request):
+                continue
             if num_new is None:
                 victim = self._last_ranked()
                 if victim is None or not self.policy.outranks(request, victim,
@@ -285,6 +290,20 @@ class Scheduler:
         self.num_blended_prompts += 1
         self._run(request, out)
         return num_tokens
+
+    def _release_chunks(self, keep: Request | None = None) -> bool:
+        """Has a waiting blended prompt (not `keep`, none whose chunks this step computes)
+        let go of its chunks' blocks for others short of them; it looks them up again when
+        it next comes up. False when none holds any."""
+        filling = {id(s) for s in self._filling}
+        for request_id, segments in self._segments.items():
+            request = self.requests[request_id]
+            if (request is not keep and request.status != RequestStatus.RUNNING
+                    and not any(id(s) in filling for s in segments)):
+                self.kv_cache.release_segments(request)
+                del self._segments[request_id]
+                return True
+        return False
 
     def _run(self, request: Request, out: SchedulerOutput) -> None:
         """Moves an admitted request from waiting to running; tells the runner of it the
