@@ -166,6 +166,9 @@ def test_chunks_evicted_to_the_host_tier_are_loaded_back(llama_dir):
     assert stats.blend_chunk_hit_tokens == len(a) + len(b)
     assert stats.blend_chunk_fill_tokens == len(a) + len(b)
     assert stats.prefix_cache_host_hits > 0
+    host_hits = stats.prefix_cache_host_hits
+    blended(llm, [[a, b, question]])  # now back in the pool
+    assert llm.get_stats().prefix_cache_host_hits == host_hits
 
 
 def test_waiting_blended_prompt_lets_go_of_its_chunks_for_a_running_request(llama_dir):

@@ -242,10 +242,11 @@ class KVCacheManager:
                 continue
             for block_hash in segment.hashes:
                 block_id = self.pool.lookup(block_hash)
-                if block_id is None:
+                if block_id is None:  # loaded before the forward: cached in the pool again
                     assert self.tiers is not None
                     block_id = fresh.pop()
                     self.tiers.load(self.tiers.pin(block_hash), block_id)
+                    self.pool.cache(block_id, block_hash)
                 segment.blocks.append(block_id)
         self.segment_holds[request.request_id] = [b for s in segments for b in s.blocks]
         return True
