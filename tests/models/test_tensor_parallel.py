@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU: two ranks (gloo) give exactly the single-process greedy tokens
-on Llama, Qwen2 (QKV bias) and Qwen3 (q/k norms), across chunked prefill and preemption."""
+on Llama, Qwen2 (QKV bias) and Qwen3 (q/k norms), across chunked prefill and preemption, and
+with LoRA adapters mixed in the batch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.tools.make_lora import make_lora
 from tests.conftest import random_prompts
 from tests.models.test_hf_equivalence import kv_bytes_for_blocks
 
@@ -15,9 +17,13 @@ PROMPTS = random_prompts([5, 40, 150, 17, 90], seed=41)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def greedy(path: Path, **options: object) -> list[list[int]]:
+def greedy(path: Path, adapters: tuple[str | None, ...] = (None,), **options: object
+           ) -> list[list[int]]:
+    """Prompt i runs on adapters[i % len(adapters)] (None: the base model)."""
     llm = LLM(str(path), max_num_batched_tokens=64, **options)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    prompts = [{"prompt_token_ids": p, "lora_name": adapters[i % len(adapters)]}
+               for i, p in enumerate(PROMPTS)]
+    outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -28,6 +34,20 @@ def test_two_ranks_match_one(model_dirs: dict[str, Path], arch: str) -> None:
     small_pool = kv_bytes_for_blocks(path, 24)
     assert (greedy(path, tensor_parallel_size=2, kv_cache_memory=small_pool // 2)
             == greedy(path, kv_cache_memory=small_pool))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_two_ranks_match_one_with_lora_adapters(model_dirs: dict[str, Path], tmp_path: Path,
+                                                arch: str) -> None:
+    """Column-parallel layers split B's outputs, row-parallel ones A's inputs."""
+    path = model_dirs[arch]
+    modules = {name: str(tmp_path / name) for name in ("a", "b")}
+    for seed, folder in enumerate(modules.values()):
+        make_lora(path, folder, rank=4, alpha=8.0, seed=seed, std=0.2)
+    adapters = ("a", None, "b")
+    one = greedy(path, adapters, lora_modules=modules)
+    assert one != greedy(path)  # the adapters change the outputs
+    assert greedy(path, adapters, lora_modules=modules, tensor_parallel_size=2) == one
 
 
 def test_heads_that_do_not_divide_are_refused(model_dirs: dict[str, Path]) -> None:

@@ -113,8 +113,6 @@ class LLMEngine:
 
     def add_lora(self, name: str, path: str) -> None:
         """Loads a PEFT LoRA adapter that requests then pick by `lora_name`."""
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters do not run with tensor_parallel_size > 1 yet")
         self.core.runner.add_lora(name, path)
         self.lora_names.add(name)
         self._lora_loads[name] = self._lora_loads.get(name, 0) + 1

@@ -91,13 +91,13 @@ class Linear(nn.Module):
             out = F.linear(x, self.weight, bias)
         else:
             out = x @ self.weight if bias is None else torch.addmm(bias, x, self.weight)
+        batch = get_lora_batch() if self.lora is not None else None
+        if batch is not None:  # before the ranks' sum: a row-parallel rank's part is partial
+            self._add_lora(x, out, batch)
         if summed:
             all_reduce(out)
             if self.bias is not None:
                 out = out + self.bias
-        batch = get_lora_batch() if self.lora is not None else None
-        if batch is not None:
-            self._add_lora(x, out, batch)
         return out
 
     def set_lora(self, a: torch.Tensor | None, b: torch.Tensor | None) -> None:

@@ -2,7 +2,9 @@
 `adapter_model.safetensors`, with `lora_A` ([r, in]) and `lora_B` ([out, r]) per targeted
 projection. Loading maps each pair onto the engine's linear layers, fused ones included (a
 QKV layer whose q, k and v are targeted gets A = [A_q A_k A_v] and a block-diagonal B), with
-the scale `lora_alpha / r` (or `/ sqrt(r)` for rsLoRA) folded into B.
+the scale `lora_alpha / r` (or `/ sqrt(r)` for rsLoRA) folded into B. Among tensor-parallel
+ranks, each keeps the part its layer shard needs: B's outputs of a column-parallel layer, A's
+inputs of a row-parallel one (whose partial products the ranks' sum adds up).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kvserve.errors import CheckpointError
 from kvserve.layers.linear import Linear
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import checkpoint_target
+from kvserve.worker.tensor_parallel import rank_slice
 
 _PREFIX = "base_model.model."
 
@@ -68,9 +71,15 @@ def load_adapter(name: str, path: str | Path, model: LlamaForCausalLM) -> LoRAAd
             raise CheckpointError(f"lora {name!r}: tensor {key!r} has no lora_B or targets "
                                   "no linear layer of the model")
         layer, _, shard = target
-        dtype = modules[layer].weight.dtype
-        b = model.adapt_checkpoint_tensor(hf_name, b.to(dtype) * scale)
-        shards.setdefault(layer, {})[shard] = (a.to(dtype), b)
+        linear = modules[layer]
+        b = model.adapt_checkpoint_tensor(hf_name, b.to(linear.weight.dtype) * scale)
+        a = a.to(linear.weight.dtype)
+        # This rank's part: a column-parallel layer's B outputs, a row-parallel one's A inputs.
+        if linear.parallel == "column":
+            b = rank_slice(b, 0)
+        elif linear.parallel == "row":
+            a = rank_slice(a, 1)
+        shards.setdefault(layer, {})[shard] = (a, b)
     weights = {}
     for layer, parts in shards.items():
         linear = modules[layer]

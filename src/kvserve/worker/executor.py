@@ -118,6 +118,12 @@ class TensorParallelExecutor:
         parts = kv.chunk(len(self.pipes), dim=_HEADS_DIM)
         self._call_all("write_host_blocks", [(host_blocks, part) for part in parts])
 
+    def add_lora(self, name: str, path: str) -> None:
+        self._call("add_lora", name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self._call("remove_lora", name)
+
     def generator_state(self, request_id: str) -> bytes | None:
         return self._call("generator_state", request_id)[0]
 
