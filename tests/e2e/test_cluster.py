@@ -21,6 +21,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.entrypoints.openai.launch import server_process
+from kvserve.tools.make_lora import make_lora
 
 pytest.importorskip("ray")
 
@@ -187,3 +188,37 @@ def test_a_killed_replica_costs_only_its_own_requests(server: str) -> None:
     assert replicas(server)[0]["pid"] != victim["pid"]
     assert metric(server, "kvserve_kv_blocks_used", "1") == 0
     assert metric(server, "kvserve_kv_blocks_used", "all") == 0
+
+
+def test_replicas_serve_lora_adapters_loaded_at_start_and_at_run_time(llama_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """Every replica serves the adapters; a replica restarted after a kill serves those
+    loaded at run time too, and not those unloaded."""
+    for seed, name in enumerate(("a", "b")):
+        make_lora(llama_dir, tmp_path / name, rank=4, alpha=8.0, seed=seed, std=0.2)
+    flags = ["--data-parallel-size", "2", "--router", "round-robin", "--kv-cache-memory",
+             "0.02", "--served-model-name", "base", "--lora-modules", f"a={tmp_path / 'a'}"]
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    offline = LLM(str(llama_dir), lora_modules={n: str(tmp_path / n) for n in ("a", "b")})
+    expected = {n: offline.generate({"prompt": "def f(x):", "lora_name": n}, greedy,
+                                    use_tqdm=False)[0].outputs[0].text for n in ("a", "b")}
+    with server_process(str(llama_dir), flags, timeout=300) as url:
+        def texts(model: str) -> list[str]:  # round-robin: one request on each replica
+            return [complete(url, "def f(x):", model=model)["choices"][0]["text"]
+                    for _ in range(2)]
+
+        loaded = httpx.post(f"{url}/v1/load_lora_adapter",
+                            json={"lora_name": "b", "lora_path": str(tmp_path / "b")})
+        assert loaded.status_code == 200, loaded.text
+        assert texts("a") == [expected["a"]] * 2 and texts("b") == [expected["b"]] * 2
+        assert httpx.post(f"{url}/v1/unload_lora_adapter",
+                          json={"lora_name": "a"}).status_code == 200
+        victim = replicas(url)[1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_for(lambda: replicas(url)[1]["pid"] != victim["pid"]
+                 and all(r["healthy"] for r in replicas(url)), "the restart", 240)
+        assert texts("b") == [expected["b"]] * 2
+        assert httpx.post(f"{url}/v1/completions", json={
+            "model": "a", "prompt": "x", "max_tokens": 2}).status_code == 404
+        assert sorted(m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]) == [
+            "b", "base"]

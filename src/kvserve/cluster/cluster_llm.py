@@ -155,6 +155,34 @@ class ClusterLLM(StreamingLLM):
         self._in_flight: dict[str, InFlight] = {}
         self._pollers: list[asyncio.Task[None]] = []
         self._tasks: set[asyncio.Task[Any]] = set()  # prefilled requests moving to decode
+        # The LoRA adapters every replica serves: name -> folder. A restarted replica starts
+        # with those of `lora_modules` and is brought in line with this.
+        self._startup_loras = dict(engine_options.get("lora_modules") or {})
+        self._loras = dict(self._startup_loras)
+
+    @property
+    def lora_names(self) -> set[str]:
+        return set(self._loras)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Loads an adapter on every replica; an adapter that fails to load on one raises
+        (and may be loaded on others: load it again, or unload it)."""
+        await asyncio.gather(*(r.actor.load_lora.remote(name, path) for r in self.replicas
+                               if r.healthy))
+        self._loras[name] = path
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await asyncio.gather(*(r.actor.unload_lora.remote(name) for r in self.replicas
+                               if r.healthy))
+        del self._loras[name]
+
+    async def _sync_loras(self, replica: Replica) -> None:
+        """Brings a restarted replica's adapters in line with the cluster's."""
+        for name in self._startup_loras.keys() - self._loras.keys():
+            await replica.actor.unload_lora.remote(name)
+        for name, path in self._loras.items():
+            if self._startup_loras.get(name) != path:
+                await replica.actor.load_lora.remote(name, path)
 
     @property
     def num_waiting(self) -> int:
@@ -407,6 +435,7 @@ class ClusterLLM(StreamingLLM):
                 break
             except self._ray.exceptions.RayActorError:
                 await asyncio.sleep(RESTART_POLL_SECONDS)
+        await self._sync_loras(replica)
         replica.healthy = True
         self.metrics.recovery.labels(model).observe(time.monotonic() - died)
         logger.warning("replica %d is serving again (pid %d)", replica.index, replica.pid)

@@ -99,6 +99,12 @@ class EngineReplica:
         self.llm.add_prepared(parent, params, max_tokens,
                               ReplicaSink(self._outbox, parent.request_id))
 
+    async def load_lora(self, name: str, path: str) -> None:
+        await self.llm.load_lora_adapter(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self.llm.unload_lora_adapter(name)
+
     async def abort(self, request_id: str) -> None:
         self.llm.abort(request_id)
 

@@ -93,13 +93,13 @@ class StreamingLLM:
     @property
     def lora_names(self) -> set[str]:
         """The LoRA adapters a request can name as its model."""
-        return set()
+        raise NotImplementedError
 
     async def load_lora_adapter(self, name: str, path: str) -> None:
-        raise ValueError("lora_name: adapters load at run time on a single engine only")
+        raise NotImplementedError
 
     async def unload_lora_adapter(self, name: str) -> None:
-        raise ValueError("lora_name: adapters unload at run time on a single engine only")
+        raise NotImplementedError
 
     async def generate(self, prompt: PromptType, params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
