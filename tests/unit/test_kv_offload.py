@@ -1,6 +1,8 @@
 """Prefix-cache blocks offloaded to the host and disk tiers, on plain Python objects: what
 is copied where, when a request waits for a promotion, and that nothing leaks."""
 
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
 from tests.unit.scheduling import add, chunks, make_scheduler, step
 
 PROMPT = list(range(100, 109))  # two full blocks of four, and one token more
@@ -90,3 +92,24 @@ def test_reset_forgets_every_tier():
     assert len(sched.kv_cache.take_transfers().delete) == 2
     out = run(sched, "c", PROMPT)[0]
     assert chunks(out) == [("c", 9)]
+
+
+def test_a_blended_prompt_loads_its_chunk_from_a_full_host_tier():
+    """Holding a chunk found in the host tier allocates device blocks, whose evictions go to
+    the host tier: the chunk's host blocks are pinned first, so they are not the ones
+    reused."""
+    sched = make_scheduler(num_blocks=6, block_size=4, offload_blocks=2)
+    run(sched, "a", PROMPT)  # PROMPT[:8]'s blocks are a chunk's too
+    run(sched, "b", list(range(500, 523)))  # all six blocks: PROMPT's go to the host tier
+    kv = sched.kv_cache
+    request = Request("c", PROMPT[:8] + [42], SamplingParams(), max_tokens=1,
+                      segment_lens=(8, 1))
+    sched.add_request(request)
+    out = step(sched)
+    assert chunks(out) == [("c", 9)] and out.scheduled[0].reused_spans == ((0, 8),)
+    assert len(out.transfers.to_device) == 2 and len(out.transfers.chunks) == 1
+    assert kv.tiers.hits == {"host": 2, "disk": 0}
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert kv.num_used_blocks == 0
+    kv.check_integrity()

@@ -235,17 +235,24 @@ class KVCacheManager:
         if needed + revived > self.pool.num_free_blocks:
             return False
         self.pool.touch(held)
+        # Pinned before allocating: the evictions it makes go to the host tier, which must
+        # not reuse these blocks for them.
+        tiers = self.tiers
+        pinned = {h: tiers.pin(h) for h, b in zip(
+            [h for s in segments if s.computed for h in s.hashes], found, strict=True)
+            if b is None} if tiers is not None else {}
         fresh = self.pool.allocate(needed)
+        found_blocks = iter(found)
         for segment in segments:
             if not segment.computed:
                 segment.blocks = [fresh.pop() for _ in segment.hashes]
                 continue
             for block_hash in segment.hashes:
-                block_id = self.pool.lookup(block_hash)
+                block_id = next(found_blocks)
                 if block_id is None:  # loaded before the forward: cached in the pool again
-                    assert self.tiers is not None
+                    assert tiers is not None
                     block_id = fresh.pop()
-                    self.tiers.load(self.tiers.pin(block_hash), block_id)
+                    tiers.load(pinned[block_hash], block_id)
                     self.pool.cache(block_id, block_hash)
                 segment.blocks.append(block_id)
         self.segment_holds[request.request_id] = [b for s in segments for b in s.blocks]
