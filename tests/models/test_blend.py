@@ -5,6 +5,8 @@ is the chunk's own, moved to its new positions; no block is left held."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -192,4 +194,37 @@ def test_waiting_blended_prompt_lets_go_of_its_chunks_for_a_running_request(llam
     assert done["long"] == hf_greedy(llama_dir, tuple(long_prompt), 60)
     assert engine.core.scheduler.num_preemptions == 0
     assert engine.core.scheduler.num_blended_prompts == 1
+    assert_no_blocks_held(llm)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_mixes_of_blended_and_plain_prompts_end_with_every_block_back(llama_dir, seed):
+    """Blended and plain prompts arriving over time with shared chunks, aborts, small pools,
+    preemption and the host tier: the engine finishes everything and holds no block."""
+    rng = random.Random(seed)
+    llm = LLM(str(llama_dir), kv_cache_memory=kv_bytes_for_blocks(llama_dir,
+                                                                  rng.choice([30, 40])),
+              max_num_batched_tokens=rng.choice([64, 128]), max_num_seqs=rng.choice([2, 4]),
+              blend_recompute_ratio=rng.choice([0.0, 0.15]),
+              preemption_mode=rng.choice(["recompute", "swap"]),
+              kv_offload_host=kv_bytes_for_blocks(llama_dir, 16))
+    engine = llm.engine
+    chunks = random_prompts([rng.randrange(1, 60) for _ in range(6)], seed=seed)
+    for index in range(30):
+        segments = rng.sample(chunks, rng.randrange(1, 4)) + random_prompts([3], seed=index)
+        prompt = ({"segments": segments} if rng.random() < 0.7
+                  else {"prompt_token_ids": sum(segments, [])})
+        engine.add_request(prompt, SamplingParams(temperature=rng.choice([0.0, 1.0]),
+                                                  max_tokens=rng.randrange(1, 30),
+                                                  ignore_eos=True), f"r{index}")
+        if rng.random() < 0.1:
+            engine.abort_request(f"r{rng.randrange(index + 1)}")
+        for _ in range(rng.randrange(0, 4)):
+            engine.step()
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    assert llm.get_stats().num_blended_prompts > 0
     assert_no_blocks_held(llm)
