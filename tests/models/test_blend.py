@@ -65,10 +65,11 @@ def test_full_recompute_matches_transformers(model_dirs, arch, setting):
     assert scheduler.num_chunk_hit_tokens > 0 and scheduler.num_chunk_fill_tokens > 0
 
 
-def test_chunk_first_in_the_prompt_needs_no_recompute(llama_dir):
+@pytest.mark.parametrize("budget", [2048, 16])
+def test_chunk_first_in_the_prompt_needs_no_recompute(llama_dir, budget):
     """A chunk at position 0 has the same KV on its own as in the prompt: with nothing
-    recomputed, the output is the full prefill's."""
-    llm = LLM(str(llama_dir), blend_recompute_ratio=0.0)
+    recomputed, the output is the full prefill's, in one step or in chunks of 16."""
+    llm = LLM(str(llama_dir), blend_recompute_ratio=0.0, max_num_batched_tokens=budget)
     a, _, _, _, _, question = corpus()
     for _ in range(2):  # the chunk computed, then found
         got = blended(llm, [[a, question]])[0]
@@ -95,12 +96,15 @@ def test_copied_keys_are_moved_to_their_positions(llama_dir):
     torch.testing.assert_close(layer0[0.0], layer0[None], atol=1e-5, rtol=1e-5)
 
 
-def test_prompt_beyond_the_budget_is_prefilled_plainly(llama_dir):
-    llm = LLM(str(llama_dir), max_num_batched_tokens=64, blend_recompute_ratio=0.0)
+def test_prompt_beyond_the_budget_is_blended_in_chunks(llama_dir):
+    """Each chunk under the budget recomputes its own share in context, over the KV of the
+    chunks before it; a chunk boundary may fall anywhere in a segment."""
+    llm = LLM(str(llama_dir), max_num_batched_tokens=24, blend_recompute_ratio=1.0)
     a, b, c, *_, question = corpus()
-    got = blended(llm, [[a, c, b, question]])[0]
-    assert got == hf_greedy(llama_dir, tuple(a + c + b + question), MAX_TOKENS)
-    assert llm.engine.core.scheduler.num_blended_prompts == 0
+    for segments in ([a, c, b, question], [c, a, question]):
+        got = blended(llm, [segments])[0]
+        assert got == hf_greedy(llama_dir, tuple(sum(segments, [])), MAX_TOKENS)
+    assert llm.engine.core.scheduler.num_blended_prompts == 2
 
 
 def test_bad_segments_name_the_field(llama_dir):
@@ -204,7 +208,8 @@ def test_random_mixes_of_blended_and_plain_prompts_end_with_every_block_back(lla
     rng = random.Random(seed)
     llm = LLM(str(llama_dir), kv_cache_memory=kv_bytes_for_blocks(llama_dir,
                                                                   rng.choice([30, 40])),
-              max_num_batched_tokens=rng.choice([64, 128]), max_num_seqs=rng.choice([2, 4]),
+              max_num_batched_tokens=rng.choice([16, 64, 128]),
+              max_num_seqs=rng.choice([2, 4]),
               blend_recompute_ratio=rng.choice([0.0, 0.15]),
               preemption_mode=rng.choice(["recompute", "swap"]),
               kv_offload_host=kv_bytes_for_blocks(llama_dir, 16))

@@ -31,9 +31,8 @@ from kvserve.worker.forward_context import forward_context, narrow_rows
 
 @dataclass(slots=True)
 class BlendedPrompt:
-    """A blended prompt's rows of the step: `num_rows` from `first_row`, at positions 0 ..
-    num_rows - 1, sequence `seq` of the attention metadata. `reused` marks the rows whose KV
-    was copied in from chunks."""
+    """A blended prompt's chunk of the step: `num_rows` rows from `first_row`, sequence `seq`
+    of the attention metadata. `reused` marks the rows whose KV was copied in from chunks."""
 
     seq: int
     first_row: int
@@ -99,10 +98,13 @@ class SelectiveRecompute:
 
     def _rows_going_on(self, layer: nn.Module, x: torch.Tensor, freqs_cis: torch.Tensor,
                        blend: BlendedPrompt) -> np.ndarray:
-        """The positions of the blended prompt's rows that go on: every row not reused, and
-        the reused rows whose refreshed KV deviates most from the copied."""
-        candidates = np.flatnonzero(blend.reused)
-        forced = np.flatnonzero(~blend.reused)
+        """The blended prompt's rows (from its first) that go on: every row not reused, and
+        the reused rows whose refreshed KV deviates most from the copied; and the last row
+        always, so that no chunk of a step is left without one."""
+        reused = blend.reused.copy()
+        reused[-1] = False
+        candidates = np.flatnonzero(reused)
+        forced = np.flatnonzero(~reused)
         num_kept = math.ceil(self.ratio * len(candidates))
         if not num_kept:
             return forced

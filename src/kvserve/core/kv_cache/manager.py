@@ -60,6 +60,7 @@ class SegmentKV:
     hashes: list[BlockHash]
     blocks: list[int] = field(default_factory=list)  # device blocks, once held
     computed: bool = False  # its KV is in the pool or a tier (else computed when held)
+    num_filled: int = 0  # of a chunk being computed, the tokens done
 
 
 class KVCacheManager:

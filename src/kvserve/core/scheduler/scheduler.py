@@ -21,9 +21,9 @@ request's computed tokens).
 A prompt given as segments (CacheBlend) is blended: at admission it holds the KV blocks of its
 chunks (every segment but the last) computed on their own; chunks not in the cache yet are
 computed in this step, each as a sequence of its own from position 0, and the request waits a
-step. Then it is scheduled whole, its chunks' KV copied into its blocks, and the runner
-recomputes only part of it in context. A prompt longer than a step's budget is prefilled
-plainly instead.
+step. Then it is admitted with blocks for all of it and its chunks' KV copied in, and runs as
+prefill chunks under the budget like any prompt; the runner recomputes only part of each
+chunk in context.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Scheduler:
         self.num_draft_tokens = 0  # speculative tokens verified
         self.num_accepted_tokens = 0  # of those, the ones the model agreed with
         self._segments: dict[str, list[SegmentKV]] = {}  # blended request id -> held chunks
-        self._filling: list[SegmentKV] = []  # chunks this step computes
+        self._filling: list[tuple[SegmentKV, int]] = []  # chunks this step computes, tokens
         self.num_blended_prompts = 0
         self.num_chunk_hit_tokens = 0  # blended prompts' tokens whose KV was in the cache
         self.num_chunk_fill_tokens = 0  # of those not, computed on their own first
@@ -189,14 +189,12 @@ class Scheduler:
                 if budget == 0:
                     break
             if request.segment_lens and not request.blended:
-                if request.num_tokens <= self.config.max_num_batched_tokens:
-                    num_new = self._start_blend(request, out, budget)
-                    if num_new is None:
-                        break
-                    chunks[request.request_id] = num_new
-                    budget -= num_new
-                    continue
-                request.blended = True  # no step holds it whole: a plain prefill
+                num_new = self._start_blend(request, out, budget)
+                if num_new is None:
+                    break
+                chunks[request.request_id] = num_new
+                budget -= num_new
+                continue
             swapped = self.kv_cache.is_swapped(request)
             cached = CachedPrefix() if swapped else self.kv_cache.find_cached_prefix(request)
             if cached.on_disk:  # read into host memory this step, loaded the next
@@ -256,10 +254,11 @@ class Scheduler:
         return num_new
 
     def _start_blend(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
-        """Admits a blended prompt whole once it holds its chunks' KV, with their copies into
-        its blocks; returns its token count. None while it waits: for budget, blocks or a
-        sequence slot, or for its missing chunks, as many of which as fit this step
-        computes (each a sequence of its own)."""
+        """Admits a blended prompt once it holds its chunks' KV, with blocks for all of it and
+        their copies into them; returns its first chunk of tokens (the rest follow as
+        running prefill chunks, each blended in turn). None while it waits: for blocks or a
+        sequence slot, or for its missing chunks, which this step computes as far as the budget
+        and sequence slots go (each a sequence of its own, a long one over several steps)."""
         kv, request_id, num_tokens = self.kv_cache, request.request_id, request.num_tokens
         if len(self.running) >= self.config.max_num_seqs:
             return None
@@ -273,29 +272,30 @@ class Scheduler:
         missing = [(i, s) for i, s in enumerate(segments) if not s.computed]
         if missing:
             room = self.config.max_num_seqs - len(self.running)
-            for i, segment in missing:
-                if room == 0 or segment.num_tokens > budget:
+            for i, segment in missing[:room]:
+                num_new = min(segment.num_tokens - segment.num_filled, budget)
+                if num_new == 0:
                     break
+                first = segment.start + segment.num_filled
                 out.scheduled.append(ScheduledRequest(
-                    f"{request_id}/chunk{i}",
-                    request.prompt_token_ids[segment.start:segment.start + segment.num_tokens],
-                    0, segment.blocks, sample=False))
-                self._filling.append(segment)
-                self.num_chunk_fill_tokens += segment.num_tokens
-                room, budget = room - 1, budget - segment.num_tokens
+                    f"{request_id}/chunk{i}", request.prompt_token_ids[first:first + num_new],
+                    segment.num_filled, segment.blocks, sample=False))
+                self._filling.append((segment, num_new))
+                self.num_chunk_fill_tokens += num_new
+                budget -= num_new
             return None
-        if num_tokens > budget or not kv.allocate_slots(request, num_tokens):
+        if not kv.allocate_slots(request, num_tokens):
             return None
         kv.copy_segments(request, segments)
         self.num_blended_prompts += 1
         self._run(request, out)
-        return num_tokens
+        return min(num_tokens, budget)
 
     def _release_chunks(self, keep: Request | None = None) -> bool:
         """Has a waiting blended prompt (not `keep`, none whose chunks this step computes)
         let go of its chunks' blocks for others short of them; it looks them up again when
         it next comes up. False when none holds any."""
-        filling = {id(s) for s in self._filling}
+        filling = {id(s) for s, _ in self._filling}
         for request_id, segments in self._segments.items():
             request = self.requests[request_id]
             if (request is not keep and request.status != RequestStatus.RUNNING
@@ -369,7 +369,10 @@ class Scheduler:
         start = request.num_computed_tokens
         known = min(num_new, request.num_tokens - start)
         drafts = request.spec_token_ids[:num_new - known]
-        segments = self._segments.get(request.request_id) if start == 0 else None
+        end = start + known
+        reused = tuple((max(s.start, start) - start, min(s.start + s.num_tokens, end) - start)
+                       for s in self._segments.get(request.request_id, ())
+                       if s.start < end and s.start + s.num_tokens > start)
         request.num_computed_tokens += num_new
         self.policy.on_scheduled(request, num_new)
         return ScheduledRequest(
@@ -381,16 +384,17 @@ class Scheduler:
             num_evicted_tokens=request.num_evicted_tokens,
             num_draft_tokens=len(drafts),
             num_lookahead_tokens=self._lookahead.get(request.request_id, 0),
-            reused_spans=tuple((s.start, s.start + s.num_tokens) for s in segments or ()),
+            reused_spans=reused,
         )
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         request.spec_token_ids = []
-        self._segments.pop(request.request_id, None)
+        blending = self._segments.pop(request.request_id, None) is not None
         if self._swaps(request):
             self.kv_cache.swap_out(request)
             self.num_swapped_preemptions += 1
+            request.blended |= blending  # its blended KV goes on; the rest, plainly
         else:
             self.kv_cache.free(request)
             self._dropped[request.request_id] = request.num_computed_tokens
@@ -416,7 +420,7 @@ class Scheduler:
         finishes the requests that hit a token-level stop (tokens after it are dropped);
         keeps the next step's drafts. Returns the requests that got a token."""
         self.kv_cache.end_step(result.failed_promotions)
-        self._end_blends(scheduled)
+        self._end_blends()
         sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=True))
         for scheduled_request in scheduled.scheduled:
             request = self.requests.get(scheduled_request.request_id)
@@ -447,16 +451,21 @@ class Scheduler:
             updated.append(request)
         return updated
 
-    def _end_blends(self, scheduled: SchedulerOutput) -> None:
-        """Registers the chunks computed this step; blended requests let go of theirs."""
-        self.kv_cache.cache_segments(self._filling)
+    def _end_blends(self) -> None:
+        """Registers the chunks computed this step. Running blended prompts let go of their
+        chunks (copied in by now), and are blended once their prompt is computed."""
+        for segment, num_new in self._filling:
+            segment.num_filled += num_new
+        self.kv_cache.cache_segments([s for s, _ in self._filling
+                                      if s.num_filled == s.num_tokens])
         self._filling = []
-        for scheduled_request in scheduled.scheduled:
-            request = self.requests.get(scheduled_request.request_id)
-            if scheduled_request.reused_spans and request is not None:
-                request.blended = True
+        for request_id in list(self._segments):
+            request = self.requests[request_id]
+            if request.status == RequestStatus.RUNNING:
                 self.kv_cache.release_segments(request)
-                self._segments.pop(request.request_id, None)
+                if request.num_computed_tokens >= request.num_prompt_tokens:
+                    request.blended = True
+                    del self._segments[request_id]
 
     def detach_request(self, request_id: str) -> Request | None:
         """Takes a running request out of this engine unfinished, to go on in another
