@@ -228,7 +228,8 @@ class KVCacheManager:
         """Holds the blocks of the computed chunks (loading those in the host tier into fresh
         blocks) and fresh blocks for the others, to compute; False, changing nothing, when
         the pool lacks free blocks."""
-        found = [self.pool.lookup(h) for s in segments if s.computed for h in s.hashes]
+        wanted = [h for s in segments if s.computed for h in s.hashes]
+        found = [self.pool.lookup(h) for h in wanted]
         held = [b for b in found if b is not None]
         revived = sum(1 for b in set(held) if self.pool.ref_counts[b] == 0)
         needed = (len(found) - len(held)
@@ -239,9 +240,8 @@ class KVCacheManager:
         # Pinned before allocating: the evictions it makes go to the host tier, which must
         # not reuse these blocks for them.
         tiers = self.tiers
-        pinned = {h: tiers.pin(h) for h, b in zip(
-            [h for s in segments if s.computed for h in s.hashes], found, strict=True)
-            if b is None} if tiers is not None else {}
+        pinned = {h: tiers.pin(h) for h, b in zip(wanted, found, strict=True)
+                  if b is None} if tiers is not None else {}
         fresh = self.pool.allocate(needed)
         found_blocks = iter(found)
         for segment in segments:
