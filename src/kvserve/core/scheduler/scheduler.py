@@ -268,7 +268,6 @@ class Scheduler:
             if not kv.hold_segments(request, segments):
                 return None
             self._segments[request_id] = segments
-            self.num_chunk_hit_tokens += sum(s.num_tokens for s in segments if s.computed)
         missing = [(i, s) for i, s in enumerate(segments) if not s.computed]
         if missing:
             room = self.config.max_num_seqs - len(self.running)
@@ -288,6 +287,7 @@ class Scheduler:
             return None
         kv.copy_segments(request, segments)
         self.num_blended_prompts += 1
+        self.num_chunk_hit_tokens += sum(s.num_tokens for s in segments if not s.num_filled)
         self._run(request, out)
         return min(num_tokens, budget)
 
