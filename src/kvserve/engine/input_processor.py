@@ -183,11 +183,11 @@ class InputProcessor:
                 raise ValueError(f"max_tokens ({max_tokens}) plus the prompt ({num_prompt} "
                                  f"tokens) exceeds the context limit (max_model_len) of "
                                  f"{limits.max_model_len}")
-        needed = limits.max_blocks_per_request(num_prompt + max_tokens) + sum(
-            limits.max_blocks_per_request(n) for n in segment_lens[:-1])
         if segment_lens and params.prompt_logprobs is not None:
             raise ValueError(f"{field_name}.segments: prompt_logprobs needs every prompt "
                              "token computed in context; a blended prompt recomputes a few")
+        needed = limits.max_blocks_per_request(num_prompt + max_tokens) + sum(
+            limits.max_blocks_per_request(n) for n in segment_lens[:-1])
         if needed > limits.num_kv_blocks:
             raise ValueError(f"{field_name} with max_tokens needs {needed} KV blocks but the pool "
                              f"(kv_cache_memory) holds {limits.num_kv_blocks}")
