@@ -40,6 +40,14 @@ class Attention(nn.Module):
         self.kv_cache = torch.empty(0)  # bound by the model runner to this layer's pool
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        qk, v = self.project(x)
+        out = self.backend.forward(qk, v, freqs_cis, self.kv_cache, get_attention_metadata(),
+                                   self.scale)
+        return self.o_proj(out)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' queries then keys [N, Hq + Hkv, D] (normed, not yet rotated), and their
+        values [N, Hkv, D]."""
         heads = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
         num_qk = self.num_heads + self.num_kv_heads
         qk, v = heads[:, :num_qk], heads[:, num_qk:]
@@ -50,9 +58,7 @@ class Attention(nn.Module):
             q = self.q_norm(qk[:, :self.num_heads].reshape(-1, dim)).view(rows, -1, dim)
             k = self.k_norm(qk[:, self.num_heads:].reshape(-1, dim)).view(rows, -1, dim)
             qk = torch.cat([q, k], dim=1)
-        out = self.backend.forward(qk, v, freqs_cis, self.kv_cache, get_attention_metadata(),
-                                   self.scale)
-        return self.o_proj(out)
+        return qk, v
 
 
 class MLP(nn.Module):

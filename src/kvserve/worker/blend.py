@@ -123,15 +123,10 @@ def _refresh_kv(layer: nn.Module, x: torch.Tensor, freqs_cis: torch.Tensor,
     their cache `slots`, writes them there and returns each row's squared deviation from
     what the slots held."""
     attn = layer.self_attn
-    num_heads, num_kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    heads = attn.qkv_proj(layer.input_layernorm(x)).view(x.shape[0], -1, head_dim)
-    k = heads[:, num_heads:num_heads + num_kv_heads]
-    v = heads[:, num_heads + num_kv_heads:]
-    if attn.k_norm is not None:
-        k = attn.k_norm(k.reshape(-1, head_dim)).view(x.shape[0], -1, head_dim)
-    k = apply_rotary(k, freqs_cis).transpose(0, 1)
+    qk, v = attn.project(layer.input_layernorm(x))
+    k = apply_rotary(qk[:, attn.num_heads:], freqs_cis).transpose(0, 1)
     v = v.transpose(0, 1)
-    cache = attn.kv_cache.view(2, num_kv_heads, -1, head_dim)
+    cache = attn.kv_cache.view(2, attn.num_kv_heads, -1, attn.head_dim)
     deviation = ((k.float() - cache[0][:, slots].float()).square().sum((0, 2))
                  + (v.float() - cache[1][:, slots].float()).square().sum((0, 2)))
     cache[0].index_copy_(1, slots, k)
