@@ -1,15 +1,17 @@
 """Tensor parallelism on CPU: two ranks (gloo) give exactly the single-process greedy tokens
 on Llama, Qwen2 (QKV bias) and Qwen3 (q/k norms), across chunked prefill and preemption, and
-with LoRA adapters mixed in the batch."""
+with LoRA adapters mixed in the batch, and blending chunks (CacheBlend)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.tools.make_lora import make_lora
+from kvserve.tools.make_model import make_model
 from tests.conftest import random_prompts
 from tests.models.test_hf_equivalence import kv_bytes_for_blocks
 
@@ -52,3 +54,29 @@ def test_two_ranks_match_one_with_lora_adapters(model_dirs: dict[str, Path],
 def test_heads_that_do_not_divide_are_refused(model_dirs: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size .3. must divide"):
         LLM(str(model_dirs["llama"]), tensor_parallel_size=3)
+
+
+def blended_kv(path: Path, segments: list[list[int]], ratio: float, size: int
+               ) -> torch.Tensor:
+    """The KV of a blended prompt once its first token is out: [tokens, layers, K/V, heads,
+    head_dim], every rank's heads."""
+    engine = LLM(str(path), tensor_parallel_size=size, blend_recompute_ratio=ratio).engine
+    engine.add_request({"segments": segments}, PARAMS, "r")
+    for _ in range(4):  # the chunks are computed, then blended
+        engine.step()
+    assert engine.core.scheduler.requests["r"].num_output_tokens
+    kv = engine.core.runner.read_kv_blocks(engine.core.kv_cache.get_block_ids("r"))
+    return kv.permute(0, 4, 1, 2, 3, 5).flatten(0, 1)[:len(sum(segments, []))]
+
+
+def test_two_ranks_blend_as_one(tmp_path: Path) -> None:
+    """CacheBlend: the ranks sum their KV heads' deviations, so all recompute the same tokens
+    and the prompt's KV is the single process's. The model has 4 layers: with 2, the tokens
+    chosen at the second would write no KV of their own."""
+    path = make_model("small", tmp_path / "small")
+    a, b, c, question = random_prompts([40, 24, 57, 9], seed=5)
+    segments = [b, a, c, question]
+    one = blended_kv(path, segments, 0.3, 1)
+    torch.testing.assert_close(blended_kv(path, segments, 0.3, 2), one, atol=1e-5, rtol=1e-5)
+    # Which tokens are recomputed shows in the later layers' KV.
+    assert not torch.allclose(blended_kv(path, segments, 1.0, 1)[:, 2:], one[:, 2:], atol=1e-3)

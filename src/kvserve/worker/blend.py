@@ -27,6 +27,7 @@ from kvserve.attention.backend import AttentionMetadata, PrefillChunk
 from kvserve.attention.torch_ref import apply_rotary
 from kvserve.lora.batch import LoRABatch
 from kvserve.worker.forward_context import forward_context, narrow_rows
+from kvserve.worker.tensor_parallel import all_reduce
 
 
 @dataclass(slots=True)
@@ -112,6 +113,7 @@ class SelectiveRecompute:
         with forward_context(self.meta):  # the blended rows run the base model
             deviation = _refresh_kv(layer, x[rows], freqs_cis[rows],
                                     self.meta.slot_mapping[rows])
+        all_reduce(deviation)  # over every rank's KV heads: all ranks keep the same rows
         index = torch.from_numpy(candidates).to(x.device)
         top = torch.topk(deviation[index], num_kept).indices.cpu().numpy()
         return np.sort(np.concatenate([forced, candidates[top]]))
@@ -121,7 +123,7 @@ def _refresh_kv(layer: nn.Module, x: torch.Tensor, freqs_cis: torch.Tensor,
                 slots: torch.Tensor) -> torch.Tensor:
     """Computes the layer's keys and values of hidden states `x` (residual folded in) at
     their cache `slots`, writes them there and returns each row's squared deviation from
-    what the slots held."""
+    what the slots held, over this rank's KV heads."""
     attn = layer.self_attn
     qk, v = attn.project(layer.input_layernorm(x))
     k = apply_rotary(qk[:, attn.num_heads:], freqs_cis).transpose(0, 1)
