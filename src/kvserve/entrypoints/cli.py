@@ -62,7 +62,8 @@ def _make_model(args: argparse.Namespace) -> None:
 
     path = make_model(args.preset, args.output, arch=args.arch, seed=args.seed,
                       dtype=args.dtype, max_shard_bytes=int(args.max_shard_size * GiB),
-                      train_steps=args.train_steps, progress=True)
+                      train_steps=args.train_steps, distill_from=args.distill_from,
+                      progress=True)
     print(f"wrote {path}")
 
 
@@ -153,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--train-steps", type=int, default=0,
                     help="train this many steps on the standard library's sources (the "
                          "held-out loss goes to training.json); 0 keeps random weights")
+    mk.add_argument("--distill-from", default=None, metavar="TARGET",
+                    help="train on this checkpoint's greedy continuations of the training "
+                         "text instead of on the text: a speculative draft for TARGET (same "
+                         "tokenizer); training.json records how often it agrees with TARGET")
     mk.set_defaults(func=_make_model)
 
     ml = sub.add_parser("make-lora", help="write a random LoRA adapter for a checkpoint, in "

@@ -74,13 +74,19 @@ ARCHES = {
 def make_model(preset: str, output: str | Path, arch: str | None = None, seed: int = 0,
                dtype: str | None = None, max_shard_bytes: int = 2 << 30,
                sliding_window: int | None = None, train_steps: int = 0,
-               progress: bool = False) -> Path:
+               distill_from: str | Path | None = None, progress: bool = False) -> Path:
     """Writes a checkpoint folder for `preset` (optionally as another architecture) and
-    returns its path; with `train_steps`, trains it that many steps on local text first
-    (`train.py`) and writes `training.json` beside it. The same arguments always give the
-    same files (on a machine with the same number of threads, when training)."""
+    returns its path; with `train_steps`, trains it that many steps on local text first, or
+    on the continuations of the checkpoint `distill_from` (`train.py`), and writes
+    `training.json` beside it. The same arguments always give the same files (on a machine
+    with the same number of threads, when training)."""
     if train_steps < 0:
         raise ValueError(f"train_steps must be >= 0, got {train_steps}")
+    if distill_from is not None and not train_steps:
+        raise ValueError("distill_from needs train_steps > 0")
+    if distill_from is not None and not (Path(distill_from) / "config.json").is_file():
+        raise ValueError(f"distill_from must be a checkpoint folder, got {str(distill_from)!r}"
+                         " (no config.json)")
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     spec = PRESETS[preset]
@@ -109,6 +115,7 @@ def make_model(preset: str, output: str | Path, arch: str | None = None, seed: i
     # preset trains as stably as `small` does at 3e-3.
     learning_rate = 3e-3 * min(1.0, 256 / spec.hidden_size)
     trained, report = train(out, train_steps, seed, learning_rate=learning_rate,
+                            teacher=None if distill_from is None else Path(distill_from),
                             progress=progress)
     write_weights(out, iter(trained.items()), dtype_of, max_shard_bytes, progress)
     write_json(out / "training.json", report.as_dict())
