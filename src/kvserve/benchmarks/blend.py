@@ -90,7 +90,10 @@ def run(args: argparse.Namespace) -> None:
                           args.num_prompts, args.question_len, args.seed)
     one = SamplingParams(temperature=0.0, max_tokens=1)
     answer = SamplingParams(temperature=0.0, max_tokens=args.answer_len, ignore_eos=True)
-    taps = {name: LogitsTap(llm) for name, llm in [("full prefill", full), *engines.items()]}
+    # The ranks' processes hold the model under tensor parallelism: no logits to compare.
+    tapped = cfg.tensor_parallel_size == 1
+    taps = {name: LogitsTap(llm) for name, llm in [("full prefill", full), *engines.items()]
+            if tapped}
 
     def full_prefill(segments: list[list[int]], params: SamplingParams
                      ) -> tuple[float, list[int]]:
@@ -106,21 +109,22 @@ def run(args: argparse.Namespace) -> None:
     for segments in prompts:
         for llm in engines.values():
             first_token(llm, {"segments": segments}, one)
-    ttft: dict[str, list[float]] = {name: [] for name in taps}
+    ttft: dict[str, list[float]] = {name: [] for name in ["full prefill", *engines]}
     kl: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.runs):
         for segments in prompts:
             ttft["full prefill"].append(full_prefill(segments, one)[0])
-            reference = taps["full prefill"].last
             for name, llm in engines.items():
                 ttft[name].append(first_token(llm, {"segments": segments}, one)[0])
-                kl[name].append(kl_divergence(reference[0], taps[name].last[0]))
+                if tapped:
+                    kl[name].append(kl_divergence(taps["full prefill"].last[0],
+                                                  taps[name].last[0]))
     answers = {"full prefill": [full_prefill(s, answer)[1] for s in prompts]}
     for name, llm in engines.items():
         answers[name] = [first_token(llm, {"segments": s}, answer)[1] for s in prompts]
     base = statistics.median(ttft["full prefill"])
     rows = []
-    for name in taps:
+    for name in ttft:
         median = statistics.median(ttft[name])
         pairs = list(zip(answers["full prefill"], answers[name], strict=True))
         rows.append({
@@ -128,7 +132,8 @@ def run(args: argparse.Namespace) -> None:
             "speedup": round(base / median, 2),
             "cold TTFT ms": (round(statistics.median(cold[name]) * 1e3, 1)
                              if name in cold else ""),
-            "KL nats": round(statistics.mean(kl[name]), 4) if name in kl else 0.0,
+            "KL nats": (round(statistics.mean(kl[name]), 4) if kl.get(name)
+                        else 0.0 if tapped else None),
             "first token equal %": round(100 * statistics.mean(a[0] == b[0] for a, b in pairs)),
             "answer agreement %": round(100 * statistics.mean(
                 common_prefix(a, b) / args.answer_len for a, b in pairs), 1)})
