@@ -11,6 +11,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.core.scheduler.speculation import DraftPolicy
 from kvserve.engine.metrics import EngineMetrics
+from kvserve.worker.draft_model import DraftModel
 from tests.conftest import random_prompts
 from tests.models.test_hf_equivalence import (
     MAX_TOKENS,
@@ -157,6 +158,25 @@ def test_another_model_drafts_without_changing_the_output(model_dirs, always_dra
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
     assert llm.get_stats().num_draft_tokens > 0
+
+
+def test_a_drafts_cost_is_timed_on_its_decode_steps(model_dirs, always_draft, monkeypatch):
+    """What a further draft costs is measured on the draft model's decode steps alone: the
+    forward that catches up on a request's tokens (its whole prompt, at its first draft) is
+    not a draft's cost."""
+    proposals = []
+    propose = DraftModel.propose
+
+    def recorded(self, *args):
+        proposals.append(propose(self, *args))
+        return proposals[-1]
+
+    monkeypatch.setattr(DraftModel, "propose", recorded)
+    llm = LLM(str(model_dirs["llama"]), speculative_model=str(model_dirs["qwen3"]))
+    run_greedy(llm, random_prompts(PROMPT_LENS, seed=10))
+    assert any(p.num_decode_steps for p in proposals)
+    for p in proposals:
+        assert p.num_decode_steps == max(map(len, p.drafts.values()), default=1) - 1
 
 
 def test_a_draft_model_must_fit_the_target(model_dirs, tmp_path):

@@ -61,7 +61,8 @@ class EngineCore:
         self.execute_seconds += seconds
         self.scheduler.costs.observe_step(sched.num_scheduled_tokens, seconds)
         self.scheduler.drafts.observe_step(sched, seconds - result.draft_seconds)
-        self.scheduler.drafts.observe_drafting(result.draft_seconds, result.num_draft_steps)
+        self.scheduler.drafts.observe_drafting(result.draft_step_seconds,
+                                               result.num_draft_steps)
         updated = self.scheduler.update_from_output(sched, result)
         by_id = dict(zip(result.request_ids, result.logprobs, strict=True))
         if not self.scheduler.has_unfinished_requests():

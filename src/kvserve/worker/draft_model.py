@@ -11,6 +11,7 @@ is what the sampler's rejection sampling needs to keep the target's distribution
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,17 @@ from kvserve.worker.cpu_decode import CpuDecodeStack
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.input_batch import InputBuffers, ModelInputs
 from kvserve.worker.kv_pool import allocate_kv_pool
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Request id -> its drafts, and the seconds and number of the decode steps that made the
+    drafts after each request's first: what a further draft costs. The catch-up forward
+    before them is left out of that: at a request's first draft it runs the whole prompt."""
+
+    drafts: dict[str, list[int]]
+    decode_seconds: float
+    num_decode_steps: int
 
 
 class DraftModel:
@@ -56,10 +68,10 @@ class DraftModel:
         self._cached.pop(request_id, None)
 
     def propose(self, requests: list[ScheduledRequest], token_ids: list[list[int]],
-                num_drafts: list[int]) -> tuple[dict[str, list[int]], int]:
+                num_drafts: list[int]) -> Proposal:
         """Up to `num_drafts[i]` greedy drafts to follow `token_ids[i]`, request i's tokens
         (prompt and outputs; its last has no KV in the target's cache yet), within the slots
-        its block table holds. Returns request id -> drafts, and the draft forwards run."""
+        its block table holds."""
         block_size = self.inputs.block_size
         jobs = []
         for s, tokens, count in zip(requests, token_ids, num_drafts, strict=True):
@@ -68,17 +80,19 @@ class DraftModel:
                         self.max_model_len - position - 1)
             if count > 0:
                 jobs.append(_Job(s, tokens, count, self._valid_prefix(s.request_id, tokens)))
-        num_forwards = self._catch_up(jobs)
+        self._catch_up(jobs)
+        start, num_steps = time.perf_counter(), 0
         for step in range(1, max((job.count for job in jobs), default=0)):
             active = [job for job in jobs if job.count > step]
             position = [len(job.tokens) - 1 + step for job in active]
             self._sample([ScheduledRequest(job.request.request_id, [job.drafts[-1]], pos,
                                            job.request.block_ids, True)
                           for job, pos in zip(active, position, strict=True)], active)
-            num_forwards += 1
+            num_steps += 1
         for job in jobs:
             self._cached[job.request.request_id] = (len(job.tokens), job.drafts)
-        return {job.request.request_id: job.drafts for job in jobs}, num_forwards
+        return Proposal({job.request.request_id: job.drafts for job in jobs},
+                        time.perf_counter() - start, num_steps)
 
     def _valid_prefix(self, request_id: str, tokens: list[int]) -> int:
         """How many leading tokens have their draft KV: those up to the last drafting, and
@@ -86,10 +100,9 @@ class DraftModel:
         length, drafts = self._cached.get(request_id, (0, []))
         return min(length + num_kept_drafts(drafts[:-1], tokens[length:]), len(tokens) - 1)
 
-    def _catch_up(self, jobs: list[_Job]) -> int:
+    def _catch_up(self, jobs: list[_Job]) -> None:
         """Runs each job's uncached tokens, in forwards of at most the buffers' size, and
-        takes its first draft from the last; returns the forwards run."""
-        num_forwards = 0
+        takes its first draft from the last."""
         while any(job.start < len(job.tokens) for job in jobs):
             batch, owners, room = [], [], self.inputs.max_num_tokens
             for job in jobs:
@@ -103,8 +116,6 @@ class DraftModel:
                 room -= end - job.start
                 job.start = end
             self._sample(batch, [job for job, s in zip(owners, batch, strict=True) if s.sample])
-            num_forwards += 1
-        return num_forwards
 
     def _sample(self, batch: list[ScheduledRequest], sampling: list[_Job]) -> None:
         """One draft forward; appends the greedy token of each sampling row to its job."""

@@ -128,11 +128,14 @@ class ModelRunner:
             start = time.perf_counter()
             drafting = [i for i, (s, st) in enumerate(zip(requests, states, strict=True))
                         if s.num_lookahead_tokens and can_draft(st)]
-            output.draft_token_ids, output.num_draft_steps = self.draft_model.propose(
+            proposal = self.draft_model.propose(
                 [requests[i] for i in drafting],
                 [states[i].prompt_token_ids + states[i].output_token_ids for i in drafting],
                 [requests[i].num_lookahead_tokens for i in drafting])
+            output.draft_token_ids = proposal.drafts
             output.draft_seconds = time.perf_counter() - start
+            output.draft_step_seconds = proposal.decode_seconds
+            output.num_draft_steps = proposal.num_decode_steps
         return output
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],

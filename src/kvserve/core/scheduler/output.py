@@ -137,5 +137,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     failed_promotions: list[bytes] = field(default_factory=list)  # unreadable disk blocks
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    draft_seconds: float = 0.0  # a draft model's decode steps took, of the step's time
+    draft_seconds: float = 0.0  # a draft model took, of the step's time
+    draft_step_seconds: float = 0.0  # of which its decode steps after the first drafts took
     num_draft_steps: int = 0
