@@ -1,4 +1,5 @@
-"""Tiny random checkpoints shared by the whole test session, built by `make-model`."""
+"""Tiny random checkpoints shared by the whole test session, built by `make-model`, and a
+policy that verifies every draft."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.core.scheduler.speculation import DraftPolicy
 from kvserve.tools.make_model import make_model
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It is chosen when
@@ -43,3 +45,12 @@ def llama_dir(model_dirs: dict[str, Path]) -> Path:
 def random_prompts(lengths: list[int], vocab_size: int = 3000, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """Every draft proposed and verified, whatever the policy would measure as paying (with a
+    draft model as costly as the target, nothing would)."""
+    monkeypatch.setattr(DraftPolicy, "num_to_propose", lambda self, request, n, most: most)
+    monkeypatch.setattr(DraftPolicy, "num_to_verify",
+                        lambda self, request, n: len(request.spec_token_ids))

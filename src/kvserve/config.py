@@ -374,12 +374,13 @@ class EngineConfig:
     def _check_speculative(self, spec: SpeculativeConfig) -> None:
         if self.cache.streaming_window:
             raise ValueError("speculative decoding does not run with a streaming_window")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("speculative decoding does not run with "
-                             "tensor_parallel_size > 1 yet")
         draft = spec.draft
         if draft is None:
             return
+        try:
+            draft.shard(self.tensor_parallel_size)
+        except ValueError as e:
+            raise ValueError(f"speculative_model: {e}") from None
         if draft.vocab_size != self.model.vocab_size:
             raise ValueError(f"speculative_model: the draft's vocab_size ({draft.vocab_size}) "
                              f"must equal the model's ({self.model.vocab_size})")

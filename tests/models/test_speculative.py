@@ -9,7 +9,6 @@ import shutil
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.core.scheduler.speculation import DraftPolicy
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.worker.draft_model import DraftModel
 from tests.conftest import random_prompts
@@ -112,15 +111,6 @@ def test_speculative_options_are_checked(llama_dir):
     with pytest.raises(ValueError, match="streaming_window"):
         LLM(str(llama_dir), speculative_model="ngram", streaming_window=4,
             enable_prefix_caching=False)
-
-
-@pytest.fixture
-def always_draft(monkeypatch):
-    """Every draft proposed and verified, whatever the policy would measure as paying (with a
-    draft model as costly as the target, nothing would)."""
-    monkeypatch.setattr(DraftPolicy, "num_to_propose", lambda self, request, n, most: most)
-    monkeypatch.setattr(DraftPolicy, "num_to_verify",
-                        lambda self, request, n: len(request.spec_token_ids))
 
 
 @pytest.mark.parametrize("setting",

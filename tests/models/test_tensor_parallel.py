@@ -1,9 +1,12 @@
 """Tensor parallelism on CPU: two ranks (gloo) give exactly the single-process greedy tokens
 on Llama, Qwen2 (QKV bias) and Qwen3 (q/k norms), across chunked prefill and preemption, and
-with LoRA adapters mixed in the batch, and blending chunks (CacheBlend)."""
+with LoRA adapters mixed in the batch, blending chunks (CacheBlend) and with drafts
+(speculative decoding)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,9 +54,17 @@ def test_two_ranks_match_one_with_lora_adapters(model_dirs: dict[str, Path],
     assert greedy(path, adapters, lora_modules=modules, tensor_parallel_size=2) == one
 
 
-def test_heads_that_do_not_divide_are_refused(model_dirs: dict[str, Path]) -> None:
+def test_heads_that_do_not_divide_are_refused(model_dirs: dict[str, Path],
+                                              tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size .3. must divide"):
         LLM(str(model_dirs["llama"]), tensor_parallel_size=3)
+    draft = tmp_path / "draft"
+    shutil.copytree(model_dirs["llama"], draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 1}))
+    with pytest.raises(ValueError, match="speculative_model: tensor_parallel_size .2. must "
+                                         "divide the model's num_kv_heads"):
+        LLM(str(model_dirs["llama"]), speculative_model=str(draft), tensor_parallel_size=2)
 
 
 def blended_kv(path: Path, segments: list[list[int]], ratio: float, size: int
@@ -80,3 +91,21 @@ def test_two_ranks_blend_as_one(tmp_path: Path) -> None:
     torch.testing.assert_close(blended_kv(path, segments, 0.3, 2), one, atol=1e-5, rtol=1e-5)
     # Which tokens are recomputed shows in the later layers' KV.
     assert not torch.allclose(blended_kv(path, segments, 1.0, 1)[:, 2:], one[:, 2:], atol=1e-3)
+
+
+@pytest.mark.parametrize("drafts", ["ngram", "the model itself"])
+def test_two_ranks_draft_and_verify_as_one(model_dirs: dict[str, Path], always_draft,
+                                           drafts: str) -> None:
+    """Speculative decoding: a draft model is split among the ranks like the target, so
+    every rank drafts, verifies and keeps the same tokens."""
+    path = model_dirs["llama"]
+    speculative_model = "ngram" if drafts == "ngram" else str(path)
+    one = greedy(path, speculative_model=speculative_model)
+    llm = LLM(str(path), max_num_batched_tokens=64, speculative_model=speculative_model,
+              tensor_parallel_size=2)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == one == greedy(path)
+    stats = llm.get_stats()
+    assert stats.num_draft_tokens > 0
+    if drafts != "ngram":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens

@@ -20,6 +20,7 @@ from kvserve.attention.cpu_paged import CpuPagedAttention
 from kvserve.cpp_extension import cpu_kernels
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.worker.input_batch import ModelInputs
+from kvserve.worker.tensor_parallel import tp_group
 
 
 class CpuDecodeStack:
@@ -33,10 +34,12 @@ class CpuDecodeStack:
 
     @classmethod
     def build(cls, model: torch.nn.Module, enforce_eager: bool) -> CpuDecodeStack | None:
-        """The model's stack, unless `enforce_eager`, the kernels did not build, or the model
-        has layers the stack does not cover."""
+        """The model's stack, unless `enforce_eager`, the kernels did not build, the model
+        has layers the stack does not cover, or it is split among ranks (the stack sums no
+        partial outputs)."""
         kernels = cpu_kernels()
-        if enforce_eager or kernels is None or not cls.covers(model):
+        if (enforce_eager or kernels is None or tp_group().size > 1
+                or not cls.covers(model)):
             return None
         return cls(model, kernels)
 

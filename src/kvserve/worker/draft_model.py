@@ -41,7 +41,7 @@ class Proposal:
 class DraftModel:
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
         assert config.speculative is not None and config.speculative.draft is not None
-        cfg = config.speculative.draft
+        cfg = config.speculative.draft.shard(config.tensor_parallel_size)
         self.model = load_model(cfg, get_attention_backend(config.device, cfg.head_dim),
                                 config.device)
         block_size = config.cache.block_size

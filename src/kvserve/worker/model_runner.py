@@ -65,7 +65,7 @@ class ModelRunner:
                                    -(-sched.max_model_len // self.block_size), self.block_size,
                                    mc.sliding_window, self.device)
         self.graphs = self._decode_graphs()
-        self.cpu_decode = self._cpu_decode_stack()
+        self.cpu_decode = CpuDecodeStack.build(self.model, config.enforce_eager)
         self.sampler = Sampler(config.seed, self.device,
                                GrammarMatchers(mc.path, mc.vocab_size))
         self.states: dict[str, SamplingState] = {}
@@ -277,10 +277,3 @@ class ModelRunner:
             return None
         return DecodeGraphs(self.model, self.inputs, self.config.scheduler.max_num_seqs,
                             capture=torch.device(self.device).type == "cuda")
-
-    def _cpu_decode_stack(self) -> CpuDecodeStack | None:
-        """On CPU, decode steps run as one C++ call unless `enforce_eager` (or the model is
-        split among ranks)."""
-        if self.config.tensor_parallel_size > 1:
-            return None
-        return CpuDecodeStack.build(self.model, self.config.enforce_eager)
