@@ -2,7 +2,8 @@
 attention heads, KV heads and MLP columns. Layers that produce heads or MLP columns are
 column-parallel (each rank computes its own outputs); the layers after them are
 row-parallel (each rank multiplies its slice of the inputs, then the ranks sum their
-partial outputs). Gloo on CPU, NCCL on CUDA. A process outside any group is rank 0 of 1.
+partial outputs). Gloo on CPU (with a shared-memory all-reduce for the small sums of decode
+steps), NCCL on CUDA. A process outside any group is rank 0 of 1.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kvserve.worker.shm_all_reduce import SharedMemoryAllReduce
+
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
@@ -21,6 +24,7 @@ class TensorParallelGroup:
 
 
 _group = TensorParallelGroup()
+_shared_memory: SharedMemoryAllReduce | None = None
 
 
 def tp_group() -> TensorParallelGroup:
@@ -36,16 +40,18 @@ def free_port() -> int:
 
 def init_tensor_parallel(rank: int, size: int, port: int, device: str) -> None:
     """Joins this process to the group of `size` ranks rendezvousing on localhost:`port`."""
-    global _group
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size)
+    global _group, _shared_memory
+    cuda = device.startswith("cuda")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size)
     _group = TensorParallelGroup(rank, size)
+    if not cuda:
+        _shared_memory = SharedMemoryAllReduce(rank, size, port)
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sums `x` over the ranks, in place."""
-    if _group.size > 1:
+    """Sums `x` over the ranks, in place: through shared memory on CPU where it fits."""
+    if _group.size > 1 and not (_shared_memory is not None and _shared_memory(x)):
         dist.all_reduce(x)
     return x
 
