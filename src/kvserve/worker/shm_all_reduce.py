@@ -6,9 +6,10 @@ buffer, raises its counter to the call's number, waits until every rank's counte
 it, and sums the slots in rank order, so that every rank gets the same bits. Calls alternate
 between two sets of slots: a rank can only reach call n + 2, which writes the slots of call n
 again, once every rank has raised its counter to n + 1, which each does after reading call
-n's slots. Tensors above `MAX_BYTES` go to gloo instead: they are prefill's, whose time is in
-the math, and copies that large may use stores that x86 does not keep in order with the
-counter's.
+n's slots. A tensor above `MAX_BYTES` (prefill's) goes through in pieces of that size, one
+call each: a slot stays small enough that the copies into it use plain stores, which x86
+keeps in order with the counter's (memcpy turns to non-temporal ones for copies of many
+megabytes).
 """
 
 from __future__ import annotations
@@ -51,17 +52,23 @@ class SharedMemoryAllReduce:
         self.calls = 0
 
     def __call__(self, x: torch.Tensor) -> bool:
-        """Sums `x` over the ranks in place; False (and `x` untouched) if it is too large."""
-        num_bytes = x.numel() * x.element_size()
-        if num_bytes > MAX_BYTES or not x.is_contiguous():
+        """Sums `x` over the ranks in place; False (and `x` untouched) if it is not
+        contiguous."""
+        if not x.is_contiguous():
             return False
+        flat = x.view(-1)
+        step = MAX_BYTES // x.element_size()
+        for start in range(0, flat.numel(), step):
+            self._sum(flat[start:start + step])
+        return True
+
+    def _sum(self, x: torch.Tensor) -> None:
         self.calls += 1
-        slots = self.slots[self.calls % 2, :, :num_bytes]
-        slots[self.rank].copy_(x.view(-1).view(torch.uint8))
+        slots = self.slots[self.calls % 2, :, :x.numel() * x.element_size()]
+        slots[self.rank].copy_(x.view(torch.uint8))
         self.counters[0, self.rank] = self.calls
         self._wait_for_all()
-        torch.sum(slots.view(x.dtype).view(self.size, *x.shape), dim=0, out=x)
-        return True
+        torch.sum(slots.view(x.dtype).view(self.size, -1), dim=0, out=x)
 
     def _wait_for_all(self) -> None:
         counters, calls = self.counters[0], self.calls

@@ -2,8 +2,8 @@
 attention heads, KV heads and MLP columns. Layers that produce heads or MLP columns are
 column-parallel (each rank computes its own outputs); the layers after them are
 row-parallel (each rank multiplies its slice of the inputs, then the ranks sum their
-partial outputs). Gloo on CPU (with a shared-memory all-reduce for the small sums of decode
-steps), NCCL on CUDA. A process outside any group is rank 0 of 1.
+partial outputs). On CPU the sums go through shared memory (gloo sets the group up), on
+CUDA through NCCL. A process outside any group is rank 0 of 1.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def init_tensor_parallel(rank: int, size: int, port: int, device: str) -> None:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sums `x` over the ranks, in place: through shared memory on CPU where it fits."""
+    """Sums `x` over the ranks, in place."""
     if _group.size > 1 and not (_shared_memory is not None and _shared_memory(x)):
         dist.all_reduce(x)
     return x
