@@ -1,4 +1,4 @@
-"""All-reduce of small CPU tensors through shared memory, for tensor-parallel ranks on one host.
+"""All-reduce of CPU tensors through shared memory, for tensor-parallel ranks on one host.
 
 Gloo sums a decode step's hidden state in about half a millisecond on one host (loopback TCP),
 twice a layer; this takes microseconds. Each rank copies its tensor into its slot of a shared
