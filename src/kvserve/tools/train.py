@@ -59,11 +59,11 @@ def train(folder: Path, steps: int, seed: int, batch_size: int = 16, seq_len: in
     start = time.perf_counter()
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
     gen = torch.Generator().manual_seed(seed)
+    data = corpus_tokens(tokenizer, "train", steps * batch_size * seq_len)
     if teacher is None:
-        batches = corpus_batches(tokenizer, steps, batch_size, seq_len, gen)
+        batches = corpus_batches(data, steps, batch_size, seq_len, gen)
     else:  # one generation for the training data and the held-out windows that score it
-        prompts = random_windows(corpus_tokens(tokenizer, "train", steps * batch_size * seq_len),
-                                 max(batch_size, steps * batch_size // DISTILL_EPOCHS),
+        prompts = random_windows(data, max(batch_size, steps * batch_size // DISTILL_EPOCHS),
                                  DISTILL_PROMPT_LEN, gen)
         heldout_prompts = heldout_windows(tokenizer, DISTILL_PROMPT_LEN, AGREEMENT_WINDOWS)
         windows = teacher_continuations(teacher, tokenizer, torch.cat([prompts, heldout_prompts]),
@@ -109,10 +109,9 @@ def train(folder: Path, steps: int, seed: int, batch_size: int = 16, seq_len: in
 Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]  # (input ids, labels), [batch, seq_len]
 
 
-def corpus_batches(tokenizer: Any, steps: int, batch_size: int, seq_len: int,
+def corpus_batches(data: torch.Tensor, steps: int, batch_size: int, seq_len: int,
                    gen: torch.Generator) -> Batches:
-    """`steps` batches of training windows, every token a label."""
-    data = corpus_tokens(tokenizer, "train", steps * batch_size * seq_len)
+    """`steps` batches of windows of the training tokens `data`, every token a label."""
     for _ in range(steps):
         batch = random_windows(data, batch_size, seq_len, gen)
         yield batch, batch
