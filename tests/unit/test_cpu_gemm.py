@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -24,10 +26,11 @@ def _needs(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 6, 13])
-@pytest.mark.parametrize(("n", "k"), [(16, 2), (70, 34), (200, 96)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 17, 40])
+@pytest.mark.parametrize(("n", "k"), [(16, 2), (70, 34), (200, 96), (48, 64)])
 def test_blocked_linear_matches_matmul(dtype, rows, n, k):
-    """Row counts around the 6-row tile, output counts off the 16- and 64-wide blocks."""
+    """Row counts around the 6-row register tile and the 16- and 32-row AMX tiles, output
+    counts off the 16- and 64-wide blocks, widths on and off AMX's 32-channel steps."""
     _needs(dtype)
     gen = torch.Generator().manual_seed(rows * n + k)
     w = torch.randn(n, k, generator=gen).to(dtype)
@@ -39,6 +42,24 @@ def test_blocked_linear_matches_matmul(dtype, rows, n, k):
                                **TOLERANCE[dtype])
     torch.testing.assert_close(GEMM.blocked_linear(x, packed, n, None).float(),
                                expected - bias.float(), **TOLERANCE[dtype])
+
+
+def test_amx_runs_where_the_cpu_has_it():
+    """A build without the AMX tiles would fall back to the 8x slower VDPBF16PS ones."""
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if "amx_bf16" not in flags:
+        pytest.skip("this CPU has no AMX")
+    assert GEMM.amx_in_use()
+
+
+def test_rows_beyond_one_cache_panel():
+    """Wide inputs split the rows into several panels; each row is computed once."""
+    _needs(torch.bfloat16)
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(40, 4096, generator=gen).to(torch.bfloat16)
+    x = torch.randn(300, 4096, generator=gen).to(torch.bfloat16)
+    got = GEMM.blocked_linear(x, GEMM.pack_weight(w), 40, None).float()
+    torch.testing.assert_close(got, x.float() @ w.float().t(), rtol=1.6e-2, atol=0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &kvserve::silu_and_mul, release, "silu(gate) * up of [gate | up] rows");
   m.def("gemm_supports", &kvserve::gemm_supports,
         "whether this CPU build has a blocked GEMM for the weight");
+  m.def("amx_in_use", &kvserve::amx_in_use,
+        "whether bfloat16 GEMMs and prefill attention run on AMX tiles");
   m.def("pack_weight", &kvserve::pack_weight, "[n, k] weight -> 16-output blocks");
   m.def("blocked_linear", &kvserve::blocked_linear, release,
         "x @ W^T (+ bias) over a packed weight");

@@ -6,13 +6,18 @@
 // horizontal sums. For 1-64 rows it streams weights faster than oneDNN's prepacked GEMV
 // (1.5x at batch 1 on an AVX512-BF16 EPYC); at 2048 rows it is within 10% of oneDNN. Built
 // where the compiler targets AVX-512 (and AVX512-BF16 for bfloat16); `gemm_supports` says which.
+// Where the CPU has AMX (Sapphire Rapids Xeons and later), bfloat16 runs on its tiles instead,
+// over the same packed weight: 8-13x the VDPBF16PS tiles' rate from 64 rows up, and at least
+// as fast at batch 1 (`amx_in_use`).
 #include "kvserve_cpu.h"
+#include "amx.h"
 #include "simd.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <type_traits>
+
 
 namespace {
 
@@ -85,9 +90,67 @@ void blocked_gemm(const T* x, int64_t m, int64_t k, const T* w, int64_t n, const
 }
 #endif  // __AVX512F__
 
+#ifdef KVSERVE_AMX
+using Bf16 = at::BFloat16;
+constexpr int64_t kAmxPanelBytes = 1 << 20;  // input rows kept in cache while weights stream
+
+// `rows` rows of out, outputs [first, first + 32), from the tiles' float32 sums c.
+void amx_store(const float* c, int rows, int64_t first, int64_t n, const Bf16* bias, Bf16* out) {
+  using L = kvserve::simd::Lanes<Bf16>;
+  for (int half = 0; half < 2; ++half) {
+    const int64_t col = first + half * kBlock;
+    if (col >= n) break;
+    const auto mask = kvserve::simd::first_lanes(n - col);
+    const __m512 add = bias ? L::load(bias + col, mask) : _mm512_setzero_ps();
+    for (int i = 0; i < rows; ++i)
+      L::store(out + i * n + col,
+               _mm512_add_ps(_mm512_loadu_ps(c + (2 * i + half) * kBlock), add), mask);
+  }
+}
+
+// bfloat16 on AMX tiles (amx.h). Threads split the outputs in pairs of blocks; each walks
+// panels of input rows that fit in cache, and within a panel all of its weights, 32 rows at a
+// time. Only a panel's last step (fewer rows) changes the tile configuration.
+void amx_gemm(const Bf16* x, int64_t m, int64_t k, const Bf16* w, int64_t n, const Bf16* bias,
+              Bf16* out) {
+  namespace amx = kvserve::amx;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const int64_t pairs = (blocks + 1) / 2, block_elems = k * kBlock;
+  const int64_t row_bytes = k * static_cast<int64_t>(sizeof(Bf16));
+  const int64_t panel_rows =
+      std::max<int64_t>(1, kAmxPanelBytes / row_bytes / amx::kRows) * amx::kRows;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[amx::kRows * 2 * kBlock];
+    int configured = 0;
+    for (int64_t panel = 0; panel < m; panel += panel_rows) {
+      const int64_t panel_end = std::min(m, panel + panel_rows);
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const Bf16* w0 = w + 2 * pair * block_elems;
+        const Bf16* w1 = 2 * pair + 1 < blocks ? w0 + block_elems : w0;
+        for (int64_t row = panel; row < panel_end; row += amx::kRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(amx::kRows, panel_end - row));
+          if (rows != configured) amx::configure(configured = rows);
+          amx::multiply(rows, x + row * k, k, k, w0, w1, c, 2 * kBlock, false);
+          amx_store(c, rows, 2 * kBlock * pair, n, bias, out + row * n);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif  // KVSERVE_AMX
+
 }  // namespace
 
 namespace kvserve {
+
+bool amx_in_use() {
+#ifdef KVSERVE_AMX
+  return amx::ready();
+#else
+  return false;
+#endif
+}
 
 bool gemm_supports(const torch::Tensor& w) {
   switch (w.scalar_type()) {
@@ -131,6 +194,13 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& packed
 #ifdef __AVX512BF16__
       AT_DISPATCH_CASE(torch::kBFloat16, [&] {
         using T = at::BFloat16;
+#ifdef KVSERVE_AMX
+        if (k % amx::kChannels == 0 && amx::ready()) {
+          amx_gemm(x.data_ptr<T>(), m, k, packed.data_ptr<T>(), n,
+                   bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>());
+          return;
+        }
+#endif
         blocked_gemm<T>(x.data_ptr<T>(), m, k, packed.data_ptr<T>(), n,
                         bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>());
       })

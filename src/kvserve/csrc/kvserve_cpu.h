@@ -14,6 +14,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 
 // gemm.cpp
+bool amx_in_use();  // bfloat16 products on AMX tiles (built for them, and granted by the OS)
 bool gemm_supports(const torch::Tensor& w);
 torch::Tensor pack_weight(const torch::Tensor& w);
 torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,

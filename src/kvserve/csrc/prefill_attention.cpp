@@ -4,8 +4,11 @@
 // GEMM's 16-output blocks (keys as the outputs of Q.K^T, head dimensions as the outputs of
 // P.V), so both products run as the GEMM's register tiles: VDPBF16PS in bfloat16, FMA in
 // float32, accumulating in float32. PyTorch's CPU flash attention reaches ~140 GFLOP/s on a
-// 2-core AVX512-BF16 EPYC; the tiles here run at several times that.
+// 2-core AVX512-BF16 EPYC; the tiles here run at several times that. Where the CPU has AMX,
+// bfloat16 tiles of 32 query rows run both products on AMX tiles (amx.h) over the same
+// packing, and only the softmax in AVX-512.
 #include "kvserve_cpu.h"
+#include "amx.h"
 #include "simd.h"
 
 #include <ATen/Parallel.h>
@@ -13,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -25,6 +29,7 @@ using kvserve::simd::Lanes;
 
 constexpr int64_t kKeyTile = 64;  // keys per step: 4 blocks
 constexpr int kTileRows = 6;
+constexpr int kMaxTileRows = 32;  // the most query rows of a tile on any path (AMX)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // One KV head's context, packed: keys as [ctx / 16] blocks of a [16 x D] matrix (Q.K^T's
@@ -76,6 +81,67 @@ struct RowState {
   float total = 0.f;
 };
 
+// One query row's scores against a 64-key tile (in `scores`, unscaled) -> its probabilities,
+// rounded to T, in p (zeros where no key of the tile is visible to the row), with the row's
+// running max and total updated and its output so far (acc_row) rescaled to the new max.
+template <typename T>
+void softmax_tile_row(__m512 (&scores)[4], int64_t row_pos, int64_t tile, int64_t window,
+                      float scale, RowState& s, float* acc_row, int64_t head_dim, T* p) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __mmask16 visible[4];
+  __m512 row_max = _mm512_set1_ps(kNegInf);
+  for (int b = 0; b < 4; ++b) {
+    const __m512i key = _mm512_add_epi32(
+        _mm512_set1_epi32(static_cast<int32_t>(tile * kKeyTile + b * kBlock)), lane);
+    visible[b] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(row_pos)));
+    if (window > 0)
+      visible[b] &= _mm512_cmpgt_epi32_mask(
+          key, _mm512_set1_epi32(static_cast<int32_t>(row_pos - window)));
+    scores[b] = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), visible[b], scores[b],
+                                   _mm512_set1_ps(scale));
+    row_max = _mm512_max_ps(row_max, scores[b]);
+  }
+  const float tile_max = _mm512_reduce_max_ps(row_max);
+  if (tile_max == kNegInf) {
+    std::fill(p, p + kKeyTile, T(0.f));
+    return;
+  }
+  const float new_max = std::max(s.max, tile_max);
+  if (new_max > s.max && s.total > 0.f) {
+    const __m512 rescale = _mm512_set1_ps(std::exp(s.max - new_max));
+    s.total *= std::exp(s.max - new_max);
+    for (int64_t d = 0; d < head_dim; d += kBlock)
+      _mm512_storeu_ps(acc_row + d, _mm512_mul_ps(_mm512_loadu_ps(acc_row + d), rescale));
+  }
+  s.max = new_max;
+  __m512 sum = _mm512_setzero_ps();
+  for (int b = 0; b < 4; ++b) {
+    const __m512 e = _mm512_maskz_mov_ps(
+        visible[b], kvserve::simd::exp(_mm512_sub_ps(scores[b], _mm512_set1_ps(new_max))));
+    Lanes<T>::store(p + b * kBlock, e, 0xffff);
+    // The total sums what P.V multiplies: the probabilities as rounded to T.
+    sum = _mm512_add_ps(sum, Lanes<T>::load(p + b * kBlock, 0xffff));
+  }
+  s.total += _mm512_reduce_add_ps(sum);
+}
+
+// out row i = acc row i / its softmax total, for `rows` rows.
+template <typename T>
+void normalize_rows(int rows, const RowState* state, const float* acc, int64_t head_dim, T* out,
+                    int64_t out_stride) {
+  for (int i = 0; i < rows; ++i) {
+    const __m512 inv = _mm512_set1_ps(1.f / state[i].total);
+    for (int64_t d = 0; d < head_dim; d += kBlock)
+      Lanes<T>::store(out + i * out_stride + d,
+                      _mm512_mul_ps(_mm512_loadu_ps(acc + i * head_dim + d), inv), 0xffff);
+  }
+}
+
+// The first key tile any of the rows (at ascending positions pos[0..rows)) can see.
+inline int64_t first_tile(const int64_t* pos, int64_t window) {
+  return (window > 0 ? std::max<int64_t>(0, pos[0] - window + 1) : 0) / kKeyTile;
+}
+
 // Query rows r0.. (ROWS of them, at ascending positions `pos`) of one head.
 template <typename T, int ROWS>
 void attend_rows(const T* q, int64_t q_stride, const int64_t* pos, const T* packed_k,
@@ -83,66 +149,55 @@ void attend_rows(const T* q, int64_t q_stride, const int64_t* pos, const T* pack
                  T* probs, T* out, int64_t out_stride) {
   RowState state[ROWS];
   std::fill(acc_out, acc_out + ROWS * head_dim, 0.f);
-  const int64_t last_pos = pos[ROWS - 1];
-  const int64_t lowest = window > 0 ? std::max<int64_t>(0, pos[0] - window + 1) : 0;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  for (int64_t tile = lowest / kKeyTile; tile * kKeyTile <= last_pos; ++tile) {
+  for (int64_t tile = first_tile(pos, window); tile * kKeyTile <= pos[ROWS - 1]; ++tile) {
     __m512 scores[ROWS][4];
     for (int i = 0; i < ROWS; ++i)
       for (int b = 0; b < 4; ++b) scores[i][b] = _mm512_setzero_ps();
     accumulate<T, ROWS, 4>(scores, q, q_stride, head_dim,
                            packed_k + tile * kKeyTile * head_dim);
-    for (int i = 0; i < ROWS; ++i) {
-      const int64_t row_pos = pos[i];
-      __mmask16 visible[4];
-      __m512 row_max = _mm512_set1_ps(kNegInf);
-      for (int b = 0; b < 4; ++b) {
-        const __m512i key = _mm512_add_epi32(
-            _mm512_set1_epi32(static_cast<int32_t>(tile * kKeyTile + b * kBlock)), lane);
-        visible[b] =
-            _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(row_pos)));
-        if (window > 0)
-          visible[b] &= _mm512_cmpgt_epi32_mask(
-              key, _mm512_set1_epi32(static_cast<int32_t>(row_pos - window)));
-        scores[i][b] = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), visible[b], scores[i][b],
-                                          _mm512_set1_ps(scale));
-        row_max = _mm512_max_ps(row_max, scores[i][b]);
-      }
-      const float tile_max = _mm512_reduce_max_ps(row_max);
-      T* p = probs + i * kKeyTile;
-      if (tile_max == kNegInf) {  // no visible key in this tile for this row
-        std::fill(p, p + kKeyTile, T(0.f));
-        continue;
-      }
-      RowState& s = state[i];
-      const float new_max = std::max(s.max, tile_max);
-      if (new_max > s.max && s.total > 0.f) {
-        const __m512 rescale = _mm512_set1_ps(std::exp(s.max - new_max));
-        s.total *= std::exp(s.max - new_max);
-        for (int64_t d = 0; d < head_dim; d += kBlock)
-          _mm512_storeu_ps(acc_out + i * head_dim + d,
-                           _mm512_mul_ps(_mm512_loadu_ps(acc_out + i * head_dim + d), rescale));
-      }
-      s.max = new_max;
-      __m512 sum = _mm512_setzero_ps();
-      for (int b = 0; b < 4; ++b) {
-        const __m512 e = _mm512_maskz_mov_ps(
-            visible[b], kvserve::simd::exp(_mm512_sub_ps(scores[i][b], _mm512_set1_ps(new_max))));
-        Lanes<T>::store(p + b * kBlock, e, 0xffff);
-        // The total sums what P.V multiplies: the probabilities as rounded to T.
-        sum = _mm512_add_ps(sum, Lanes<T>::load(p + b * kBlock, 0xffff));
-      }
-      s.total += _mm512_reduce_add_ps(sum);
-    }
+    for (int i = 0; i < ROWS; ++i)
+      softmax_tile_row<T>(scores[i], pos[i], tile, window, scale, state[i],
+                          acc_out + i * head_dim, head_dim, probs + i * kKeyTile);
     add_all_values<T, ROWS>(acc_out, head_dim, probs, packed_v + tile * kKeyTile * head_dim);
   }
-  for (int i = 0; i < ROWS; ++i) {
-    const __m512 inv = _mm512_set1_ps(1.f / state[i].total);
-    for (int64_t d = 0; d < head_dim; d += kBlock)
-      Lanes<T>::store(out + i * out_stride + d,
-                      _mm512_mul_ps(_mm512_loadu_ps(acc_out + i * head_dim + d), inv), 0xffff);
-  }
+  normalize_rows<T>(ROWS, state, acc_out, head_dim, out, out_stride);
 }
+
+#ifdef KVSERVE_AMX
+namespace amx = kvserve::amx;
+
+// attend_rows for up to 32 bfloat16 query rows on AMX tiles (configured for `rows`): Q.K^T
+// into a float32 score tile, the softmax as above, P.V added to the float32 output rows in
+// the tiles. head_dim a multiple of 32.
+void attend_rows_amx(int rows, const amx::Bf16* q, int64_t q_stride, const int64_t* pos,
+                     const amx::Bf16* packed_k, const amx::Bf16* packed_v, int64_t head_dim,
+                     float scale, int64_t window, float* acc, float* scores, amx::Bf16* probs,
+                     amx::Bf16* out, int64_t out_stride) {
+  RowState state[amx::kRows];
+  std::fill(acc, acc + rows * head_dim, 0.f);
+  for (int64_t tile = first_tile(pos, window); tile * kKeyTile <= pos[rows - 1]; ++tile) {
+    const amx::Bf16* keys = packed_k + tile * kKeyTile * head_dim;
+    for (int64_t key = 0; key < kKeyTile; key += 2 * kBlock) {
+      const amx::Bf16* k0 = keys + key * head_dim;  // the key's block: key / 16 blocks in
+      amx::multiply(rows, q, q_stride, head_dim, k0, k0 + kBlock * head_dim, scores + key,
+                    kKeyTile, false);
+    }
+    for (int i = 0; i < rows; ++i) {
+      __m512 row[4];
+      for (int b = 0; b < 4; ++b) row[b] = _mm512_loadu_ps(scores + i * kKeyTile + b * kBlock);
+      softmax_tile_row<amx::Bf16>(row, pos[i], tile, window, scale, state[i], acc + i * head_dim,
+                                  head_dim, probs + i * kKeyTile);
+    }
+    const amx::Bf16* values = packed_v + tile * kKeyTile * head_dim;
+    for (int64_t d = 0; d < head_dim; d += 2 * kBlock) {
+      const amx::Bf16* v0 = values + d * kKeyTile;  // the dimension's block: d / 16 blocks in
+      amx::multiply(rows, probs, kKeyTile, kKeyTile, v0, v0 + kKeyTile * kBlock, acc + d,
+                    head_dim, true);
+    }
+  }
+  normalize_rows<amx::Bf16>(rows, state, acc, head_dim, out, out_stride);
+}
+#endif  // KVSERVE_AMX
 
 template <typename T>
 void attend_tile(int rows, const T* q, int64_t q_stride, const int64_t* pos, const T* packed_k,
@@ -181,28 +236,53 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_
                    packed_v + h * padded * head_dim);
   });
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t tiles = (num_q + kTileRows - 1) / kTileRows;
+#ifdef KVSERVE_AMX
+  const bool on_amx = std::is_same_v<T, amx::Bf16> && head_dim % amx::kChannels == 0 &&
+                      amx::ready();
+  const int64_t tile_rows = on_amx ? amx::kRows : kTileRows;
+#else
+  const int64_t tile_rows = kTileRows;
+#endif
+  const int64_t tiles = (num_q + tile_rows - 1) / tile_rows;
   const T* qd = q.data_ptr<T>();
   T* od = out.data_ptr<T>();
   const int64_t q_stride = q.stride(0), out_stride = num_heads * head_dim;
   // Later rows see more keys: pairing tile j with tile (tiles - 1 - j) keeps the threads'
   // contiguous shares of the items equally heavy.
   at::parallel_for(0, tiles * num_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(kTileRows * head_dim);
-    std::vector<T> probs(kTileRows * kKeyTile);
+    std::vector<float> acc(tile_rows * head_dim), scores(tile_rows * kKeyTile);
+    std::vector<T> probs(tile_rows * kKeyTile);
+#ifdef KVSERVE_AMX
+    int configured = 0;
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t j = item / num_heads, head = item % num_heads;
       const int64_t tile = j % 2 == 0 ? j / 2 : tiles - 1 - j / 2;
-      const int64_t r0 = tile * kTileRows;
-      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, num_q - r0));
+      const int64_t r0 = tile * tile_rows;
+      const int rows = static_cast<int>(std::min<int64_t>(tile_rows, num_q - r0));
       const int64_t kv = head / group;
-      int64_t pos[kTileRows];
+      int64_t pos[kMaxTileRows];
       for (int i = 0; i < rows; ++i) pos[i] = positions ? positions[r0 + i] : ctx - num_q + r0 + i;
-      attend_tile<T>(rows, qd + r0 * q_stride + head * head_dim, q_stride, pos,
-                     packed_k + kv * padded * head_dim,
-                     packed_v + kv * padded * head_dim, head_dim, scale, window, acc.data(),
-                     probs.data(), od + r0 * out_stride + head * head_dim, out_stride);
+      const T* q_rows = qd + r0 * q_stride + head * head_dim;
+      const T* keys = packed_k + kv * padded * head_dim;
+      const T* values = packed_v + kv * padded * head_dim;
+      T* out_rows = od + r0 * out_stride + head * head_dim;
+#ifdef KVSERVE_AMX
+      if constexpr (std::is_same_v<T, amx::Bf16>) {
+        if (on_amx) {
+          if (rows != configured) amx::configure(configured = rows);
+          attend_rows_amx(rows, q_rows, q_stride, pos, keys, values, head_dim, scale, window,
+                          acc.data(), scores.data(), probs.data(), out_rows, out_stride);
+          continue;
+        }
+      }
+#endif
+      attend_tile<T>(rows, q_rows, q_stride, pos, keys, values, head_dim, scale, window,
+                     acc.data(), probs.data(), out_rows, out_stride);
     }
+#ifdef KVSERVE_AMX
+    if (configured) _tile_release();
+#endif
   });
 }
 #endif  // __AVX512F__

@@ -1,0 +1,109 @@
+// bfloat16 products on AMX tiles (Sapphire Rapids and later Xeons), for the GEMM and the
+// prefill attention. The 16-output blocks of simd.h are already AMX's right-hand tile form:
+// 16 input pairs of one block are 16 rows of 64 bytes. One multiply takes up to 32 left-hand
+// rows (two 16-row tiles) by two blocks (32 outputs) in 32-channel steps, summing in four
+// float32 tiles: tmm0-3 the sums, tmm4-5 the left rows, tmm6-7 the blocks.
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KVSERVE_AMX 1
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <ATen/core/TensorBody.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace kvserve::amx {
+
+using Bf16 = at::BFloat16;
+constexpr int kRows = 32;          // left-hand rows per multiply
+constexpr int64_t kChannels = 32;  // channels per tile step
+constexpr int64_t kBlock = 16;     // outputs per block
+
+// Linux hands out the tile state only to processes that ask for it.
+inline bool ready() {
+  static const bool granted = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// Configures this thread's tiles for `rows` (1-32) left-hand rows: the second half only where
+// rows > 16.
+inline void configure(int rows) {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  const int top = std::min(rows, 16), bottom = rows - top;
+  const auto set = [&](int tile, int tile_rows) {
+    config.rows[tile] = static_cast<uint8_t>(tile_rows);
+    config.bytes_per_row[tile] = 64;
+  };
+  for (const int tile : {0, 1, 4}) set(tile, top);
+  set(6, 16);
+  set(7, 16);
+  if (bottom > 0)
+    for (const int tile : {2, 3, 5}) set(tile, bottom);
+  _tile_loadconfig(&config);
+}
+
+// c[rows x 32] (rows ldc floats apart) = (c if `add_to_c`, else 0) + a[rows x k] (rows lda
+// apart) times blocks b0 | b1 ([k / 2, 16, 2] each), for the configured rows; k a multiple
+// of 32. TWO_HALVES: rows > 16.
+template <bool TWO_HALVES>
+inline void multiply(const Bf16* a, int64_t lda, int64_t k, const Bf16* b0, const Bf16* b1,
+                     float* c, int64_t ldc, bool add_to_c) {
+  const int64_t c_stride = ldc * sizeof(float), a_stride = lda * sizeof(Bf16);
+  if (add_to_c) {
+    _tile_loadd(0, c, c_stride);
+    _tile_loadd(1, c + kBlock, c_stride);
+    if constexpr (TWO_HALVES) {
+      _tile_loadd(2, c + 16 * ldc, c_stride);
+      _tile_loadd(3, c + 16 * ldc + kBlock, c_stride);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (TWO_HALVES) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  }
+  for (int64_t s = 0; s < k; s += kChannels) {
+    _tile_loadd(4, a + s, a_stride);
+    _tile_loadd(6, b0 + s * kBlock, 64);
+    _tile_loadd(7, b1 + s * kBlock, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TWO_HALVES) {
+      _tile_loadd(5, a + 16 * lda + s, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, c_stride);
+  _tile_stored(1, c + kBlock, c_stride);
+  if constexpr (TWO_HALVES) {
+    _tile_stored(2, c + 16 * ldc, c_stride);
+    _tile_stored(3, c + 16 * ldc + kBlock, c_stride);
+  }
+}
+
+// multiply() for `rows` rows, configured.
+inline void multiply(int rows, const Bf16* a, int64_t lda, int64_t k, const Bf16* b0,
+                     const Bf16* b1, float* c, int64_t ldc, bool add_to_c) {
+  if (rows > 16)
+    multiply<true>(a, lda, k, b0, b1, c, ldc, add_to_c);
+  else
+    multiply<false>(a, lda, k, b0, b1, c, ldc, add_to_c);
+}
+
+}  // namespace kvserve::amx
+#endif  // AMX
