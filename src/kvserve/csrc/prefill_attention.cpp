@@ -76,53 +76,70 @@ void add_all_values(float* out, int64_t head_dim, const T* probs, const T* v_til
   for (; b < blocks; ++b) add_values<T, ROWS, 1>(out, head_dim, probs, v_tile, b);
 }
 
+// A query row's softmax so far: the largest raw (unscaled) score, and the sum of exp(scale *
+// (score - max)) kept per lane, summed across lanes once at the end.
 struct RowState {
   float max = kNegInf;
-  float total = 0.f;
+  __m512 total = _mm512_setzero_ps();
 };
 
-// One query row's scores against a 64-key tile (in `scores`, unscaled) -> its probabilities,
-// rounded to T, in p (zeros where no key of the tile is visible to the row), with the row's
-// running max and total updated and its output so far (acc_row) rescaled to the new max.
+// One query row's raw scores against a 64-key tile -> its probabilities, rounded to T, in p
+// (zeros where no key of the tile is visible to the row), with the row's state updated.
+// Returns the factor that rescales the row's output so far to the new max (1 if unchanged).
+// Tiles the row sees whole skip the masks.
 template <typename T>
-void softmax_tile_row(__m512 (&scores)[4], int64_t row_pos, int64_t tile, int64_t window,
-                      float scale, RowState& s, float* acc_row, int64_t head_dim, T* p) {
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  __mmask16 visible[4];
+float softmax_tile_row(__m512 (&scores)[4], int64_t row_pos, int64_t tile, int64_t window,
+                       float scale, RowState& s, T* p) {
+  const int64_t first_key = tile * kKeyTile;
+  const bool whole = first_key + kKeyTile - 1 <= row_pos &&
+                     (window <= 0 || first_key > row_pos - window);
+  __mmask16 visible[4] = {0xffff, 0xffff, 0xffff, 0xffff};
   __m512 row_max = _mm512_set1_ps(kNegInf);
-  for (int b = 0; b < 4; ++b) {
-    const __m512i key = _mm512_add_epi32(
-        _mm512_set1_epi32(static_cast<int32_t>(tile * kKeyTile + b * kBlock)), lane);
-    visible[b] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(row_pos)));
-    if (window > 0)
-      visible[b] &= _mm512_cmpgt_epi32_mask(
-          key, _mm512_set1_epi32(static_cast<int32_t>(row_pos - window)));
-    scores[b] = _mm512_mask_mul_ps(_mm512_set1_ps(kNegInf), visible[b], scores[b],
-                                   _mm512_set1_ps(scale));
-    row_max = _mm512_max_ps(row_max, scores[b]);
+  if (whole) {
+    row_max = _mm512_max_ps(_mm512_max_ps(scores[0], scores[1]),
+                            _mm512_max_ps(scores[2], scores[3]));
+  } else {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int b = 0; b < 4; ++b) {
+      const __m512i key = _mm512_add_epi32(
+          _mm512_set1_epi32(static_cast<int32_t>(first_key + b * kBlock)), lane);
+      visible[b] =
+          _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(row_pos)));
+      if (window > 0)
+        visible[b] &= _mm512_cmpgt_epi32_mask(
+            key, _mm512_set1_epi32(static_cast<int32_t>(row_pos - window)));
+      row_max = _mm512_mask_max_ps(row_max, visible[b], row_max, scores[b]);
+    }
   }
   const float tile_max = _mm512_reduce_max_ps(row_max);
   if (tile_max == kNegInf) {
     std::fill(p, p + kKeyTile, T(0.f));
-    return;
+    return 1.f;
   }
-  const float new_max = std::max(s.max, tile_max);
-  if (new_max > s.max && s.total > 0.f) {
-    const __m512 rescale = _mm512_set1_ps(std::exp(s.max - new_max));
-    s.total *= std::exp(s.max - new_max);
-    for (int64_t d = 0; d < head_dim; d += kBlock)
-      _mm512_storeu_ps(acc_row + d, _mm512_mul_ps(_mm512_loadu_ps(acc_row + d), rescale));
+  constexpr float kLog2e = 1.44269504f;
+  const float to_exp2 = scale * kLog2e;
+  float factor = 1.f;
+  if (tile_max > s.max && s.max != kNegInf) {
+    factor = std::exp2((s.max - tile_max) * to_exp2);
+    s.total = _mm512_mul_ps(s.total, _mm512_set1_ps(factor));
   }
-  s.max = new_max;
-  __m512 sum = _mm512_setzero_ps();
+  s.max = std::max(s.max, tile_max);
+  const __m512 c = _mm512_set1_ps(to_exp2), shift = _mm512_set1_ps(s.max * to_exp2);
   for (int b = 0; b < 4; ++b) {
     const __m512 e = _mm512_maskz_mov_ps(
-        visible[b], kvserve::simd::exp(_mm512_sub_ps(scores[b], _mm512_set1_ps(new_max))));
-    Lanes<T>::store(p + b * kBlock, e, 0xffff);
+        visible[b], kvserve::simd::exp2(_mm512_fmsub_ps(scores[b], c, shift)));
     // The total sums what P.V multiplies: the probabilities as rounded to T.
-    sum = _mm512_add_ps(sum, Lanes<T>::load(p + b * kBlock, 0xffff));
+    s.total = _mm512_add_ps(s.total, Lanes<T>::store_rounded(p + b * kBlock, e));
   }
-  s.total += _mm512_reduce_add_ps(sum);
+  return factor;
+}
+
+// A row of output so far times a softmax's rescaling factor.
+inline void rescale_row(float* acc_row, int64_t head_dim, float factor) {
+  if (factor == 1.f) return;
+  for (int64_t d = 0; d < head_dim; d += kBlock)
+    _mm512_storeu_ps(acc_row + d, _mm512_mul_ps(_mm512_loadu_ps(acc_row + d),
+                                                _mm512_set1_ps(factor)));
 }
 
 // out row i = acc row i / its softmax total, for `rows` rows.
@@ -130,7 +147,7 @@ template <typename T>
 void normalize_rows(int rows, const RowState* state, const float* acc, int64_t head_dim, T* out,
                     int64_t out_stride) {
   for (int i = 0; i < rows; ++i) {
-    const __m512 inv = _mm512_set1_ps(1.f / state[i].total);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(state[i].total));
     for (int64_t d = 0; d < head_dim; d += kBlock)
       Lanes<T>::store(out + i * out_stride + d,
                       _mm512_mul_ps(_mm512_loadu_ps(acc + i * head_dim + d), inv), 0xffff);
@@ -156,8 +173,9 @@ void attend_rows(const T* q, int64_t q_stride, const int64_t* pos, const T* pack
     accumulate<T, ROWS, 4>(scores, q, q_stride, head_dim,
                            packed_k + tile * kKeyTile * head_dim);
     for (int i = 0; i < ROWS; ++i)
-      softmax_tile_row<T>(scores[i], pos[i], tile, window, scale, state[i],
-                          acc_out + i * head_dim, head_dim, probs + i * kKeyTile);
+      rescale_row(acc_out + i * head_dim, head_dim,
+                  softmax_tile_row<T>(scores[i], pos[i], tile, window, scale, state[i],
+                                      probs + i * kKeyTile));
     add_all_values<T, ROWS>(acc_out, head_dim, probs, packed_v + tile * kKeyTile * head_dim);
   }
   normalize_rows<T>(ROWS, state, acc_out, head_dim, out, out_stride);
@@ -185,8 +203,9 @@ void attend_rows_amx(int rows, const amx::Bf16* q, int64_t q_stride, const int64
     for (int i = 0; i < rows; ++i) {
       __m512 row[4];
       for (int b = 0; b < 4; ++b) row[b] = _mm512_loadu_ps(scores + i * kKeyTile + b * kBlock);
-      softmax_tile_row<amx::Bf16>(row, pos[i], tile, window, scale, state[i], acc + i * head_dim,
-                                  head_dim, probs + i * kKeyTile);
+      rescale_row(acc + i * head_dim, head_dim,
+                  softmax_tile_row<amx::Bf16>(row, pos[i], tile, window, scale, state[i],
+                                              probs + i * kKeyTile));
     }
     const amx::Bf16* values = packed_v + tile * kKeyTile * head_dim;
     for (int64_t d = 0; d < head_dim; d += 2 * kBlock) {

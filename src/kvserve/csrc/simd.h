@@ -25,6 +25,10 @@ template <> struct Lanes<float> {
   static __m512 load(const float* v, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, v); }
   static void store(float* out, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(out, mask, v); }
   static __m512 round(__m512 v) { return v; }  // to the nearest T
+  static __m512 store_rounded(float* out, __m512 v) {  // stores v as T; returns what it stored
+    _mm512_storeu_ps(out, v);
+    return v;
+  }
 };
 template <typename T> constexpr bool kHasLanes = false;  // whether Lanes<T> exists on this CPU
 template <> constexpr bool kHasLanes<float> = true;
@@ -48,6 +52,11 @@ template <> struct Lanes<at::BFloat16> {
   static __m512 round(__m512 v) {
     const __m512i wide = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static __m512 store_rounded(at::BFloat16* out, __m512 v) {
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), rounded);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
   }
 };
 template <> constexpr bool kHasLanes<at::BFloat16> = true;
@@ -85,6 +94,17 @@ inline __m512 exp(__m512 x) {
   for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
     p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
+}
+
+// 2^y in each lane (relative error 1.6e-7): 2^f * 2^floor(y) with f = y - floor(y) in [0, 1)
+// and 2^f from a degree-5 polynomial fitted to it there. Lanes below -149 give zeros.
+inline __m512 exp2(__m512 y) {
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(1.87757611e-3f);
+  for (const float c : {8.98934156e-3f, 5.58263175e-2f, 2.40153611e-1f, 6.93153083e-1f,
+                        9.99999940e-1f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, y);
 }
 
 }  // namespace kvserve::simd
