@@ -5,7 +5,8 @@ are one matrix whose column ranges come from separate checkpoint tensors (`shard
 loading, `prepare()` picks the execution form:
 - on CPUs with AVX-512 (float32) or AVX512-BF16 (bfloat16), the weight packed in 16-output
   blocks for the GEMM of `csrc/gemm.cpp`: 1.3x (float32) and 1.5x (bfloat16) faster than
-  oneDNN's prepacked weight at batch 1, and within 10% of it at prefill sizes;
+  oneDNN's prepacked weight at batch 1, and within 10% of it at prefill sizes; where the CPU
+  has AMX, bfloat16 runs on its tiles over the same blocks;
 - on other CPUs with oneDNN, a prepacked oneDNN weight (float32 or bfloat16): 1.3-2.2x faster
   than `x @ W_t` in float32 for 1-64 rows on an AVX-512 machine, 2.5-4x in bfloat16 on one
   with AVX512-BF16, and never slower for prefill-sized inputs;
