@@ -86,10 +86,11 @@ struct RowState {
 // One query row's raw scores against a 64-key tile -> its probabilities, rounded to T, in p
 // (zeros where no key of the tile is visible to the row), with the row's state updated.
 // Returns the factor that rescales the row's output so far to the new max (1 if unchanged).
-// Tiles the row sees whole skip the masks.
+// Tiles the row sees whole skip the masks. Inlined: as a call per row and tile it cost 6 %.
 template <typename T>
-float softmax_tile_row(__m512 (&scores)[4], int64_t row_pos, int64_t tile, int64_t window,
-                       float scale, RowState& s, T* p) {
+__attribute__((always_inline)) inline float softmax_tile_row(
+    __m512 (&scores)[4], int64_t row_pos, int64_t tile, int64_t window, float scale,
+    RowState& s, T* p) {
   const int64_t first_key = tile * kKeyTile;
   const bool whole = first_key + kKeyTile - 1 <= row_pos &&
                      (window <= 0 || first_key > row_pos - window);
@@ -125,12 +126,14 @@ float softmax_tile_row(__m512 (&scores)[4], int64_t row_pos, int64_t tile, int64
   }
   s.max = std::max(s.max, tile_max);
   const __m512 c = _mm512_set1_ps(to_exp2), shift = _mm512_set1_ps(s.max * to_exp2);
+  __m512 sum = _mm512_setzero_ps();  // a register: p's stores could alias s.total
   for (int b = 0; b < 4; ++b) {
     const __m512 e = _mm512_maskz_mov_ps(
         visible[b], kvserve::simd::exp2(_mm512_fmsub_ps(scores[b], c, shift)));
     // The total sums what P.V multiplies: the probabilities as rounded to T.
-    s.total = _mm512_add_ps(s.total, Lanes<T>::store_rounded(p + b * kBlock, e));
+    sum = _mm512_add_ps(sum, Lanes<T>::store_rounded(p + b * kBlock, e));
   }
+  s.total = _mm512_add_ps(s.total, sum);
   return factor;
 }
 
