@@ -52,13 +52,14 @@ def test_amx_runs_where_the_cpu_has_it():
     assert GEMM.amx_in_use()
 
 
-def test_rows_beyond_one_cache_panel():
-    """Wide inputs split the rows into several panels; each row is computed once."""
+def test_many_rows_over_weights_larger_than_one_cache_group():
+    """A prefill-sized product walks the weights in groups that fit in L2 (on AMX): every
+    output is computed once, the groups' edges and the last short row step included."""
     _needs(torch.bfloat16)
     gen = torch.Generator().manual_seed(9)
-    w = torch.randn(40, 4096, generator=gen).to(torch.bfloat16)
+    w = torch.randn(330, 4096, generator=gen).to(torch.bfloat16)
     x = torch.randn(300, 4096, generator=gen).to(torch.bfloat16)
-    got = GEMM.blocked_linear(x, GEMM.pack_weight(w), 40, None).float()
+    got = GEMM.blocked_linear(x, GEMM.pack_weight(w), 330, None).float()
     torch.testing.assert_close(got, x.float() @ w.float().t(), rtol=1.6e-2, atol=0.5)
 
 
