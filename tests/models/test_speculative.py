@@ -139,6 +139,25 @@ def test_a_model_drafting_for_itself_is_always_right(model_dirs, always_draft, s
                                                  if setting == "preemption-swap" else 0)
 
 
+def test_a_model_drafting_for_itself_keeps_its_sampled_drafts(model_dirs, always_draft):
+    """At temperature 1 the draft draws from its own distribution, and the verifier weighs
+    each draft by both: drafting with the target's weights the two agree, so the drafts stay
+    (weighed as fixed tokens, they would stay at the rate p(draft), a few percent here)."""
+    path = model_dirs["llama"]
+    llm = LLM(str(path), speculative_model=str(path))
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=4)
+    prompts = random_prompts(PROMPT_LENS, seed=8)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
+    stats = llm.get_stats()
+    assert stats.num_draft_tokens > len(prompts) * MAX_TOKENS // 2
+    assert stats.num_accepted_tokens >= 0.98 * stats.num_draft_tokens
+    finished = {o.request_id for o in outputs}  # the runner hears of them in the next step
+    llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    assert not finished & set(llm.engine.core.runner.draft_probs)
+    assert_no_blocks_held(llm)
+
+
 def test_another_model_drafts_without_changing_the_output(model_dirs, always_draft):
     path = model_dirs["llama"]
     llm = LLM(str(path), speculative_model=str(model_dirs["qwen3"]))

@@ -164,6 +164,28 @@ def test_verify_keeps_the_distribution_of_sampling_without_drafts():
                 assert torch.allclose(seconds / len(kept), expected, atol=0.025)
 
 
+def test_verify_weighs_a_sampled_draft_by_both_distributions():
+    """A draft drawn from q stays with probability min(1, p / q), else the token comes from
+    max(0, p - q): the first token follows p, and drafts stay at the rate sum(min(p, q))."""
+    p_logits = torch.tensor([2.0, 0.5, float("-inf"), 1.0, -1.0, 3.0])
+    second = torch.zeros(6)
+    params = SamplingParams(temperature=1.0)
+    p = torch.softmax(p_logits, dim=-1)
+    count = 30000
+    for q in (torch.tensor([0.1, 0.2, 0.3, 0.1, 0.1, 0.2]), p.clone()):
+        gen = torch.Generator().manual_seed(1)
+        drawn = torch.multinomial(q, count, replacement=True, generator=gen)
+        sampler = Sampler(seed=0, device="cpu", grammars=GrammarMatchers("", 0))
+        states = [sampler.new_state(params, [1], ()) for _ in range(count)]
+        logits = torch.stack([p_logits, second]).repeat(count, 1)
+        tokens = sampler.verify(logits, states, [[int(d)] for d in drawn],
+                                [q.unsqueeze(0)] * count)
+        freq = torch.bincount(torch.tensor([t[0] for t in tokens]), minlength=6) / count
+        assert torch.allclose(freq, p, atol=0.012), (q, freq, p)
+        kept = sum(len(t) == 2 for t in tokens) / count
+        assert abs(kept - torch.minimum(p, q).sum().item()) < 0.012
+
+
 def _filtered(logits, params):
     scaled = logits / params.temperature
     if params.top_k > 0:

@@ -25,21 +25,24 @@ from kvserve.worker.cpu_decode import CpuDecodeStack
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.input_batch import InputBuffers, ModelInputs
 from kvserve.worker.kv_pool import allocate_kv_pool
+from kvserve.worker.sampler import Sampler, SamplingState
 
 
 @dataclass(frozen=True)
 class Proposal:
-    """Request id -> its drafts, and the seconds and number of the decode steps that made the
-    drafts after each request's first: what a further draft costs. The catch-up forward
+    """Request id -> its drafts, the distribution each sampled draft was drawn from (requests
+    that sample; a row per draft), and the seconds and number of the decode steps that made
+    the drafts after each request's first: what a further draft costs. The catch-up forward
     before them is left out of that: at a request's first draft it runs the whole prompt."""
 
     drafts: dict[str, list[int]]
+    probs: dict[str, torch.Tensor]
     decode_seconds: float
     num_decode_steps: int
 
 
 class DraftModel:
-    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, sampler: Sampler) -> None:
         assert config.speculative is not None and config.speculative.draft is not None
         cfg = config.speculative.draft.shard(config.tensor_parallel_size)
         self.model = load_model(cfg, get_attention_backend(config.device, cfg.head_dim),
@@ -55,6 +58,7 @@ class DraftModel:
         # Request id -> (its token count when it last drafted, those drafts).
         self._cached: dict[str, tuple[int, list[int]]] = {}
         self.stack = CpuDecodeStack.build(self.model, config.enforce_eager)
+        self.sampler = sampler  # the target's: a seeded request draws from its own generator
 
     def _hidden(self, inputs: ModelInputs) -> torch.Tensor:
         hidden = self.stack.run(inputs) if self.stack is not None else None
@@ -67,19 +71,21 @@ class DraftModel:
         """The request ended, or its blocks were freed (preempted): its draft KV is gone."""
         self._cached.pop(request_id, None)
 
-    def propose(self, requests: list[ScheduledRequest], token_ids: list[list[int]],
+    def propose(self, requests: list[ScheduledRequest], states: list[SamplingState],
                 num_drafts: list[int]) -> Proposal:
-        """Up to `num_drafts[i]` greedy drafts to follow `token_ids[i]`, request i's tokens
-        (prompt and outputs; its last has no KV in the target's cache yet), within the slots
-        its block table holds."""
+        """Up to `num_drafts[i]` drafts to follow request i's tokens (prompt and outputs in
+        `states[i]`; its last has no KV in the target's cache yet), within the slots its
+        block table holds."""
         block_size = self.inputs.block_size
         jobs = []
-        for s, tokens, count in zip(requests, token_ids, num_drafts, strict=True):
+        for s, state, count in zip(requests, states, num_drafts, strict=True):
+            tokens = state.prompt_token_ids + state.output_token_ids
             position = len(tokens) - 1
             count = min(count, len(s.block_ids) * block_size - position,
                         self.max_model_len - position - 1)
             if count > 0:
-                jobs.append(_Job(s, tokens, count, self._valid_prefix(s.request_id, tokens)))
+                jobs.append(_Job(s, state, tokens, count,
+                                 self._valid_prefix(s.request_id, tokens)))
         self._catch_up(jobs)
         start, num_steps = time.perf_counter(), 0
         for step in range(1, max((job.count for job in jobs), default=0)):
@@ -92,6 +98,8 @@ class DraftModel:
         for job in jobs:
             self._cached[job.request.request_id] = (len(job.tokens), job.drafts)
         return Proposal({job.request.request_id: job.drafts for job in jobs},
+                        {job.request.request_id: torch.stack(job.probs)
+                         for job in jobs if job.probs},
                         time.perf_counter() - start, num_steps)
 
     def _valid_prefix(self, request_id: str, tokens: list[int]) -> int:
@@ -118,22 +126,33 @@ class DraftModel:
             self._sample(batch, [job for job, s in zip(owners, batch, strict=True) if s.sample])
 
     def _sample(self, batch: list[ScheduledRequest], sampling: list[_Job]) -> None:
-        """One draft forward; appends the greedy token of each sampling row to its job."""
+        """One draft forward; appends the draft of each sampling row to its job: the argmax,
+        or for a request that samples a draw and the distribution it came from."""
         inputs = self.inputs.prepare(batch)
         hidden = self._hidden(inputs)
         if not sampling:
             return
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         by_id = {job.request.request_id: job for job in sampling}
-        for s, token_id in zip(inputs.sample_requests, logits.argmax(dim=-1).tolist(),
-                               strict=True):
-            by_id[s.request_id].drafts.append(token_id)
+        jobs = [by_id[s.request_id] for s in inputs.sample_requests]
+        random = [row for row, job in enumerate(jobs) if not job.state.params.is_greedy]
+        tokens = logits.argmax(dim=-1).tolist()
+        if random:
+            drawn, probs = self.sampler.draw_drafts(logits[random],
+                                                    [jobs[row].state for row in random])
+            for row, token_id, row_probs in zip(random, drawn, probs, strict=True):
+                tokens[row] = token_id
+                jobs[row].probs.append(row_probs)
+        for job, token_id in zip(jobs, tokens, strict=True):
+            job.drafts.append(token_id)
 
 
 @dataclass
 class _Job:
     request: ScheduledRequest
+    state: SamplingState
     tokens: list[int]
     count: int
     start: int  # the first token without draft KV
     drafts: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)  # what each draft was drawn from

@@ -73,8 +73,11 @@ class ModelRunner:
         self.lora_slots: dict[str, int] = {}  # request id -> its adapter's slot
         spec = config.speculative
         self.drafter = Drafter(spec) if spec is not None and spec.draft is None else None
-        self.draft_model = (DraftModel(config, self.num_blocks)
+        self.draft_model = (DraftModel(config, self.num_blocks, self.sampler)
                             if spec is not None and spec.draft is not None else None)
+        # Request id -> the distributions its pending drafts were drawn from (draft model,
+        # requests that sample), until the step that verifies them.
+        self.draft_probs: dict[str, torch.Tensor] = {}
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -82,6 +85,7 @@ class ModelRunner:
             self.states.pop(request_id, None)
             self.lora_slots.pop(request_id, None)
         for request_id in (*sched.finished_request_ids, *sched.preempted_request_ids):
+            self.draft_probs.pop(request_id, None)
             drafter = self.drafter or self.draft_model
             if drafter is not None:
                 drafter.forget(request_id)
@@ -129,10 +133,10 @@ class ModelRunner:
             drafting = [i for i, (s, st) in enumerate(zip(requests, states, strict=True))
                         if s.num_lookahead_tokens and can_draft(st)]
             proposal = self.draft_model.propose(
-                [requests[i] for i in drafting],
-                [states[i].prompt_token_ids + states[i].output_token_ids for i in drafting],
+                [requests[i] for i in drafting], [states[i] for i in drafting],
                 [requests[i].num_lookahead_tokens for i in drafting])
             output.draft_token_ids = proposal.drafts
+            self.draft_probs.update(proposal.probs)
             output.draft_seconds = time.perf_counter() - start
             output.draft_step_seconds = proposal.decode_seconds
             output.num_draft_steps = proposal.num_decode_steps
@@ -143,6 +147,8 @@ class ModelRunner:
                 ) -> tuple[list[list[int]], list[TokenLogprobs | None]]:
         """Each request's new tokens and the logprobs of a single one: request i's logits are
         its 1 + num_draft_tokens rows from the first not yet taken."""
+        # Drafts proposed last step are verified now or dropped (the scheduler took none).
+        draft_probs = [self.draft_probs.pop(s.request_id, None) for s in requests]
         if not any(s.num_draft_tokens for s in requests):
             sampled = self.sampler(logits, states)
             return [[t] for t in sampled.token_ids], sampled.logprobs
@@ -158,7 +164,7 @@ class ModelRunner:
         rows = np.concatenate([np.arange(first_rows[i], first_rows[i + 1]) for i in drafted])
         verified = self.sampler.verify(
             logits[rows], [states[i] for i in drafted],
-            [requests[i].token_ids[1:] for i in drafted])
+            [requests[i].token_ids[1:] for i in drafted], [draft_probs[i] for i in drafted])
         for i, token_ids in zip(drafted, verified, strict=True):
             new_tokens[i] = token_ids
         return new_tokens, logprobs

@@ -95,15 +95,18 @@ class Sampler:
         return torch.log_softmax(logits, dim=-1)
 
     def verify(self, logits: torch.Tensor, states: list[SamplingState],
-               drafts: list[list[int]]) -> list[list[int]]:
+               drafts: list[list[int]], draft_probs: list[torch.Tensor | None] | None = None
+               ) -> list[list[int]]:
         """Speculative decoding's check: request i has `len(drafts[i]) + 1` consecutive rows
         of logits, the first scoring its first draft. Returns each request's new tokens: the
         drafts up to the first one the model would not have produced, then one token of the
-        model's. Greedy: a draft stays while it is the argmax. Random: draft d stays with
-        probability p(d) (p after temperature, top-k, top-p and min-p), else the token comes
-        from p without d, renormalized; that is exact rejection sampling for drafts that are
-        a function of the context, so the output follows p as without drafts. Requests that
-        draft have no penalties, grammar, logprobs or pending min_tokens."""
+        model's. Greedy: a draft stays while it is the argmax. Random: with p the model's
+        distribution (after temperature, top-k, top-p and min-p) and q the one the draft was
+        drawn from (`draft_probs[i]`, a row per draft; None: the draft was a function of the
+        context, q one-hot), draft d stays with probability min(1, p(d) / q(d)), else the
+        token comes from max(0, p - q), renormalized. That is exact rejection sampling: the
+        output follows p as without drafts. Requests that draft have no penalties, grammar,
+        logprobs or pending min_tokens."""
         row_states = [st for st, d in zip(states, drafts, strict=True) for _ in range(len(d) + 1)]
         first_rows = [0]
         for d in drafts:
@@ -114,6 +117,7 @@ class Sampler:
                     for d, first in zip(drafts, first_rows, strict=False)]
         chosen = [argmax[first + a] for first, a in zip(first_rows, accepted, strict=False)]
         if random:
+            draft_probs = draft_probs or [None] * len(states)
             rows = [r for i in random for r in range(first_rows[i], first_rows[i + 1])]
             scaled = self._scale_and_filter(logits[rows], [row_states[r] for r in rows])
             probs = torch.softmax(scaled, dim=-1)
@@ -123,21 +127,36 @@ class Sampler:
             p_draft = probs[draft_rows, draft_ids].tolist()
             final_rows, offset = [], 0
             for i in random:
-                st, d = states[i], drafts[i]
+                st, d, q = states[i], drafts[i], draft_probs[i]
+                q_draft = [1.0] * len(d) if q is None else q[list(range(len(d))), d].tolist()
                 uniform = torch.rand(len(d), generator=st.generator or self.generator,
                                      device=self.device).tolist()
-                accepted[i] = next((j for j, (u, p) in enumerate(
-                    zip(uniform, p_draft[offset:offset + len(d)], strict=True)) if u >= p),
-                    len(d))
+                accepted[i] = next((j for j, (u, p, qd) in enumerate(zip(
+                    uniform, p_draft[offset:offset + len(d)], q_draft, strict=True))
+                    if u * qd >= p), len(d))
                 offset += len(d)
                 row = local[first_rows[i] + accepted[i]]
-                if accepted[i] < len(d):  # rejected: the residual p without the draft
-                    scaled[row, d[accepted[i]]] = float("-inf")
+                if accepted[i] < len(d):  # rejected: the residual max(0, p - q)
+                    if q is None:
+                        scaled[row, d[accepted[i]]] = float("-inf")
+                    else:
+                        residual = (probs[row] - q[accepted[i]]).clamp_(min=0)
+                        if residual.sum() > 0:  # else p == q up to rounding: p itself
+                            scaled[row] = residual.log_()
                 final_rows.append(row)
             final = self._draw(scaled[final_rows], [states[i] for i in random]).tolist()
             for i, token_id in zip(random, final, strict=True):
                 chosen[i] = token_id
         return [d[:a] + [t] for d, a, t in zip(drafts, accepted, chosen, strict=True)]
+
+    def draw_drafts(self, logits: torch.Tensor, states: list[SamplingState]
+                    ) -> tuple[list[int], torch.Tensor]:
+        """A draft model's tokens for requests that sample: one per row of its logits
+        (overwritten), drawn from its distribution after each request's temperature, top-k,
+        top-p and min-p, and that distribution, which `verify` weighs the draft against."""
+        scaled = self._scale_and_filter(logits, states)
+        probs = torch.softmax(scaled, dim=-1)
+        return self._draw(scaled, states).tolist(), probs
 
     def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """`logits` is the caller's copy and is overwritten: in-place ops spare the step
