@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <type_traits>
 
-
 namespace {
 
 using kvserve::simd::kBlock;
