@@ -42,21 +42,20 @@ template <> struct Lanes<at::BFloat16> {
   static __m512 madd(__m512 acc, __m512i x, const at::BFloat16* w) {
     return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)_mm512_loadu_si512(w));
   }
+  static __m512 widen(__m256i bf16) {  // 16 bfloat16 -> float32, exactly
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
+  }
   static __m512 load(const at::BFloat16* v, __mmask16 mask) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, v));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    return widen(_mm256_maskz_loadu_epi16(mask, v));
   }
   static void store(at::BFloat16* out, __m512 v, __mmask16 mask) {
     _mm256_mask_storeu_epi16(out, mask, (__m256i)_mm512_cvtneps_pbh(v));
   }
-  static __m512 round(__m512 v) {
-    const __m512i wide = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
+  static __m512 round(__m512 v) { return widen((__m256i)_mm512_cvtneps_pbh(v)); }
   static __m512 store_rounded(at::BFloat16* out, __m512 v) {
     const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), rounded);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+    return widen(rounded);
   }
 };
 template <> constexpr bool kHasLanes<at::BFloat16> = true;
