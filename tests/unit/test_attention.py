@@ -144,6 +144,33 @@ def test_prefill_kernel_matches_the_reference(dtype, window, head_dim, num_q, ct
     torch.testing.assert_close(got.float(), want.float(), **tolerance)
 
 
+@pytest.mark.skipif("cpu-kernel" not in BACKENDS, reason="the CPU kernel did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("growth", [0.002, 0.05, 3.0])
+def test_prefill_kernel_follows_scores_that_grow_along_the_context(dtype, growth):
+    """Each key tile's largest score passes the earlier ones, by less than the softmax's
+    rescaling threshold (the reference stays), by more (it moves), or by far more."""
+    backend = BACKENDS["cpu-kernel"]()
+    if dtype not in backend.prefill_dtypes:
+        pytest.skip(f"no prefill kernel for {dtype} on this CPU")
+    ctx = 300
+    _, cache, meta, dense = paged_case([ctx], head_dim=32, seed=7)
+    block_ids = meta.block_tables[0, :-(-ctx // BLOCK)]
+    ramp = 1 + growth * torch.arange(ctx, dtype=torch.float32)
+    for t in range(ctx):
+        cache[0, :, block_ids[t // BLOCK], t % BLOCK] = ramp[t]
+    cache = cache.to(dtype)
+    k, v = (cache[i][:, block_ids].reshape(2, -1, 32)[:, :ctx].transpose(0, 1) for i in (0, 1))
+    q = torch.full((ctx, 6, 32), 0.1, dtype=dtype)
+    chunk = PrefillChunk(seq=0, query_start=0, num_query_tokens=ctx, context_len=ctx)
+    want = TorchPagedAttention().prefill(q, k, v, cache, chunk, block_ids, None, 0.25)
+    got = backend.prefill(q, k, v, cache, chunk, block_ids, None, 0.25)
+    assert got.float().isfinite().all()
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {
+        "rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), want.float(), **tolerance)
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 9])
