@@ -75,10 +75,13 @@ class Request:
     blended: bool = False
     generator_state: bytes | None = None  # a migrated request's seeded sampler, until resumed
     # Speculative decoding: the tokens drafted to follow, some of which the next step
-    # verifies, and a decayed count of how earlier drafts fared (see speculation.py).
+    # verifies, a decayed count of how earlier drafts fared, and when a draft model next
+    # drafts one token, just to measure, if none pay (see speculation.py).
     spec_token_ids: list[int] = field(default_factory=list)
     draft_hits: float = 0.0
     draft_trials: float = 0.0
+    next_probe: int = 0  # output tokens
+    probe_gap: int = 0
 
     @property
     def num_cached_tokens(self) -> int:

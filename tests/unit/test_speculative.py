@@ -215,5 +215,9 @@ def test_draft_model_steps_are_proposed_only_where_they_pay():
     assert policy.num_to_propose(request, 1, 4) == 4
     policy.observe_drafting(1.0, 1)  # as dear as whole steps: none, but a probe now and then
     assert policy.num_to_propose(request, 1, 4) == 0
-    request.output_token_ids = [0] * 32
-    assert policy.num_to_propose(request, 1, 4) == 1
+    probes = []
+    for produced in range(2, 200):
+        request.output_token_ids = [0] * produced
+        if policy.num_to_propose(request, 1, 4):
+            probes.append(produced)
+    assert probes == [17, 33, 65, 129]  # 16 after it last drafted, then gaps that double

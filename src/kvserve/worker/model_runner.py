@@ -128,7 +128,7 @@ class ModelRunner:
         )
         if self.drafter is not None:
             output.draft_token_ids = self.drafter.propose(request_ids, states)
-        elif self.draft_model is not None:
+        elif self.draft_model is not None and any(s.num_lookahead_tokens for s in requests):
             start = time.perf_counter()
             drafting = [i for i, (s, st) in enumerate(zip(requests, states, strict=True))
                         if s.num_lookahead_tokens and can_draft(st)]
