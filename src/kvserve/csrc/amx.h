@@ -14,6 +14,8 @@
 
 #include <ATen/core/TensorBody.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -22,7 +24,7 @@ namespace kvserve::amx {
 using Bf16 = at::BFloat16;
 constexpr int kRows = 32;          // left-hand rows per multiply
 constexpr int64_t kChannels = 32;  // channels per tile step
-constexpr int64_t kBlock = 16;     // outputs per block
+using simd::kBlock;                // outputs per block: the packed weights' and K/V's blocks
 
 // Linux hands out the tile state only to processes that ask for it.
 inline bool ready() {
