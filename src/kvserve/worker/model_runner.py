@@ -128,18 +128,19 @@ class ModelRunner:
         )
         if self.drafter is not None:
             output.draft_token_ids = self.drafter.propose(request_ids, states)
-        elif self.draft_model is not None and any(s.num_lookahead_tokens for s in requests):
+        elif self.draft_model is not None:
             start = time.perf_counter()
             drafting = [i for i, (s, st) in enumerate(zip(requests, states, strict=True))
                         if s.num_lookahead_tokens and can_draft(st)]
-            proposal = self.draft_model.propose(
-                [requests[i] for i in drafting], [states[i] for i in drafting],
-                [requests[i].num_lookahead_tokens for i in drafting])
-            output.draft_token_ids = proposal.drafts
-            self.draft_probs.update(proposal.probs)
-            output.draft_seconds = time.perf_counter() - start
-            output.draft_step_seconds = proposal.decode_seconds
-            output.num_draft_steps = proposal.num_decode_steps
+            if drafting:
+                proposal = self.draft_model.propose(
+                    [requests[i] for i in drafting], [states[i] for i in drafting],
+                    [requests[i].num_lookahead_tokens for i in drafting])
+                output.draft_token_ids = proposal.drafts
+                self.draft_probs.update(proposal.probs)
+                output.draft_seconds = time.perf_counter() - start
+                output.draft_step_seconds = proposal.decode_seconds
+                output.num_draft_steps = proposal.num_decode_steps
         return output
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
