@@ -26,6 +26,7 @@ from kvserve.lora.batch import LoRABatch
 from kvserve.lora.manager import LoRAManager
 from kvserve.models.loader import load_model
 from kvserve.worker.blend import SelectiveRecompute
+from kvserve.worker.cpu_allocator import retain_freed_memory
 from kvserve.worker.cpu_decode import CpuDecodeStack
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.disk_kv import DiskKVStore, model_identity
@@ -45,6 +46,8 @@ class ModelRunner:
         self.config = config
         mc = config.model.shard(config.tensor_parallel_size)
         self.device = config.device
+        if self.device == "cpu":
+            retain_freed_memory()
         self.model = load_model(mc, get_attention_backend(config.device, mc.head_dim),
                                 config.device)
         self.block_size = config.cache.block_size
