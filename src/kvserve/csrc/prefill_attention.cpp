@@ -88,6 +88,47 @@ struct RowState {
   __m512 total = _mm512_setzero_ps();
 };
 
+// The probabilities of one query row's tile of raw scores (visible where MASKED), whose
+// lanes' largest visible scores are row_max, rounded to T in p, with the row's state updated;
+// returns the factor that rescales the row's output so far to a new reference (else 1). The
+// lanes are tested against the reference as the scalar test would be, so the lanes' maximum
+// is reduced only for a row's first tile and when the reference moves.
+template <typename T, bool MASKED>
+__attribute__((always_inline)) inline float tile_probabilities(
+    const __m512 (&scores)[4], const __mmask16 (&visible)[4], __m512 row_max, float to_exp2,
+    RowState& s, T* p) {
+  float factor = 1.f;
+  const __m512 c = _mm512_set1_ps(to_exp2);
+  if (s.max == kNegInf ||
+      _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(row_max, _mm512_set1_ps(s.max)), c),
+                         _mm512_set1_ps(kMaxExp2Growth), _CMP_GT_OQ)) {
+    const float tile_max = _mm512_reduce_max_ps(row_max);
+    if (tile_max == kNegInf) {
+      std::fill(p, p + kKeyTile, T(0.f));
+      return 1.f;
+    }
+    if (s.max != kNegInf) {
+      factor = std::exp2((s.max - tile_max) * to_exp2);
+      s.total = _mm512_mul_ps(s.total, _mm512_set1_ps(factor));
+    }
+    s.max = tile_max;
+  }
+  const __m512 shift = _mm512_set1_ps(s.max * to_exp2);
+  __m512 sum = _mm512_setzero_ps();  // a register: p's stores could alias s.total
+  for (int b = 0; b < 4; b += 2) {
+    __m512 e0 = Lanes<T>::exp2(_mm512_fmsub_ps(scores[b], c, shift));
+    __m512 e1 = Lanes<T>::exp2(_mm512_fmsub_ps(scores[b + 1], c, shift));
+    if constexpr (MASKED) {
+      e0 = _mm512_maskz_mov_ps(visible[b], e0);
+      e1 = _mm512_maskz_mov_ps(visible[b + 1], e1);
+    }
+    // The total sums what P.V multiplies: the probabilities as rounded to T.
+    sum = _mm512_add_ps(sum, Lanes<T>::store_rounded_pair(p + b * kBlock, e0, e1));
+  }
+  s.total = _mm512_add_ps(s.total, sum);
+  return factor;
+}
+
 // One query row's raw scores against a 64-key tile -> its probabilities, rounded to T, in p
 // (zeros where no key of the tile is visible to the row), with the row's state updated.
 // Returns the factor that rescales the row's output so far to a new reference (else 1).
@@ -96,52 +137,27 @@ template <typename T>
 __attribute__((always_inline)) inline float softmax_tile_row(
     __m512 (&scores)[4], int64_t row_pos, int64_t tile, int64_t window, float scale,
     RowState& s, T* p) {
-  const int64_t first_key = tile * kKeyTile;
-  const bool whole = first_key + kKeyTile - 1 <= row_pos &&
-                     (window <= 0 || first_key > row_pos - window);
-  __mmask16 visible[4] = {0xffff, 0xffff, 0xffff, 0xffff};
-  __m512 row_max = _mm512_set1_ps(kNegInf);
-  if (whole) {
-    row_max = _mm512_max_ps(_mm512_max_ps(scores[0], scores[1]),
-                            _mm512_max_ps(scores[2], scores[3]));
-  } else {
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int b = 0; b < 4; ++b) {
-      const __m512i key = _mm512_add_epi32(
-          _mm512_set1_epi32(static_cast<int32_t>(first_key + b * kBlock)), lane);
-      visible[b] =
-          _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(row_pos)));
-      if (window > 0)
-        visible[b] &= _mm512_cmpgt_epi32_mask(
-            key, _mm512_set1_epi32(static_cast<int32_t>(row_pos - window)));
-      row_max = _mm512_mask_max_ps(row_max, visible[b], row_max, scores[b]);
-    }
-  }
-  const float tile_max = _mm512_reduce_max_ps(row_max);
-  if (tile_max == kNegInf) {
-    std::fill(p, p + kKeyTile, T(0.f));
-    return 1.f;
-  }
   constexpr float kLog2e = 1.44269504f;
   const float to_exp2 = scale * kLog2e;
-  float factor = 1.f;
-  if (s.max == kNegInf) {
-    s.max = tile_max;
-  } else if ((tile_max - s.max) * to_exp2 > kMaxExp2Growth) {
-    factor = std::exp2((s.max - tile_max) * to_exp2);
-    s.total = _mm512_mul_ps(s.total, _mm512_set1_ps(factor));
-    s.max = tile_max;
+  const int64_t first_key = tile * kKeyTile;
+  __mmask16 visible[4] = {0xffff, 0xffff, 0xffff, 0xffff};
+  if (first_key + kKeyTile - 1 <= row_pos && (window <= 0 || first_key > row_pos - window)) {
+    const __m512 row_max = _mm512_max_ps(_mm512_max_ps(scores[0], scores[1]),
+                                         _mm512_max_ps(scores[2], scores[3]));
+    return tile_probabilities<T, false>(scores, visible, row_max, to_exp2, s, p);
   }
-  const __m512 c = _mm512_set1_ps(to_exp2), shift = _mm512_set1_ps(s.max * to_exp2);
-  __m512 sum = _mm512_setzero_ps();  // a register: p's stores could alias s.total
+  __m512 row_max = _mm512_set1_ps(kNegInf);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int b = 0; b < 4; ++b) {
-    const __m512 e = _mm512_maskz_mov_ps(
-        visible[b], kvserve::simd::exp2(_mm512_fmsub_ps(scores[b], c, shift)));
-    // The total sums what P.V multiplies: the probabilities as rounded to T.
-    sum = _mm512_add_ps(sum, Lanes<T>::store_rounded(p + b * kBlock, e));
+    const __m512i key = _mm512_add_epi32(
+        _mm512_set1_epi32(static_cast<int32_t>(first_key + b * kBlock)), lane);
+    visible[b] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(row_pos)));
+    if (window > 0)
+      visible[b] &= _mm512_cmpgt_epi32_mask(
+          key, _mm512_set1_epi32(static_cast<int32_t>(row_pos - window)));
+    row_max = _mm512_mask_max_ps(row_max, visible[b], row_max, scores[b]);
   }
-  s.total = _mm512_add_ps(s.total, sum);
-  return factor;
+  return tile_probabilities<T, true>(scores, visible, row_max, to_exp2, s, p);
 }
 
 // A row of output so far times a softmax's rescaling factor.
