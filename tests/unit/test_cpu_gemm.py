@@ -84,3 +84,18 @@ def test_an_input_of_the_wrong_width_is_refused():
     packed = GEMM.pack_weight(torch.randn(16, 8))
     with pytest.raises(RuntimeError, match="input width 6"):
         GEMM.blocked_linear(torch.randn(2, 6), packed, 16, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 33, 300])
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (48, 96), (24, 64), (640, 2048)])
+def test_gate_up_with_silu_is_the_two_ops_bit_for_bit(dtype, rows, n, k):
+    """The MLP's fused gate/up projection and activation (on AMX: silu in the GEMM's store):
+    row counts around the tiles and the prefill grouping, a half not a whole block (24:
+    the two ops), a weight larger than one cache group."""
+    _needs(dtype)
+    gen = torch.Generator().manual_seed(rows + n + k)
+    packed = GEMM.pack_weight(torch.randn(2 * n, k, generator=gen).to(dtype))
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    two_ops = GEMM.silu_and_mul(GEMM.blocked_linear(x, packed, 2 * n, None))
+    assert torch.equal(GEMM.blocked_linear_silu_and_mul(x, packed, n), two_ops)

@@ -19,6 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &kvserve::pack_weight, "[n, k] weight -> 16-output blocks");
   m.def("blocked_linear", &kvserve::blocked_linear, release,
         "x @ W^T (+ bias) over a packed weight");
+  m.def("blocked_linear_silu_and_mul", &kvserve::blocked_linear_silu_and_mul, release,
+        "silu(gate) * up of x @ [W_gate; W_up]^T over a packed weight, n outputs");
   m.def("paged_decode_attention", &kvserve::paged_decode_attention, release);
   m.def("rotate_cache_and_decode", &kvserve::rotate_cache_and_decode, release);
   m.def("rotate_and_cache", &kvserve::rotate_and_cache, release,

@@ -19,6 +19,8 @@ bool gemm_supports(const torch::Tensor& w);
 torch::Tensor pack_weight(const torch::Tensor& w);
 torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                              const c10::optional<torch::Tensor>& bias);
+torch::Tensor blocked_linear_silu_and_mul(const torch::Tensor& x, const torch::Tensor& packed,
+                                          int64_t n);
 
 // paged_decode.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,

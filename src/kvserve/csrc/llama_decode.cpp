@@ -57,9 +57,8 @@ torch::Tensor LlamaDecodeStack::forward(torch::Tensor x, const torch::Tensor& ro
     normed = add_rms_norm(blocked_linear(attention.view({rows, -1}), layer.o, hidden_size_,
                                          c10::nullopt),
                           layer.post_norm, eps_, residual);
-    const torch::Tensor gate_up =
-        blocked_linear(normed, layer.gate_up, 2 * intermediate_size_, c10::nullopt);
-    x = blocked_linear(silu_and_mul(gate_up), layer.down, hidden_size_, c10::nullopt);
+    x = blocked_linear(blocked_linear_silu_and_mul(normed, layer.gate_up, intermediate_size_),
+                       layer.down, hidden_size_, c10::nullopt);
   }
   return add_rms_norm(x, final_norm_, eps_, residual);
 }

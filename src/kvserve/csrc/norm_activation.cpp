@@ -48,13 +48,11 @@ void add_rms_norm_row_simd(const T* x, const T* weight, T* residual, T* out, int
 template <typename T>
 void silu_and_mul_row_simd(const T* gate, const T* up, T* out, int64_t n) {
   using L = Lanes<T>;
-  const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += kBlock) {
     const __mmask16 mask = first_lanes(n - i);
-    const __m512 g = L::load(gate + i, mask);
-    const __m512 e = kvserve::simd::exp(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 silu = L::round(_mm512_div_ps(g, _mm512_add_ps(one, e)));
-    L::store(out + i, _mm512_mul_ps(silu, L::load(up + i, mask)), mask);
+    L::store(out + i,
+             kvserve::simd::silu_and_mul<T>(L::load(gate + i, mask), L::load(up + i, mask)),
+             mask);
   }
 }
 #endif

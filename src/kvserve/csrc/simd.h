@@ -119,6 +119,15 @@ inline void accumulate(__m512 (&acc)[ROWS][BLOCKS], const T* x, int64_t ldx, int
   }
 }
 
+// silu(gate) * up in each lane, for gate and up already rounded to T, with silu's result
+// rounded to T as torch's `F.silu(gate) * up` rounds it; the caller stores the product as T.
+template <typename T>
+inline __m512 silu_and_mul(__m512 gate, __m512 up) {
+  const __m512 e = exp(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+  const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  return _mm512_mul_ps(Lanes<T>::round(silu), up);
+}
+
 // The mask of the first min(16, left) lanes.
 inline __mmask16 first_lanes(int64_t left) {
   return static_cast<__mmask16>(left >= kBlock ? 0xffffu : (1u << left) - 1);

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.cpp_extension import cpu_kernels
+from kvserve.layers.activation import silu_and_mul
 from kvserve.lora.batch import LoRABatch
 from kvserve.quantization.gptq import QuantizedWeight
 from kvserve.quantization.kernels import QuantizedKernel, choose_kernel
@@ -100,6 +101,18 @@ class Linear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias
         return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate | up] layer's output. On the blocked GEMM it is one
+        kernel, fused into the GEMM's store on AMX (unless an adapter adds to the gate/up
+        output first): the same bits as the two steps."""
+        assert len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
+        fusable = (self.gemm is not None and self.kernel is None and self.bias is None
+                   and (self.lora is None or get_lora_batch() is None))
+        if fusable:
+            return self.gemm.blocked_linear_silu_and_mul(x.contiguous(), self.weight,
+                                                         self.output_sizes[0])
+        return silu_and_mul(self(x))
 
     def set_lora(self, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Takes the adapters' packed A [in, slots x width] and B [slots x width, out]; on

@@ -15,7 +15,6 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.config import ModelConfig
-from kvserve.layers.activation import silu_and_mul
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, to_interleaved
@@ -70,7 +69,7 @@ class MLP(nn.Module):
                                 parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class DecoderLayer(nn.Module):
