@@ -147,21 +147,24 @@ def test_prefill_kernel_matches_the_reference(dtype, window, head_dim, num_q, ct
 @pytest.mark.skipif("cpu-kernel" not in BACKENDS, reason="the CPU kernel did not build")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("growth", [0.002, 0.05, 3.0])
-def test_prefill_kernel_follows_scores_that_grow_along_the_context(dtype, growth):
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_prefill_kernel_follows_scores_that_grow_along_the_context(dtype, growth, head_dim):
     """Each key tile's largest score passes the earlier ones, by less than the softmax's
-    rescaling threshold (the reference stays), by more (it moves), or by far more."""
+    rescaling threshold (the reference stays), by more (it moves), or by far more; at head_dim
+    64 with the output held in AMX tiles too."""
     backend = BACKENDS["cpu-kernel"]()
     if dtype not in backend.prefill_dtypes:
         pytest.skip(f"no prefill kernel for {dtype} on this CPU")
     ctx = 300
-    _, cache, meta, dense = paged_case([ctx], head_dim=32, seed=7)
+    _, cache, meta, dense = paged_case([ctx], head_dim=head_dim, seed=7)
     block_ids = meta.block_tables[0, :-(-ctx // BLOCK)]
     ramp = 1 + growth * torch.arange(ctx, dtype=torch.float32)
     for t in range(ctx):
         cache[0, :, block_ids[t // BLOCK], t % BLOCK] = ramp[t]
     cache = cache.to(dtype)
-    k, v = (cache[i][:, block_ids].reshape(2, -1, 32)[:, :ctx].transpose(0, 1) for i in (0, 1))
-    q = torch.full((ctx, 6, 32), 0.1, dtype=dtype)
+    k, v = (cache[i][:, block_ids].reshape(2, -1, head_dim)[:, :ctx].transpose(0, 1)
+            for i in (0, 1))
+    q = torch.full((ctx, 6, head_dim), 0.1, dtype=dtype)
     chunk = PrefillChunk(seq=0, query_start=0, num_query_tokens=ctx, context_len=ctx)
     want = TorchPagedAttention().prefill(q, k, v, cache, chunk, block_ids, None, 0.25)
     got = backend.prefill(q, k, v, cache, chunk, block_ids, None, 0.25)

@@ -35,25 +35,26 @@ inline bool ready() {
   return granted;
 }
 
-// Configures this thread's tiles for `rows` (1-32) left-hand rows: the second half only where
-// rows > 16.
-inline void configure(int rows) {
+// Configures this thread's tiles: tile t with rows[t] rows of 64 bytes (0: unused).
+inline void configure_tiles(const uint8_t (&rows)[8]) {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t bytes_per_row[16] = {};
     uint8_t rows[16] = {};
   } config;
-  const int top = std::min(rows, 16), bottom = rows - top;
-  const auto set = [&](int tile, int tile_rows) {
-    config.rows[tile] = static_cast<uint8_t>(tile_rows);
-    config.bytes_per_row[tile] = 64;
-  };
-  for (const int tile : {0, 1, 4}) set(tile, top);
-  set(6, 16);
-  set(7, 16);
-  if (bottom > 0)
-    for (const int tile : {2, 3, 5}) set(tile, bottom);
+  for (int tile = 0; tile < 8; ++tile) {
+    config.rows[tile] = rows[tile];
+    config.bytes_per_row[tile] = rows[tile] > 0 ? 64 : 0;
+  }
   _tile_loadconfig(&config);
+}
+
+// Configures this thread's tiles for multiply() on `rows` (1-32) left-hand rows: the second
+// half only where rows > 16.
+inline void configure(int rows) {
+  const auto top = static_cast<uint8_t>(std::min(rows, 16));
+  const auto bottom = static_cast<uint8_t>(rows - top);
+  configure_tiles({top, top, bottom, bottom, top, bottom, 16, 16});
 }
 
 // c[rows x 32] (rows ldc floats apart) = (c if `add_to_c`, else 0) + a[rows x k] (rows lda

@@ -5,8 +5,8 @@
 // P.V), so both products run as the GEMM's register tiles: VDPBF16PS in bfloat16, FMA in
 // float32, accumulating in float32. PyTorch's CPU flash attention reaches ~140 GFLOP/s on a
 // 2-core AVX512-BF16 EPYC; the tiles here run at several times that. Where the CPU has AMX,
-// bfloat16 tiles of 32 query rows run both products on AMX tiles (amx.h) over the same
-// packing, and only the softmax in AVX-512.
+// bfloat16 tiles of 32 query rows (16 at head_dim 64, their output held in tiles) run both
+// products on AMX tiles (amx.h) over the same packing, and only the softmax in AVX-512.
 #include "kvserve_cpu.h"
 #include "amx.h"
 #include "simd.h"
@@ -242,6 +242,101 @@ void attend_rows_amx(int rows, const amx::Bf16* q, int64_t q_stride, const int64
   }
   normalize_rows<amx::Bf16>(rows, state, acc, head_dim, out, out_stride);
 }
+
+// For head_dim 64, 16 query rows keep their whole output in tiles tmm0-3 (16 dimensions
+// each) across the context, where attend_rows_amx loads and stores it at every key tile;
+// tmm4-5 take two 16-key score blocks, tmm6 the queries or probabilities, tmm7 one block.
+// Twice the key and value tile loads per row, none of the output's: 0.85x the time at 2,048
+// tokens, the same bits.
+constexpr int64_t kResidentHeadDim = 64;
+constexpr int kResidentRows = 16;
+
+inline void configure_resident(int rows) {
+  const auto r = static_cast<uint8_t>(rows);
+  amx::configure_tiles({r, r, r, r, r, r, r, 16});
+}
+
+// The output tiles to or from acc's rows. (The tile instructions take constant tile numbers.)
+inline void store_output(float* acc) {
+  constexpr int64_t kStride = kResidentHeadDim * sizeof(float);
+  _tile_stored(0, acc, kStride);
+  _tile_stored(1, acc + kBlock, kStride);
+  _tile_stored(2, acc + 2 * kBlock, kStride);
+  _tile_stored(3, acc + 3 * kBlock, kStride);
+}
+inline void load_output(const float* acc) {
+  constexpr int64_t kStride = kResidentHeadDim * sizeof(float);
+  _tile_loadd(0, acc, kStride);
+  _tile_loadd(1, acc + kBlock, kStride);
+  _tile_loadd(2, acc + 2 * kBlock, kStride);
+  _tile_loadd(3, acc + 3 * kBlock, kStride);
+}
+
+// Output tile b += the probabilities in tmm6 times dimension block b of a packed value tile,
+// for its 32 keys from `key`.
+inline void add_value_blocks(const amx::Bf16* values, int64_t key) {
+  const amx::Bf16* v = values + key * kBlock;
+  constexpr int64_t kBlockElems = kKeyTile * kBlock;
+  _tile_loadd(7, v, 64);
+  _tile_dpbf16ps(0, 6, 7);
+  _tile_loadd(7, v + kBlockElems, 64);
+  _tile_dpbf16ps(1, 6, 7);
+  _tile_loadd(7, v + 2 * kBlockElems, 64);
+  _tile_dpbf16ps(2, 6, 7);
+  _tile_loadd(7, v + 3 * kBlockElems, 64);
+  _tile_dpbf16ps(3, 6, 7);
+}
+
+// attend_rows_amx for up to 16 rows of head_dim 64, configured by configure_resident.
+void attend_rows_amx_resident(int rows, const amx::Bf16* q, int64_t q_stride,
+                              const int64_t* pos, const amx::Bf16* packed_k,
+                              const amx::Bf16* packed_v, float scale, int64_t window,
+                              float* acc, float* scores, amx::Bf16* probs, amx::Bf16* out,
+                              int64_t out_stride) {
+  constexpr int64_t kDim = kResidentHeadDim;
+  RowState state[kResidentRows];
+  float factor[kResidentRows];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t tile = first_tile(pos, window); tile * kKeyTile <= pos[rows - 1]; ++tile) {
+    for (int64_t key = 0; key < kKeyTile; key += 2 * kBlock) {
+      const amx::Bf16* k0 = packed_k + (tile * kKeyTile + key) * kDim;
+      _tile_zero(4);
+      _tile_zero(5);
+      for (int64_t s = 0; s < kDim; s += amx::kChannels) {
+        _tile_loadd(6, q + s, q_stride * sizeof(amx::Bf16));
+        _tile_loadd(7, k0 + s * kBlock, 64);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(7, k0 + (kDim + s) * kBlock, 64);
+        _tile_dpbf16ps(5, 6, 7);
+      }
+      _tile_stored(4, scores + key, kKeyTile * sizeof(float));
+      _tile_stored(5, scores + key + kBlock, kKeyTile * sizeof(float));
+    }
+    bool moved = false;
+    for (int i = 0; i < rows; ++i) {
+      __m512 row[4];
+      for (int b = 0; b < 4; ++b) row[b] = _mm512_loadu_ps(scores + i * kKeyTile + b * kBlock);
+      factor[i] = softmax_tile_row<amx::Bf16>(row, pos[i], tile, window, scale, state[i],
+                                              probs + i * kKeyTile);
+      moved |= factor[i] != 1.f;
+    }
+    if (moved) {  // rare: the reference moves by more than 2^kMaxExp2Growth
+      store_output(acc);
+      for (int i = 0; i < rows; ++i) rescale_row(acc + i * kDim, kDim, factor[i]);
+      load_output(acc);
+    }
+    const amx::Bf16* values = packed_v + tile * kKeyTile * kDim;
+    for (int64_t key = 0; key < kKeyTile; key += amx::kChannels) {
+      _tile_loadd(6, probs + key, kKeyTile * sizeof(amx::Bf16));
+      add_value_blocks(values, key);
+    }
+  }
+  store_output(acc);
+  normalize_rows<amx::Bf16>(rows, state, acc, kDim, out, out_stride);
+}
 #endif  // KVSERVE_AMX
 
 template <typename T>
@@ -284,7 +379,8 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_
 #ifdef KVSERVE_AMX
   const bool on_amx = std::is_same_v<T, amx::Bf16> && head_dim % amx::kChannels == 0 &&
                       amx::ready();
-  const int64_t tile_rows = on_amx ? amx::kRows : kTileRows;
+  const bool resident = on_amx && head_dim == kResidentHeadDim;
+  const int64_t tile_rows = resident ? kResidentRows : on_amx ? amx::kRows : kTileRows;
 #else
   const int64_t tile_rows = kTileRows;
 #endif
@@ -315,6 +411,13 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_
 #ifdef KVSERVE_AMX
       if constexpr (std::is_same_v<T, amx::Bf16>) {
         if (on_amx) {
+          if (resident) {
+            if (rows != configured) configure_resident(configured = rows);
+            attend_rows_amx_resident(rows, q_rows, q_stride, pos, keys, values, scale, window,
+                                     acc.data(), scores.data(), probs.data(), out_rows,
+                                     out_stride);
+            continue;
+          }
           if (rows != configured) amx::configure(configured = rows);
           attend_rows_amx(rows, q_rows, q_stride, pos, keys, values, head_dim, scale, window,
                           acc.data(), scores.data(), probs.data(), out_rows, out_stride);
