@@ -123,11 +123,12 @@ def test_a_fused_decode_step_matches_the_reference_forward(dtype, window):
 @pytest.mark.skipif("cpu-kernel" not in BACKENDS, reason="the CPU kernel did not build")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5, 70])
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [16, 32, 64])
 @pytest.mark.parametrize(("num_q", "ctx"), [(1, 1), (7, 7), (13, 150), (150, 150), (64, 200)])
 def test_prefill_kernel_matches_the_reference(dtype, window, head_dim, num_q, ctx):
     """Chunks with and without earlier context, across the kernel's 6-row and 64-key tiles
-    and the pool's 4-token blocks."""
+    and the pool's 4-token blocks; head_dim 16 packs bfloat16 keys in half a scatter, 64
+    keeps the output in AMX tiles."""
     backend = BACKENDS["cpu-kernel"]()
     if dtype not in backend.prefill_dtypes:
         pytest.skip(f"no prefill kernel for {dtype} on this CPU")

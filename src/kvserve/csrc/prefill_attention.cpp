@@ -35,22 +35,51 @@ constexpr float kMaxExp2Growth = 8.f;
 
 // One KV head's context, packed: keys as [ctx / 16] blocks of a [16 x D] matrix (Q.K^T's
 // outputs are keys), values per 64-key tile as [D / 16] blocks of a [D x 64] one (P.V's
-// outputs are head dimensions). Positions past the context are zeros.
+// outputs are head dimensions). Positions past the context are zeros. In 32-bit words (a
+// float32, or a bfloat16 pair), key t's word w lies at word w * 16 + t % 16 of its block:
+// each key row is scattered 16 words at a time. A value block takes 16 dimensions of one key
+// (float32) or of a key pair, interleaved (bfloat16). This packs the 64 keys of `tile`.
 template <typename T>
-void pack_context(const T* keys, const T* values, const int64_t* block_ids, int64_t block_size,
-                  int64_t ctx, int64_t padded, int64_t head_dim, T* packed_k, T* packed_v) {
+void pack_tile(const T* keys, const T* values, const int64_t* block_ids, int64_t block_size,
+               int64_t ctx, int64_t tile, int64_t head_dim, const T* zeros, T* packed_k,
+               T* packed_v) {
   constexpr int64_t step = Lanes<T>::kStep;
-  for (int64_t t = 0; t < padded; ++t) {
-    const int64_t row = t < ctx ? (block_ids[t / block_size] * block_size + t % block_size)
-                                : -1;
-    T* k_block = packed_k + (t / kBlock) * head_dim * kBlock + (t % kBlock) * step;
-    T* v_tile = packed_v + (t / kKeyTile) * kKeyTile * head_dim +
-                ((t % kKeyTile) / step) * kBlock * step + t % step;
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const T k = row >= 0 ? keys[row * head_dim + d] : T(0.f);
-      const T v = row >= 0 ? values[row * head_dim + d] : T(0.f);
-      k_block[(d / step) * kBlock * step + d % step] = k;
-      v_tile[(d / kBlock) * kKeyTile * kBlock + (d % kBlock) * step] = v;
+  const int64_t words = head_dim * static_cast<int64_t>(sizeof(T)) / 4;
+  const __m512i word_offsets = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(kBlock));
+  const auto row_of = [&](const T* pool, int64_t t) {
+    return t < ctx ? pool + (block_ids[t / block_size] * block_size + t % block_size) * head_dim
+                   : zeros;
+  };
+  T* v_tile = packed_v + tile * kKeyTile * head_dim;
+  for (int64_t i = 0; i < kKeyTile; i += step) {
+    const int64_t t = tile * kKeyTile + i;
+    for (int64_t j = 0; j < step; ++j) {
+      const auto* key = reinterpret_cast<const int32_t*>(row_of(keys, t + j));
+      auto* block = reinterpret_cast<int32_t*>(packed_k + (t + j) / kBlock * head_dim * kBlock) +
+                    (t + j) % kBlock;
+      for (int64_t w = 0; w < words; w += kBlock) {
+        const __mmask16 mask = kvserve::simd::first_lanes(words - w);
+        _mm512_mask_i32scatter_epi32(block + w * kBlock, mask, word_offsets,
+                                     _mm512_maskz_loadu_epi32(mask, key + w), 4);
+      }
+    }
+    const T* value = row_of(values, t);
+    for (int64_t d = 0; d < head_dim; d += kBlock) {
+      T* out = v_tile + d * kKeyTile + i * kBlock;
+      if constexpr (step == 1) {
+        _mm512_storeu_si512(out, _mm512_loadu_si512(value + d));
+      } else {
+        // Dimension e of the pair's first key to element 2e, of the second to 2e + 1.
+        const __m512i pair = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value + d))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_of(values, t + 1) + d)), 1);
+        const __m512i interleave = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+            4, 19, 3, 18, 2, 17, 1, 16, 0);
+        _mm512_storeu_si512(out, _mm512_permutexvar_epi16(interleave, pair));
+      }
     }
   }
 }
@@ -369,11 +398,15 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_
   const T* cache = kv_cache.data_ptr<T>();
   T* packed_k = packed[0].data_ptr<T>();
   T* packed_v = packed[1].data_ptr<T>();
-  at::parallel_for(0, num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h)
-      pack_context(cache + h * head_elems, cache + (num_kv_heads + h) * head_elems, block_ids,
-                   block_size, ctx, padded, head_dim, packed_k + h * padded * head_dim,
-                   packed_v + h * padded * head_dim);
+  const std::vector<T> zeros(head_dim, T(0.f));
+  const int64_t key_tiles = padded / kKeyTile;
+  at::parallel_for(0, num_kv_heads * key_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / key_tiles;
+      pack_tile(cache + h * head_elems, cache + (num_kv_heads + h) * head_elems, block_ids,
+                block_size, ctx, item % key_tiles, head_dim, zeros.data(),
+                packed_k + h * padded * head_dim, packed_v + h * padded * head_dim);
+    }
   });
   const int64_t group = num_heads / num_kv_heads;
 #ifdef KVSERVE_AMX
