@@ -99,3 +99,12 @@ def test_gate_up_with_silu_is_the_two_ops_bit_for_bit(dtype, rows, n, k):
     x = torch.randn(rows, k, generator=gen).to(dtype)
     two_ops = GEMM.silu_and_mul(GEMM.blocked_linear(x, packed, 2 * n, None))
     assert torch.equal(GEMM.blocked_linear_silu_and_mul(x, packed, n), two_ops)
+
+
+def test_gate_up_with_silu_refuses_a_weight_of_another_width():
+    _needs(torch.bfloat16)
+    if not GEMM.amx_in_use():
+        pytest.skip("the fused store runs on AMX only")
+    packed = GEMM.pack_weight(torch.randn(64, 32).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="2 x 16 outputs, got 64"):
+        GEMM.blocked_linear_silu_and_mul(torch.randn(2, 32).to(torch.bfloat16), packed, 16)

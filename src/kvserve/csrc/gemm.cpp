@@ -266,6 +266,9 @@ torch::Tensor blocked_linear_silu_and_mul(const torch::Tensor& x, const torch::T
   if (x.scalar_type() == torch::kBFloat16 && n % kBlock == 0 && x.dim() == 2 &&
       x.size(1) % amx::kChannels == 0 && amx::ready()) {
     check_blocked_input(x, packed, 2 * n);
+    TORCH_CHECK(packed.size(0) * kBlock == 2 * n,
+                "blocked_linear_silu_and_mul: a packed [gate; up] weight of 2 x ", n,
+                " outputs, got ", packed.size(0) * kBlock);
     auto out = torch::empty({x.size(0), n}, x.options());
     using T = at::BFloat16;
     if (x.size(0) > 0)
