@@ -35,6 +35,10 @@ inline bool ready() {
   return granted;
 }
 
+// Whether bfloat16 products over `channels` inputs run on the tiles: whole 32-channel steps,
+// and the tile state granted.
+inline bool runs(int64_t channels) { return channels % kChannels == 0 && ready(); }
+
 // Configures this thread's tiles: tile t with rows[t] rows of 64 bytes (0: unused).
 inline void configure_tiles(const uint8_t (&rows)[8]) {
   struct alignas(64) {

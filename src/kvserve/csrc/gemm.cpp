@@ -243,7 +243,7 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& packed
       AT_DISPATCH_CASE(torch::kBFloat16, [&] {
         using T = at::BFloat16;
 #ifdef KVSERVE_AMX
-        if (k % amx::kChannels == 0 && amx::ready()) {
+        if (amx::runs(k)) {
           amx_gemm(x.data_ptr<T>(), m, k, packed.data_ptr<T>(), n,
                    bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>());
           return;
@@ -264,7 +264,7 @@ torch::Tensor blocked_linear_silu_and_mul(const torch::Tensor& x, const torch::T
                                           int64_t n) {
 #ifdef KVSERVE_AMX
   if (x.scalar_type() == torch::kBFloat16 && n % kBlock == 0 && x.dim() == 2 &&
-      x.size(1) % amx::kChannels == 0 && amx::ready()) {
+      amx::runs(x.size(1))) {
     check_blocked_input(x, packed, 2 * n);
     TORCH_CHECK(packed.size(0) * kBlock == 2 * n,
                 "blocked_linear_silu_and_mul: a packed [gate; up] weight of 2 x ", n,

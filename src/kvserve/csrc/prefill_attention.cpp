@@ -413,8 +413,7 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_
   });
   const int64_t group = num_heads / num_kv_heads;
 #ifdef KVSERVE_AMX
-  const bool on_amx = std::is_same_v<T, amx::Bf16> && head_dim % amx::kChannels == 0 &&
-                      amx::ready();
+  const bool on_amx = std::is_same_v<T, amx::Bf16> && amx::runs(head_dim);
   const bool resident = on_amx && head_dim == kResidentHeadDim;
   const int64_t tile_rows = resident ? kResidentRows : on_amx ? amx::kRows : kTileRows;
 #else
