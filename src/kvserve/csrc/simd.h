@@ -26,25 +26,29 @@ inline __m512 exp(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// 2^y in each lane (relative error 1.6e-7): 2^f * 2^floor(y) with f = y - floor(y) in [0, 1)
-// and 2^f from a degree-5 polynomial fitted to it there. Lanes below -149 give zeros.
-inline __m512 exp2(__m512 y) {
+// 2^y in each lane as 2^f * 2^floor(y), f = y - floor(y) in [0, 1), with 2^f from the
+// polynomial whose coefficients run from the highest degree down. Lanes below -149 give zeros.
+template <size_t N>
+inline __m512 exp2_polynomial(__m512 y, const float (&coefficients)[N]) {
   const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_set1_ps(1.87757611e-3f);
-  for (const float c : {8.98934156e-3f, 5.58263175e-2f, 2.40153611e-1f, 6.93153083e-1f,
-                        9.99999940e-1f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  __m512 p = _mm512_set1_ps(coefficients[0]);
+  for (size_t i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(coefficients[i]));
   return _mm512_scalef_ps(p, y);
 }
 
+// 2^y (relative error 1.6e-7): a degree-5 polynomial fitted to 2^f on [0, 1).
+inline __m512 exp2(__m512 y) {
+  constexpr float kDegree5[] = {1.87757611e-3f, 8.98934156e-3f, 5.58263175e-2f,
+                                2.40153611e-1f, 6.93153083e-1f, 9.99999940e-1f};
+  return exp2_polynomial(y, kDegree5);
+}
+
 // 2^y to bfloat16's precision (relative error 7.5e-5, a 26th of its largest rounding error):
-// exp2's scheme with a degree-3 polynomial, two FMAs fewer.
+// degree 3, two FMAs fewer.
 inline __m512 exp2_coarse(__m512 y) {
-  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 p = _mm512_set1_ps(7.80237094e-2f);
-  for (const float c : {2.26066768e-1f, 6.95834517e-1f, 9.99925017e-1f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, y);
+  constexpr float kDegree3[] = {7.80237094e-2f, 2.26066768e-1f, 6.95834517e-1f,
+                                9.99925017e-1f};
+  return exp2_polynomial(y, kDegree3);
 }
 
 template <typename T> struct Lanes;  // how one input step of T is loaded and multiplied
