@@ -201,6 +201,23 @@ def test_queries_at_some_positions_match_those_rows_of_the_full_prefill(backend,
     torch.testing.assert_close(got.float(), full[positions].float(), **tolerance)
 
 
+@pytest.mark.skipif("cpu-kernel" not in BACKENDS, reason="the CPU kernel did not build")
+def test_prefill_kernel_writes_into_the_rows_it_is_given():
+    """A step's output rows take the chunk's attention in place; other rows stay, and an
+    `out` of the wrong width is refused by name."""
+    kernel = cpu_kernels()
+    ctx = 70
+    _, cache, meta, _ = paged_case([ctx], head_dim=32, seed=3)
+    block_ids = meta.block_tables[0, :-(-ctx // BLOCK)]
+    q = torch.randn(ctx, 6, 32, generator=torch.Generator().manual_seed(2))
+    want = kernel.prefill_attention(q, cache, block_ids, ctx, 0.25, 0)
+    step = torch.full((ctx + 5, 6 * 32), 7.0)
+    kernel.prefill_attention(q, cache, block_ids, ctx, 0.25, 0, out=step[5:])
+    assert torch.equal(step[5:], want) and (step[:5] == 7.0).all()
+    with pytest.raises(RuntimeError, match="out, when given"):
+        kernel.prefill_attention(q, cache, block_ids, ctx, 0.25, 0, out=step[5:, :32])
+
+
 def test_kernel_builds_on_this_machine():
     """CI machines have a compiler; a silent fallback to the slow path would hide a break."""
     assert cpu_kernels() is not None

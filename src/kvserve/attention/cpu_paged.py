@@ -53,9 +53,8 @@ class CpuPagedAttention(TorchPagedAttention):
             rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
             block_ids = meta.block_tables[chunk.seq, :-(-chunk.context_len // block_size)]
             positions = None if meta.query_positions is None else meta.query_positions[rows]
-            out[rows] = self._prefill_chunk(q[first:first + chunk.num_query_tokens], kv_cache,
-                                            chunk, block_ids, meta.sliding_window, scale,
-                                            positions)
+            self._prefill_chunk(q[first:first + chunk.num_query_tokens], kv_cache, chunk,
+                                block_ids, meta.sliding_window, scale, positions, out[rows])
         return out
 
     def _decode_rows(self, qk: torch.Tensor, v: torch.Tensor, rotation: torch.Tensor,
@@ -88,10 +87,11 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def _prefill_chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,
                        block_ids: torch.Tensor, window: int | None, scale: float,
-                       positions: torch.Tensor | None) -> torch.Tensor:
+                       positions: torch.Tensor | None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernel.prefill_attention(
             q, kv_cache, block_ids.contiguous(), chunk.context_len, scale, window or 0,
-            None if positions is None else positions.contiguous())
+            None if positions is None else positions.contiguous(), out)
 
     @staticmethod
     def _covers(x: torch.Tensor) -> bool:

@@ -27,7 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rotary and cache write of rotate_cache_and_decode, without the attention");
   m.def("prefill_attention", &kvserve::prefill_attention, py::arg("q"), py::arg("kv_cache"),
         py::arg("block_ids"), py::arg("ctx"), py::arg("scale"), py::arg("window"),
-        py::arg("positions") = py::none(), release,
+        py::arg("positions") = py::none(), py::arg("out") = py::none(), release,
         "causal attention of a prefill chunk (or of some of its positions) over its context");
   m.def("apply_token_bitmask", &kvserve::apply_token_bitmask, release,
         "-inf, in place, for the tokens a grammar's bitmask row leaves out");

@@ -36,7 +36,8 @@ torch::Tensor rotate_and_cache(torch::Tensor qk, torch::Tensor v, torch::Tensor 
 // prefill_attention.cpp
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_ids,
                                 int64_t ctx, double scale, int64_t window,
-                                c10::optional<torch::Tensor> positions);
+                                c10::optional<torch::Tensor> positions,
+                                c10::optional<torch::Tensor> out);
 
 // token_mask.cpp
 void apply_token_bitmask(torch::Tensor logits, const torch::Tensor& bitmask,

@@ -477,11 +477,13 @@ namespace kvserve {
 // q: [num_q, Hq, D] rotated queries at positions ctx - num_q .. ctx - 1, or at the ascending
 // `positions` (< ctx) when given (heads contiguous, rows may be strided); kv_cache:
 // [2, Hkv, num_blocks, block_size, D] holding the context's keys and values (the new ones
-// written); block_ids: the context's blocks. Returns [num_q, Hq * D]. With window > 0 a query
-// sees only the last `window` positions.
+// written); block_ids: the context's blocks. Returns [num_q, Hq * D], written into `out` when
+// given (rows of a larger step's output: no copy afterwards). With window > 0 a query sees only
+// the last `window` positions.
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_ids,
                                 int64_t ctx, double scale, int64_t window,
-                                c10::optional<torch::Tensor> positions) {
+                                c10::optional<torch::Tensor> positions,
+                                c10::optional<torch::Tensor> out) {
   const int64_t num_q = q.size(0), head_dim = q.size(2);
   TORCH_CHECK(gemm_supports(q.new_empty({kBlock, 2})) && kv_cache.scalar_type() ==
                   q.scalar_type() && kv_cache.is_contiguous(),
@@ -497,19 +499,24 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::
   TORCH_CHECK(!positions || (positions->scalar_type() == torch::kLong &&
                               positions->is_contiguous() && positions->numel() == num_q),
               "prefill_attention: positions, when given, are num_q contiguous int64");
-  auto out = torch::empty({num_q, q.size(1) * head_dim}, q.options());
-  if (num_q == 0) return out;
+  TORCH_CHECK(!out || (out->scalar_type() == q.scalar_type() && out->is_contiguous() &&
+                       out->dim() == 2 && out->size(0) == num_q &&
+                       out->size(1) == q.size(1) * head_dim),
+              "prefill_attention: out, when given, is a contiguous [", num_q, ", ",
+              q.size(1) * head_dim, "] tensor of q's dtype");
+  auto result = out ? *out : torch::empty({num_q, q.size(1) * head_dim}, q.options());
+  if (num_q == 0) return result;
 #ifdef __AVX512F__
   const float s = static_cast<float>(scale);
   const int64_t* ids = block_ids.data_ptr<int64_t>();
   const int64_t* pos = positions ? positions->data_ptr<int64_t>() : nullptr;
   if (q.scalar_type() == torch::kFloat)
-    prefill<float>(q, kv_cache, ids, ctx, s, window, pos, out);
+    prefill<float>(q, kv_cache, ids, ctx, s, window, pos, result);
 #ifdef __AVX512BF16__
-  else prefill<at::BFloat16>(q, kv_cache, ids, ctx, s, window, pos, out);
+  else prefill<at::BFloat16>(q, kv_cache, ids, ctx, s, window, pos, result);
 #endif
 #endif
-  return out;
+  return result;
 }
 
 }  // namespace kvserve
