@@ -115,7 +115,7 @@ void amx_store(const float* c, int rows, int64_t first, int64_t n, const Bf16* b
 // pair runs over all rows while its weights sit in L1. With many (a prefill) threads split the
 // rows, as the row-wise ops around a linear layer split them, so each thread reads the rows
 // it wrote and writes the rows it reads next (split by pairs, each thread read every row,
-// half of them from the other core's cache: 2,048 x 576 x 576 took 1.25x the time). The pairs
+// half of them from the other core's cache: 2,048 x 576 x 576 took 1.15x the time). The pairs
 // then go in groups whose weights fit in L2, each 32-row step running over a whole group
 // while its rows sit in L1 (2048 x 576 x 3072: 17 % faster than pair by pair). Only the last,
 // shorter row step changes the tile configuration.
