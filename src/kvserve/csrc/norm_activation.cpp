@@ -3,7 +3,7 @@
 // about ten torch ops when written out. float32 or bfloat16 rows; float32 arithmetic, with
 // bfloat16 results rounded where the torch ops they replace round them. AVX-512 lanes where the
 // CPU has them for the dtype (the exponentials of simd.h: ~1e-7 relative error in float32,
-// 7.5e-5 in bfloat16, whose own rounding is 50x coarser), else scalar.
+// 7.5e-5 in bfloat16, a 26th of its own rounding), else scalar.
 #include "kvserve_cpu.h"
 #include "simd.h"
 
