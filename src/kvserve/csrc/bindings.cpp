@@ -24,7 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &kvserve::paged_decode_attention, release);
   m.def("rotate_cache_and_decode", &kvserve::rotate_cache_and_decode, release);
   m.def("rotate_and_cache", &kvserve::rotate_and_cache, release,
-        "rotary and cache write of rotate_cache_and_decode, without the attention");
+        "rotary and cache write of rotate_cache_and_decode, without the attention; the queries "
+        "are rotated in place");
   m.def("prefill_attention", &kvserve::prefill_attention, py::arg("q"), py::arg("kv_cache"),
         py::arg("block_ids"), py::arg("ctx"), py::arg("scale"), py::arg("window"),
         py::arg("positions") = py::none(), py::arg("out") = py::none(), release,
