@@ -44,6 +44,7 @@ class SyntheticSteps:
     def __init__(self, runner: ModelRunner, kv_cache: KVCacheManager, max_decodes: int,
                  max_chunk: int, context: int) -> None:
         self.runner, self.context = runner, context
+        self.vocab_size = runner.config.model.vocab_size
         per_decode = kv_cache.num_blocks_for(context + 1)
         needed = max_decodes * per_decode + kv_cache.num_blocks_for(context + max_chunk)
         if needed > kv_cache.pool.num_blocks:
@@ -65,7 +66,9 @@ class SyntheticSteps:
                                             self.decode_blocks[i], sample=True)
                            for i in range(num_decodes)]
         if chunk:  # a middle chunk: it samples nothing
-            sched.scheduled.append(ScheduledRequest("prefill", [5] * chunk, self.context,
+            # Varied ids, as a prompt's: with one id repeated, every row of a layer is alike.
+            tokens = [t % self.vocab_size for t in range(chunk)]
+            sched.scheduled.append(ScheduledRequest("prefill", tokens, self.context,
                                                     self.chunk_blocks, sample=False))
         start = time.perf_counter()
         self.runner.execute_model(sched)
