@@ -553,12 +553,11 @@ void dispatch(const T* q, const NewTokens<T>* fresh, torch::Tensor& kv_cache,
          window);
 }
 
-// Rotates rows' q and k heads as the fused decode does, writing q to `q_out` (rows of Hq
-// heads, q_out_row_stride apart) and k and v into the cache at each row's slot.
+// Rotates rows' q and k heads as the fused decode does, writing q back in place (`qk`: the
+// writable rows of fresh.qk) and k and v into the cache at each row's slot.
 template <typename T>
 void rotate_rows(const NewTokens<T>& fresh, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t head_dim, T* k_base, T* v_base, int64_t head_stride, T* q_out,
-                 int64_t q_out_row_stride) {
+                 int64_t head_dim, T* k_base, T* v_base, int64_t head_stride, T* qk) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(head_dim);
     for (int64_t b = begin; b < end; ++b) {
@@ -566,7 +565,7 @@ void rotate_rows(const NewTokens<T>& fresh, int64_t rows, int64_t num_heads, int
       const float* rotation = fresh.rotation + b * head_dim;
       for (int64_t h = 0; h < num_heads; ++h) {
         rotate(heads + h * head_dim, rotation, row.data(), head_dim);
-        narrow(row.data(), q_out + b * q_out_row_stride + h * head_dim, head_dim);
+        narrow(row.data(), qk + b * fresh.qk_row_stride + h * head_dim, head_dim);
       }
       for (int64_t h = 0; h < num_kv_heads; ++h)
         cache_new_kv(fresh, b, h, num_heads, head_dim, k_base + h * head_stride,
@@ -651,7 +650,6 @@ torch::Tensor rotate_and_cache(torch::Tensor qk, torch::Tensor v, torch::Tensor 
                   (qk.scalar_type() == torch::kFloat || qk.scalar_type() == torch::kBFloat16),
               "rotate_and_cache: float32 or bfloat16 qk, v and kv_cache with contiguous heads, "
               "float32 rotation");
-  auto q = qk.narrow(1, 0, num_heads);
   const int64_t head_stride = kv_cache.size(2) * kv_cache.size(3) * head_dim;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* rot = rotation.data_ptr<float>();
@@ -660,16 +658,16 @@ torch::Tensor rotate_and_cache(torch::Tensor qk, torch::Tensor v, torch::Tensor 
                                  v.stride(0), rot, slots, true};
     float* k = kv_cache.data_ptr<float>();
     rotate_rows(fresh, rows, num_heads, num_kv_heads, head_dim, k,
-                k + num_kv_heads * head_stride, head_stride, q.data_ptr<float>(), qk.stride(0));
+                k + num_kv_heads * head_stride, head_stride, qk.data_ptr<float>());
   } else {
     using T = at::BFloat16;
     const NewTokens<T> fresh{qk.data_ptr<T>(), v.data_ptr<T>(), qk.stride(0), v.stride(0), rot,
                              slots, true};
     T* k = kv_cache.data_ptr<T>();
     rotate_rows(fresh, rows, num_heads, num_kv_heads, head_dim, k,
-                k + num_kv_heads * head_stride, head_stride, q.data_ptr<T>(), qk.stride(0));
+                k + num_kv_heads * head_stride, head_stride, qk.data_ptr<T>());
   }
-  return q;
+  return qk.narrow(1, 0, num_heads);
 }
 
 }  // namespace kvserve
