@@ -321,6 +321,22 @@ inline void add_value_blocks(const amx::Bf16* values, int64_t key) {
   _tile_dpbf16ps(3, 6, 7);
 }
 
+// Row i's share (a 16th) of the next key tile's keys and of this tile's values, brought into
+// L1 while the rows take their softmax, where the tile loads would otherwise wait on L2 for
+// them: 0.95x the time at 2,048 tokens, 0.82x at 8,192, 0.79x for a 256-token chunk at 8,192.
+// (attend_rows_amx's 32 rows of head_dim 128 and their outputs leave no room in L1 for it:
+// 1.04-1.19x there.) The keys after a head's last tile are the next head's or the values', so
+// the addresses stay inside the packed context.
+inline void prefetch_share(const amx::Bf16* next_keys, const amx::Bf16* values, int i) {
+  constexpr int64_t kBytes = kKeyTile * kResidentHeadDim * sizeof(amx::Bf16) / kResidentRows;
+  const char* k = reinterpret_cast<const char*>(next_keys) + i * kBytes;
+  const char* v = reinterpret_cast<const char*>(values) + i * kBytes;
+  for (int64_t b = 0; b < kBytes; b += 64) {
+    _mm_prefetch(k + b, _MM_HINT_T0);
+    _mm_prefetch(v + b, _MM_HINT_T0);
+  }
+}
+
 // attend_rows_amx for up to 16 rows of head_dim 64, configured by configure_resident.
 void attend_rows_amx_resident(int rows, const amx::Bf16* q, int64_t q_stride,
                               const int64_t* pos, const amx::Bf16* packed_k,
@@ -349,8 +365,10 @@ void attend_rows_amx_resident(int rows, const amx::Bf16* q, int64_t q_stride,
       _tile_stored(4, scores + key, kKeyTile * sizeof(float));
       _tile_stored(5, scores + key + kBlock, kKeyTile * sizeof(float));
     }
+    const amx::Bf16* values = packed_v + tile * kKeyTile * kDim;
     bool moved = false;
     for (int i = 0; i < rows; ++i) {
+      prefetch_share(packed_k + (tile + 1) * kKeyTile * kDim, values, i);
       __m512 row[4];
       for (int b = 0; b < 4; ++b) row[b] = _mm512_loadu_ps(scores + i * kKeyTile + b * kBlock);
       factor[i] = softmax_tile_row<amx::Bf16>(row, pos[i], tile, window, scale, state[i],
@@ -362,7 +380,6 @@ void attend_rows_amx_resident(int rows, const amx::Bf16* q, int64_t q_stride,
       for (int i = 0; i < rows; ++i) rescale_row(acc + i * kDim, kDim, factor[i]);
       load_output(acc);
     }
-    const amx::Bf16* values = packed_v + tile * kKeyTile * kDim;
     for (int64_t key = 0; key < kKeyTile; key += amx::kChannels) {
       _tile_loadd(6, probs + key, kKeyTile * sizeof(amx::Bf16));
       add_value_blocks(values, key);
