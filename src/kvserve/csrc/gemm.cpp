@@ -140,7 +140,7 @@ void amx_pairs(const Bf16* x, int64_t m, int64_t k, int64_t pairs, BlocksOf bloc
         if (rows != configured) amx::configure(configured = rows);
         for (int64_t pair = group; pair < group_end; ++pair) {
           const auto [w0, w1] = blocks_of(pair);
-          amx::multiply(rows, x + row * k, k, k, w0, w1, c, 2 * kBlock, false);
+          amx::multiply<true>(rows, x + row * k, k, k, w0, w1, c, 2 * kBlock, false);
           store(c, rows, pair, row);
         }
       }

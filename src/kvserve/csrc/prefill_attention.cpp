@@ -257,7 +257,7 @@ void attend_rows_amx(int rows, const amx::Bf16* q, int64_t q_stride, const int64
     const amx::Bf16* keys = packed_k + tile * kKeyTile * head_dim;
     for (int64_t key = 0; key < kKeyTile; key += 2 * kBlock) {
       const amx::Bf16* k0 = keys + key * head_dim;  // the key's block: key / 16 blocks in
-      amx::multiply(rows, q, q_stride, head_dim, k0, k0 + kBlock * head_dim, scores + key,
+      amx::multiply<false>(rows, q, q_stride, head_dim, k0, k0 + kBlock * head_dim, scores + key,
                     kKeyTile, false);
     }
     for (int i = 0; i < rows; ++i) {
@@ -270,7 +270,7 @@ void attend_rows_amx(int rows, const amx::Bf16* q, int64_t q_stride, const int64
     const amx::Bf16* values = packed_v + tile * kKeyTile * head_dim;
     for (int64_t d = 0; d < head_dim; d += 2 * kBlock) {
       const amx::Bf16* v0 = values + d * kKeyTile;  // the dimension's block: d / 16 blocks in
-      amx::multiply(rows, probs, kKeyTile, kKeyTile, v0, v0 + kKeyTile * kBlock, acc + d,
+      amx::multiply<false>(rows, probs, kKeyTile, kKeyTile, v0, v0 + kKeyTile * kBlock, acc + d,
                     head_dim, true);
     }
   }
