@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -21,6 +22,10 @@ inline float rounded(float v) { return static_cast<float>(static_cast<T>(v)); }
 using kvserve::simd::first_lanes;
 using kvserve::simd::kBlock;
 using kvserve::simd::Lanes;
+#ifdef __AVX512BF16__
+using kvserve::simd::join_pairs;
+using kvserve::simd::split_pairs;
+#endif
 
 template <typename T>
 void add_rms_norm_row_simd(const T* x, const T* weight, T* residual, T* out, int64_t n,
@@ -45,6 +50,58 @@ void add_rms_norm_row_simd(const T* x, const T* weight, T* residual, T* out, int
     L::store(out + i, _mm512_mul_ps(L::load(weight + i, mask), normed), mask);
   }
 }
+
+#ifdef __AVX512BF16__
+using Bf16 = at::BFloat16;
+
+// The weight's float32 values in split_pairs' order, for add_rms_norm_row_pairs.
+void split_weight(const Bf16* weight, int64_t n, float* pairs) {
+  for (int64_t i = 0; i < n; i += 2 * kBlock) {
+    __m512 even, odd;
+    split_pairs(_mm512_loadu_si512(weight + i), even, odd);
+    _mm512_storeu_ps(pairs + i, even);
+    _mm512_storeu_ps(pairs + i + kBlock, odd);
+  }
+}
+
+// add_rms_norm_row_simd for bfloat16 rows of a multiple of 32, in split_pairs' order, with the
+// summed row kept in float32 in `row` for the second pass and the weight split once per call
+// (`weight_pairs`): 11 vector ops per 16 elements where the in-order form takes 19, and
+// 0.83-0.94x the time of a [2,048, 576] norm with a residual. The squares sum in another
+// order, so an output may differ from the in-order form's in its last bit (8 of 2.4 M).
+void add_rms_norm_row_pairs(const Bf16* x, const float* weight_pairs, Bf16* residual, Bf16* out,
+                            int64_t n, float eps, float* row) {
+  __m512 squares_even = _mm512_setzero_ps(), squares_odd = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 2 * kBlock) {
+    __m512 even, odd;
+    split_pairs(_mm512_loadu_si512(x + i), even, odd);
+    if (residual != nullptr) {  // the residual add happens in bfloat16, as `x + residual` does
+      __m512 add_even, add_odd;
+      split_pairs(_mm512_loadu_si512(residual + i), add_even, add_odd);
+      const __m512i summed =
+          join_pairs(_mm512_add_ps(even, add_even), _mm512_add_ps(odd, add_odd));
+      _mm512_storeu_si512(residual + i, summed);
+      split_pairs(summed, even, odd);
+    }
+    _mm512_storeu_ps(row + i, even);
+    _mm512_storeu_ps(row + i + kBlock, odd);
+    squares_even = _mm512_fmadd_ps(even, even, squares_even);
+    squares_odd = _mm512_fmadd_ps(odd, odd, squares_odd);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(
+      _mm512_reduce_add_ps(_mm512_add_ps(squares_even, squares_odd)) / static_cast<float>(n) +
+      eps));
+  for (int64_t i = 0; i < n; i += 2 * kBlock) {
+    __m512 even, odd;  // the normed row rounded to bfloat16, as `normed.to(dtype)` rounds it
+    split_pairs(join_pairs(_mm512_mul_ps(_mm512_loadu_ps(row + i), inv),
+                           _mm512_mul_ps(_mm512_loadu_ps(row + i + kBlock), inv)),
+                even, odd);
+    _mm512_storeu_si512(out + i,
+                        join_pairs(_mm512_mul_ps(even, _mm512_loadu_ps(weight_pairs + i)),
+                                   _mm512_mul_ps(odd, _mm512_loadu_ps(weight_pairs + i + kBlock))));
+  }
+}
+#endif
 
 template <typename T>
 void silu_and_mul_row_simd(const T* gate, const T* up, T* out, int64_t n) {
@@ -96,6 +153,19 @@ void add_rms_norm_rows(const T* x, const T* weight, T* residual, T* out, int64_t
                        int64_t n, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(n);
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<T, Bf16>) {
+      if (n % (2 * kBlock) == 0) {
+        std::vector<float> weight_pairs(n);
+        split_weight(weight, n, weight_pairs.data());
+        for (int64_t r = begin; r < end; ++r)
+          add_rms_norm_row_pairs(x + r * n, weight_pairs.data(),
+                                 residual ? residual + r * n : nullptr, out + r * n, n, eps,
+                                 row.data());
+        return;
+      }
+    }
+#endif
     for (int64_t r = begin; r < end; ++r)
       add_rms_norm_row(x + r * n, weight, residual ? residual + r * n : nullptr, out + r * n, n,
                        eps, row);
