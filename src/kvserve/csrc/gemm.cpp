@@ -181,11 +181,9 @@ void amx_gemm_silu_and_mul(const Bf16* x, int64_t m, int64_t k, const Bf16* w, i
       },
       [&](const float* c, int rows, int64_t pair, int64_t row) {
         for (int i = 0; i < rows; ++i) {
-          // gate and up rounded to bfloat16 together: four ops where rounding each took three
-          __m512 gate, up;
-          kvserve::simd::split_pairs(kvserve::simd::join_pairs(
-              _mm512_loadu_ps(c + 2 * i * kBlock), _mm512_loadu_ps(c + (2 * i + 1) * kBlock)),
-              gate, up);
+          __m512 gate = _mm512_loadu_ps(c + 2 * i * kBlock);
+          __m512 up = _mm512_loadu_ps(c + (2 * i + 1) * kBlock);
+          kvserve::simd::round_pair(gate, up);  // as blocked_linear stores them
           L::store(out + (row + i) * n + pair * kBlock,
                    kvserve::simd::silu_and_mul<Bf16>(gate, up), 0xffff);
         }

@@ -24,6 +24,7 @@ using kvserve::simd::kBlock;
 using kvserve::simd::Lanes;
 #ifdef __AVX512BF16__
 using kvserve::simd::join_pairs;
+using kvserve::simd::round_pair;
 using kvserve::simd::split_pairs;
 #endif
 
@@ -92,10 +93,9 @@ void add_rms_norm_row_pairs(const Bf16* x, const float* weight_pairs, Bf16* resi
       _mm512_reduce_add_ps(_mm512_add_ps(squares_even, squares_odd)) / static_cast<float>(n) +
       eps));
   for (int64_t i = 0; i < n; i += 2 * kBlock) {
-    __m512 even, odd;  // the normed row rounded to bfloat16, as `normed.to(dtype)` rounds it
-    split_pairs(join_pairs(_mm512_mul_ps(_mm512_loadu_ps(row + i), inv),
-                           _mm512_mul_ps(_mm512_loadu_ps(row + i + kBlock), inv)),
-                even, odd);
+    __m512 even = _mm512_mul_ps(_mm512_loadu_ps(row + i), inv);
+    __m512 odd = _mm512_mul_ps(_mm512_loadu_ps(row + i + kBlock), inv);
+    round_pair(even, odd);  // the normed row rounded to bfloat16, as `normed.to(dtype)` rounds it
     _mm512_storeu_si512(out + i,
                         join_pairs(_mm512_mul_ps(even, _mm512_loadu_ps(weight_pairs + i)),
                                    _mm512_mul_ps(odd, _mm512_loadu_ps(weight_pairs + i + kBlock))));

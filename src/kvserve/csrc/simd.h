@@ -127,6 +127,10 @@ inline __m512i join_pairs(__m512 even, __m512 odd) {
       19, 3, 18, 2, 17, 1, 16, 0);
   return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
+
+// a and b rounded to bfloat16, in place: four ops for the two, where Lanes::round takes three
+// for each.
+inline void round_pair(__m512& a, __m512& b) { split_pairs(join_pairs(a, b), a, b); }
 #endif
 
 // acc[i][b] += x row i (k channels, rows ldx apart) . block b of the packed matrix w, whose
