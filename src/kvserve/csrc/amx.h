@@ -73,10 +73,13 @@ inline void prefetch(const void* start, int64_t bytes) {
 // apart) times blocks b0 | b1 ([k / 2, 16, 2] each), for the configured rows; k a multiple
 // of 32. TWO_HALVES: rows > 16. PREFETCH: each block's next 32-channel step is prefetched
 // while this one multiplies: 0.95x the time of a 2,048 x 576 x 3,072 GEMM, 0.96x at 2,048^3,
-// 0.80x at 32 x 576 x 1,536; two steps ahead, 1.04x.
-template <bool TWO_HALVES, bool PREFETCH>
+// 0.80x at 32 x 576 x 1,536; two steps ahead, 1.04x. `during(step)` runs after each step's
+// products are issued: vector work put there runs while the tile unit multiplies, where
+// after the multiply the two would take turns.
+template <bool TWO_HALVES, bool PREFETCH, typename During>
 inline void multiply_halves(const Bf16* a, int64_t lda, int64_t k, const Bf16* b0,
-                            const Bf16* b1, float* c, int64_t ldc, bool add_to_c) {
+                            const Bf16* b1, float* c, int64_t ldc, bool add_to_c,
+                            During during) {
   const int64_t c_stride = ldc * sizeof(float), a_stride = lda * sizeof(Bf16);
   if (add_to_c) {
     _tile_loadd(0, c, c_stride);
@@ -109,6 +112,7 @@ inline void multiply_halves(const Bf16* a, int64_t lda, int64_t k, const Bf16* b
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    during(s / kChannels);
   }
   _tile_stored(0, c, c_stride);
   _tile_stored(1, c + kBlock, c_stride);
@@ -118,15 +122,21 @@ inline void multiply_halves(const Bf16* a, int64_t lda, int64_t k, const Bf16* b
   }
 }
 
+// No vector work beside a multiply.
+struct NoWork {
+  void operator()(int64_t) const {}
+};
+
 // multiply_halves() for `rows` rows, configured. The GEMM prefetches; the prefill attention's
 // 32 rows of head_dim 128 leave no room in L1 for it (1.05x the time at 2,048 tokens).
-template <bool PREFETCH>
+template <bool PREFETCH, typename During = NoWork>
 inline void multiply(int rows, const Bf16* a, int64_t lda, int64_t k, const Bf16* b0,
-                     const Bf16* b1, float* c, int64_t ldc, bool add_to_c) {
+                     const Bf16* b1, float* c, int64_t ldc, bool add_to_c,
+                     During during = {}) {
   if (rows > 16)
-    multiply_halves<true, PREFETCH>(a, lda, k, b0, b1, c, ldc, add_to_c);
+    multiply_halves<true, PREFETCH>(a, lda, k, b0, b1, c, ldc, add_to_c, during);
   else
-    multiply_halves<false, PREFETCH>(a, lda, k, b0, b1, c, ldc, add_to_c);
+    multiply_halves<false, PREFETCH>(a, lda, k, b0, b1, c, ldc, add_to_c, during);
 }
 
 }  // namespace kvserve::amx
