@@ -145,8 +145,9 @@ void amx_pairs(const Bf16* x, int64_t m, int64_t k, int64_t pairs, BlocksOf bloc
     } last;
     const auto store_last = [&](int to) {
       to = std::min(to, last.rows);
-      if (to > last.stored) store(last.sums, last.stored, to, last.pair, last.row);
-      last.stored = std::max(last.stored, to);
+      if (to <= last.stored) return;
+      store(last.sums, last.stored, to, last.pair, last.row);
+      last.stored = to;
     };
     const int64_t channel_steps = std::max<int64_t>(1, k / amx::kChannels);
     for (int64_t group = first_pair; group < end_pair; group += group_pairs) {

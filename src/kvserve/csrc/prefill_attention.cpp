@@ -55,11 +55,6 @@ void pack_tile(const T* keys, const T* values, const int64_t* block_ids, int64_t
   const auto half_vector = [](const T* v) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
   };
-  // For a bfloat16 key pair: dimension e of the first key to element 2e, of the second to
-  // 2e + 1.
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
-                                              25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
-                                              18, 2, 17, 1, 16, 0);
   T* v_tile = packed_v + tile * kKeyTile * head_dim;
   for (int64_t i = 0; i < kKeyTile; i += step) {
     const int64_t t = tile * kKeyTile + i;
@@ -81,7 +76,9 @@ void pack_tile(const T* keys, const T* values, const int64_t* block_ids, int64_t
       } else {
         const __m512i pair = _mm512_inserti64x4(_mm512_castsi256_si512(half_vector(value + d)),
                                                 half_vector(row_of(values, t + 1) + d), 1);
-        _mm512_storeu_si512(out, _mm512_permutexvar_epi16(interleave, pair));
+        // A bfloat16 key pair: dimension e of the first key to element 2e, of the second to
+        // 2e + 1.
+        _mm512_storeu_si512(out, kvserve::simd::interleave_halves(pair));
       }
     }
   }

@@ -51,6 +51,15 @@ inline __m512 exp2_coarse(__m512 y) {
   return exp2_polynomial(y, kDegree3);
 }
 
+// The 16-bit elements of v's two 256-bit halves interleaved: element e of the low half to 2e,
+// of the high half to 2e + 1.
+inline __m512i interleave_halves(__m512i v) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                         16, 0);
+  return _mm512_permutexvar_epi16(order, v);
+}
+
 template <typename T> struct Lanes;  // how one input step of T is loaded and multiplied
 
 template <> struct Lanes<float> {
@@ -122,10 +131,7 @@ inline void split_pairs(__m512i v, __m512& even, __m512& odd) {
 // split_pairs' inverse, rounding to bfloat16: one conversion and one permute per 32, where
 // rounding 16 in order takes one op and widening them again two more.
 inline __m512i join_pairs(__m512 even, __m512 odd) {
-  const __m512i interleave = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
-      19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+  return interleave_halves((__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
 // a and b rounded to bfloat16, in place: four ops for the two, where Lanes::round takes three
