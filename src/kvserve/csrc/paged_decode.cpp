@@ -70,6 +70,18 @@ inline __m512 sum_lanes(const __m512 (&v)[kTile]) {
 }
 #endif
 
+// The largest of n scores.
+inline float max_of(const float* s, int64_t n) {
+#ifdef __AVX512F__
+  __m512 max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += kLanes)
+    max = _mm512_max_ps(max, _mm512_mask_loadu_ps(max, kvserve::simd::first_lanes(n - i), s + i));
+  return _mm512_reduce_max_ps(max);
+#else
+  return *std::max_element(s, s + n);
+#endif
+}
+
 // s[i] = exp(s[i] - max) for n scores; returns their sum.
 inline float exp_and_sum(float* s, int64_t n, float max) {
 #ifdef __AVX512F__
@@ -243,13 +255,13 @@ struct BF16PairTiles {
   // Each 32-dimension run of `out` from unpack order (lane j of the low half: dimension
   // 8 * (j / 4) + j % 4; of the high half: 4 more) to natural order.
   static void finish(float* out, int64_t group, int64_t head_dim) {
-    float run[kPair];
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11,
+                                            10, 9, 8);
     for (int64_t r = 0; r < group * head_dim; r += kPair) {
-      for (int64_t j = 0; j < kLanes; ++j) {
-        run[8 * (j / 4) + j % 4] = out[r + j];
-        run[8 * (j / 4) + 4 + j % 4] = out[r + kLanes + j];
-      }
-      std::copy(run, run + kPair, out + r);
+      const __m512 low = _mm512_loadu_ps(out + r), high = _mm512_loadu_ps(out + r + kLanes);
+      _mm512_storeu_ps(out + r, _mm512_permutex2var_ps(low, first, high));
+      _mm512_storeu_ps(out + r + kLanes, _mm512_permutex2var_ps(low, second, high));
     }
   }
 };
@@ -434,14 +446,16 @@ void attend(const std::vector<Unit>& units, const T* q_ptr, const NewTokens<T>* 
     }
     Tiles::prepare(rotated.data(), group * head_dim, queries.data());
     const int64_t* table = tables + b * width;
-    const auto row_of = [&](const T* pool, int64_t pos) {
-      return pool + (table[pos / block_size] * block_size + pos % block_size) * head_dim;
-    };
     const T* rows[kTile];
+    // The tile's row pointers, walking the blocks: a division per tile, not per row.
     const auto tile_rows = [&](const T* pool, int64_t t0) {
-      const int64_t count = std::min(kTile, n - t0);
-      for (int64_t t = 0; t < kTile; ++t)
-        rows[t] = t < count ? row_of(pool, unit.begin + t0 + t) : zeros.data();
+      const int64_t count = std::min(kTile, n - t0), pos = unit.begin + t0;
+      int64_t block = pos / block_size, offset = pos % block_size;
+      for (int64_t t = 0; t < count; ++t) {
+        rows[t] = pool + (table[block] * block_size + offset) * head_dim;
+        if (++offset == block_size) offset = 0, ++block;
+      }
+      std::fill(rows + count, rows + kTile, zeros.data());
       return count;
     };
     // The pool's blocks lie anywhere, so the hardware prefetchers see a new stream every
@@ -450,11 +464,15 @@ void attend(const std::vector<Unit>& units, const T* q_ptr, const NewTokens<T>* 
       const Unit& next = (&unit)[1];
       const int64_t* next_table = tables + next.seq * width;
       for (const T* pool : {k_base + next.head * head_stride, v_base + next.head * head_stride})
-        for (int64_t pos = next.begin; pos < next.end; ++pos) {
-          const char* row = reinterpret_cast<const char*>(
-              pool + (next_table[pos / block_size] * block_size + pos % block_size) * head_dim);
-          for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(T)); byte += 64)
-            prefetch(row + byte);
+        for (int64_t pos = next.begin; pos < next.end;) {
+          const int64_t offset = pos % block_size;
+          const int64_t count = std::min(block_size - offset, next.end - pos);
+          const char* run = reinterpret_cast<const char*>(
+              pool + (next_table[pos / block_size] * block_size + offset) * head_dim);
+          for (int64_t byte = 0; byte < count * head_dim * static_cast<int64_t>(sizeof(T));
+               byte += 64)
+            prefetch(run + byte);
+          pos += count;
         }
     }
     for (int64_t t0 = 0; t0 < n; t0 += kTile) {
@@ -465,7 +483,7 @@ void attend(const std::vector<Unit>& units, const T* q_ptr, const NewTokens<T>* 
     float* partial = unit.partial >= 0 ? partials + unit.partial * partial_size : nullptr;
     for (int64_t g = 0; g < group && n > 0; ++g) {
       float* s = scores.data() + g * kPartition;
-      const float max = *std::max_element(s, s + n);
+      const float max = max_of(s, n);
       totals[g] = exp_and_sum(s, n, max);
       if (partial != nullptr) {
         partial[2 * g] = max;
