@@ -1,7 +1,7 @@
 import torch
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker.sampler import Sampler
+from kvserve.worker.sampler import Sampler, greedy_tokens
 from kvserve.worker.structured_output import GrammarMatchers
 
 LOGITS = torch.tensor([2.0, 0.5, float("-inf"), 1.0, -1.0, 3.0, 0.0, float("-inf")])
@@ -35,3 +35,16 @@ def test_a_single_possible_token_is_always_drawn():
     sampler = Sampler(seed=1, device="cpu", grammars=GrammarMatchers("", 0))
     states = [sampler.new_state(SamplingParams(temperature=1.0), [1], ()) for _ in range(64)]
     assert sampler(logits, states).token_ids == [7] * 64
+
+
+def test_greedy_tokens_are_torch_argmax_with_ties_infinities_and_nans():
+    torch.manual_seed(0)
+    logits = torch.randn(9, 1003)  # a vocabulary that is no multiple of the vector width
+    logits[1, 17] = logits[1, 600] = logits[1].max() + 1  # a tie: the first one wins
+    logits[2] = float("-inf")
+    logits[3, 40] = logits[3, 900] = float("nan")  # NaN counts as the maximum
+    logits[4, 1002] = 1e30  # the last, partial vector
+    logits[5] = 0.0
+    logits[6, 0] = logits[6].max() + 1
+    assert greedy_tokens(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert greedy_tokens(logits[:, :1].contiguous()).tolist() == [0] * 9

@@ -32,6 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of a prefill chunk (or of some of its positions) over its context");
   m.def("apply_token_bitmask", &kvserve::apply_token_bitmask, release,
         "-inf, in place, for the tokens a grammar's bitmask row leaves out");
+  m.def("greedy_tokens", &kvserve::greedy_tokens, release,
+        "each row's torch.argmax of [rows, vocab] float32 logits");
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
       .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                     torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,

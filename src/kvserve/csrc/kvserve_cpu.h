@@ -43,6 +43,9 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::
 void apply_token_bitmask(torch::Tensor logits, const torch::Tensor& bitmask,
                          const torch::Tensor& rows);
 
+// greedy.cpp
+torch::Tensor greedy_tokens(const torch::Tensor& logits);
+
 // llama_decode.cpp: one Llama-family decoder layer's weights, linears packed by pack_weight.
 struct DecoderLayerWeights {
   torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;

@@ -25,7 +25,7 @@ from kvserve.worker.cpu_decode import CpuDecodeStack
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.input_batch import InputBuffers, ModelInputs
 from kvserve.worker.kv_pool import allocate_kv_pool
-from kvserve.worker.sampler import Sampler, SamplingState
+from kvserve.worker.sampler import Sampler, SamplingState, greedy_tokens
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ class DraftModel:
         by_id = {job.request.request_id: job for job in sampling}
         jobs = [by_id[s.request_id] for s in inputs.sample_requests]
         random = [row for row, job in enumerate(jobs) if not job.state.params.is_greedy]
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = greedy_tokens(logits).tolist()
         if random:
             drawn, probs = self.sampler.draw_drafts(logits[random],
                                                     [jobs[row].state for row in random])
