@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
+from kvserve.cpp_extension import cpu_kernels
 from kvserve.errors import CheckpointError
 from kvserve.quantization.cpu_kernels import (
     Int4Weight,
@@ -199,6 +202,50 @@ def test_8bit_kernels_match_the_dequantized_weight(sym, rows):
         assert (kernel.matmul(x) - want).abs().max() < 0.02 * want.abs().max()
     grouped = cpu_candidates([rtn(w, 8, 64, sym=sym)])  # groups: only W8A8 runs them
     assert [type(k) for k in grouped] == ([WxA8Weight] if load_wxa8() else [])
+
+
+def _gemm_runs(dtype: torch.dtype) -> bool:
+    gemm = cpu_kernels()
+    return gemm is not None and gemm.gemm_supports(torch.empty(1, 2, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantizing_gemm_gives_the_dense_gemms_bits(dtype, bits):
+    """Each block dequantized into the GEMM's tiles is the packed dequantized weight: the same
+    bits as the dense GEMM over it, for few rows, a tile's 6, and over 256 (the AMX path
+    that splits rows between threads), with a partial last block (40 outputs)."""
+    if not _gemm_runs(dtype) or load_wxa8() is None:
+        pytest.skip(f"no blocked GEMM for {dtype} or no W4A8 kernel on this CPU")
+    torch.manual_seed(0)
+    gemm = cpu_kernels()
+    for out_features, group in ((40, 64), (96, 128)):
+        q = rtn(torch.randn(out_features, 256), bits, group, sym=False)
+        (kernel,) = [k for k in cpu_candidates([q]) if isinstance(k, WxA8Weight)]
+        packed = gemm.pack_weight(q.dequantize().to(dtype))
+        for rows in (1, 6, 33, 300):
+            x = torch.randn(rows, 256).to(dtype)
+            got = gemm.dequantized_linear(x, kernel.packed, kernel.scales, kernel.zeros,
+                                          kernel.group_size, kernel.bits)
+            assert torch.equal(got, gemm.blocked_linear(x, packed, out_features, None))
+
+
+def test_w4a8_layers_run_many_rows_through_the_dequantizing_gemm():
+    if not _gemm_runs(torch.float32) or load_wxa8() is None:
+        pytest.skip("no blocked GEMM or no W4A8 kernel on this CPU")
+    torch.manual_seed(0)
+    w = torch.randn(48, 128)
+    q = gptq(w, _hessian(torch.randn(256, 128)), 4, 64, sym=False, act_order=True)
+    (kernel,) = [k for k in cpu_candidates([q]) if isinstance(k, WxA8Weight)]
+    routed = dataclasses.replace(kernel, dequantized_from=4)
+    dense = q.dequantize()
+    few, many = torch.randn(3, 128), torch.randn(5, 128)
+    assert torch.equal(routed.matmul(few), kernel.matmul(few))  # int8 activations
+    gemm = cpu_kernels()
+    assert torch.equal(routed.matmul(many), gemm.blocked_linear(  # the act-order input too
+        many[:, kernel.input_order].contiguous(), gemm.pack_weight(
+            dense[:, kernel.input_order].contiguous()), 48, None))
+    assert not torch.equal(routed.matmul(many), kernel.matmul(many))
 
 
 def test_layers_no_kernel_fits_stay_dense():

@@ -1,16 +1,18 @@
 """`kvserve bench quantized`: weight-only quantized GEMMs against the dense layer the engine
 would run instead, on one model's linear shapes (llama3-8b's by default).
 
-For each shape and number of rows, the dense layer (oneDNN float32 on CPU, cuBLAS in the
-model dtype on CUDA) is the baseline; each quantized kernel the device has (CPU: PyTorch's
-int4 and int8 and our W4A8/W8A8; CUDA: the Triton W4A16 and W8A16 GEMMs) is timed on the same
-random weight, RTN quantized, with its speed-up over dense and its time over its own floor:
-its weight bytes at the copy bandwidth measured in the same run.
+For each shape and number of rows, the dense layer as the engine runs it in `--dtype` (the
+blocked GEMM or oneDNN on CPU, cuBLAS on CUDA) is the baseline; each quantized kernel the
+device has (CPU: PyTorch's int4 and int8, our W4A8/W8A8, and the same bytes dequantized into
+the blocked GEMM's tiles; CUDA: the Triton W4A16 and W8A16 GEMMs) is timed on the same random
+weight, RTN quantized, with its speed-up over dense and its time over its own floor: its
+weight bytes at the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 from collections.abc import Callable
@@ -20,8 +22,9 @@ import torch
 from kvserve.benchmarks.device import memory_bandwidth, timed
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.config import resolve_dtype
+from kvserve.cpp_extension import cpu_kernels
 from kvserve.layers.linear import Linear
-from kvserve.quantization.cpu_kernels import cpu_candidates
+from kvserve.quantization.cpu_kernels import WxA8Weight, cpu_candidates
 from kvserve.quantization.gptq import QuantizedWeight, rtn
 from kvserve.quantization.kernels import num_programs
 
@@ -51,7 +54,15 @@ def _kernels(weight: torch.Tensor, args: argparse.Namespace, dtype: torch.dtype
         for kernel in candidates:
             if kernel is not None:
                 kernels[f"{name} ({type(kernel).__name__})"] = (kernel.matmul, kernel.num_bytes)
+            if isinstance(kernel, WxA8Weight) and _dequantizes(in_features, dtype):
+                dequantized = dataclasses.replace(kernel, dequantized_from=1)
+                kernels[f"{name} (dequantized GEMM)"] = (dequantized.matmul, kernel.num_bytes)
     return kernels
+
+
+def _dequantizes(in_features: int, dtype: torch.dtype) -> bool:
+    gemm = cpu_kernels()
+    return gemm is not None and gemm.gemm_supports(torch.empty(1, in_features, dtype=dtype))
 
 
 def run(args: argparse.Namespace) -> None:
@@ -90,7 +101,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                        "float16"],
-                   help="the dense layer's dtype (auto: bfloat16 on CUDA, float32 elsewhere)")
+                   help="the dense layer's dtype (auto: as the engine picks it for a float32 "
+                        "checkpoint on this device)")
     p.add_argument("--layers", nargs="+", choices=sorted(LLAMA3_8B), default=None)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 128])
     p.add_argument("--group-size", type=int, default=128)

@@ -21,6 +21,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T (+ bias) over a packed weight");
   m.def("blocked_linear_silu_and_mul", &kvserve::blocked_linear_silu_and_mul, release,
         "silu(gate) * up of x @ [W_gate; W_up]^T over a packed weight, n outputs");
+  m.def("dequantized_linear", &kvserve::dequantized_linear, release,
+        "x @ W^T for a W4A8/W8A8 weight, dequantized block by block into the GEMM's tiles");
   m.def("paged_decode_attention", &kvserve::paged_decode_attention, release);
   m.def("rotate_cache_and_decode", &kvserve::rotate_cache_and_decode, release);
   m.def("rotate_and_cache", &kvserve::rotate_and_cache, release,

@@ -11,6 +11,7 @@
 // as fast at batch 1 (`amx_in_use`).
 #include "kvserve_cpu.h"
 #include "amx.h"
+#include "dequantize.h"
 #include "simd.h"
 
 #include <ATen/Parallel.h>
@@ -24,6 +25,18 @@ namespace {
 using kvserve::simd::kBlock;
 constexpr int kTileRows = 6;    // input rows per tile
 constexpr int kTileBlocks = 4;  // blocks per tile: 6 x 4 accumulators + 4 weight registers
+
+// Where a GEMM's weight blocks come from, `load`ed a range at a time by the thread that runs
+// them: a packed weight, read in place, or a quantized one, dequantized into a buffer of the
+// thread's own (dequantize.h). A copy of the source per thread would do as well, but made the
+// AMX GEMM of 2,048 x 576 x 1,536 1.10x slower.
+template <typename T>
+struct PackedBlocks {
+  const T* w;
+  int64_t block_elems;
+  void load(int64_t, int64_t) const {}
+  const T* block(int64_t b) const { return w + b * block_elems; }
+};
 
 #ifdef __AVX512F__
 using kvserve::simd::accumulate;
@@ -69,17 +82,17 @@ void blocks_for_all_rows(const T* x, int64_t m, int64_t k, const T* w, int64_t o
 // thread a fifth idle); each walks all input rows over kTileBlocks of its blocks at a time,
 // so their weights stay in cache while the rows stream past, then over a pair and a single
 // for what is left.
-template <typename T>
-void blocked_gemm(const T* x, int64_t m, int64_t k, const T* w, int64_t n, const T* bias,
-                  T* out) {
+template <typename T, typename Blocks>
+void blocked_gemm(const T* x, int64_t m, int64_t k, const Blocks& weight, int64_t n,
+                  const T* bias, T* out) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  const int64_t block_elems = k * kBlock;
   at::parallel_for(0, blocks, kTileBlocks, [&](int64_t begin, int64_t end) {
     const auto run = [&](auto width, int64_t b) {
+      constexpr int kWidth = decltype(width)::value;
       const int64_t first = b * kBlock;
-      blocks_for_all_rows<T, decltype(width)::value>(x, m, k, w + b * block_elems, n - first,
-                                                     bias ? bias + first : nullptr,
-                                                     out + first, n);
+      weight.load(b, b + kWidth);
+      blocks_for_all_rows<T, kWidth>(x, m, k, weight.block(b), n - first,
+                                     bias ? bias + first : nullptr, out + first, n);
     };
     int64_t b = begin;
     for (; b + kTileBlocks <= end; b += kTileBlocks)
@@ -110,9 +123,24 @@ void amx_store(const float* c, int from, int to, int64_t first, int64_t n, const
   }
 }
 
+// Pair p of a GEMM's blocks on AMX: blocks 2p and 2p + 1 (2p twice for an odd last one).
+template <typename Blocks>
+struct ConsecutivePairs {
+  Blocks blocks;
+  int64_t count;  // blocks
+  void load(int64_t begin, int64_t end) const {
+    blocks.load(2 * begin, std::min(2 * end, count));
+  }
+  std::pair<const Bf16*, const Bf16*> operator()(int64_t pair) const {
+    const Bf16* w0 = blocks.block(2 * pair);
+    return {w0, 2 * pair + 1 < count ? blocks.block(2 * pair + 1) : w0};
+  }
+};
+
 // The products on AMX tiles (amx.h) of x's rows by `pairs` pairs of weight blocks, each pair's
 // float32 sums for up to 32 rows handed to `store(c, from, to, pair, first_row)` for its rows
-// [from, to); `blocks_of(pair)` gives a pair's two blocks. With few rows (a decode batch)
+// [from, to). `blocks_of` gives a pair's two blocks, after a `load` of the pairs a thread is
+// about to run. With few rows (a decode batch)
 // threads split the pairs, and each pair runs over all rows while its weights sit in L1. With
 // many (a prefill) threads split the rows, as the row-wise ops around a linear layer split
 // them, so each thread reads the rows it wrote and writes the rows it reads next (split by
@@ -124,8 +152,8 @@ void amx_store(const float* c, int from, int to, int64_t first, int64_t n, const
 // multiply, so the store's vector ops run while the tiles multiply, where the two took turns:
 // 0.88x the time of the 2,048 x 576 x 3,072 gate/up with its SiLU, 0.93-0.96x for 2,048 rows
 // of 576 or 1,536 channels, 0.92x at 32 x 576 x 1,536, level at 2,048^3 (the same bits).
-template <typename BlocksOf, typename Store>
-void amx_pairs(const Bf16* x, int64_t m, int64_t k, int64_t pairs, BlocksOf blocks_of,
+template <typename Pairs, typename Store>
+void amx_pairs(const Bf16* x, int64_t m, int64_t k, int64_t pairs, const Pairs& blocks_of,
                Store store) {
   namespace amx = kvserve::amx;
   const int64_t pair_bytes = 2 * k * kBlock * static_cast<int64_t>(sizeof(Bf16));
@@ -152,6 +180,7 @@ void amx_pairs(const Bf16* x, int64_t m, int64_t k, int64_t pairs, BlocksOf bloc
     const int64_t channel_steps = std::max<int64_t>(1, k / amx::kChannels);
     for (int64_t group = first_pair; group < end_pair; group += group_pairs) {
       const int64_t group_end = std::min(end_pair, group + group_pairs);
+      blocks_of.load(group, group_end);
       for (int64_t step = first_step; step < end_step; ++step) {
         const int64_t row = step * amx::kRows;
         const int rows = static_cast<int>(std::min<int64_t>(amx::kRows, m - row));
@@ -172,16 +201,13 @@ void amx_pairs(const Bf16* x, int64_t m, int64_t k, int64_t pairs, BlocksOf bloc
   });
 }
 
-// out = x W^T (+ bias) in bfloat16 on AMX: blocks 2p and 2p + 1 as pair p.
-void amx_gemm(const Bf16* x, int64_t m, int64_t k, const Bf16* w, int64_t n, const Bf16* bias,
-              Bf16* out) {
-  const int64_t blocks = (n + kBlock - 1) / kBlock, block_elems = k * kBlock;
+// out = x W^T (+ bias) in bfloat16 on AMX.
+template <typename Blocks>
+void amx_gemm(const Bf16* x, int64_t m, int64_t k, const Blocks& weight, int64_t n,
+              const Bf16* bias, Bf16* out) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
   amx_pairs(
-      x, m, k, (blocks + 1) / 2,
-      [&](int64_t pair) {
-        const Bf16* w0 = w + 2 * pair * block_elems;
-        return std::pair{w0, 2 * pair + 1 < blocks ? w0 + block_elems : w0};
-      },
+      x, m, k, (blocks + 1) / 2, ConsecutivePairs<Blocks>{weight, blocks},
       [&](const float* c, int from, int to, int64_t pair, int64_t row) {
         amx_store(c, from, to, 2 * kBlock * pair, n, bias, out + row * n);
       });
@@ -195,13 +221,18 @@ void amx_gemm(const Bf16* x, int64_t m, int64_t k, const Bf16* w, int64_t n, con
 void amx_gemm_silu_and_mul(const Bf16* x, int64_t m, int64_t k, const Bf16* w, int64_t n,
                            Bf16* out) {
   using L = kvserve::simd::Lanes<Bf16>;
-  const int64_t block_elems = k * kBlock, up = n / kBlock * block_elems;
+  struct GateUpPairs {  // pair p: gate block p and up block p
+    const Bf16* w;
+    int64_t block_elems, up;
+    void load(int64_t, int64_t) const {}
+    std::pair<const Bf16*, const Bf16*> operator()(int64_t pair) const {
+      const Bf16* gate = w + pair * block_elems;
+      return {gate, gate + up};
+    }
+  };
+  const int64_t block_elems = k * kBlock;
   amx_pairs(
-      x, m, k, n / kBlock,
-      [&](int64_t pair) {
-        const Bf16* gate = w + pair * block_elems;
-        return std::pair{gate, gate + up};
-      },
+      x, m, k, n / kBlock, GateUpPairs{w, block_elems, n / kBlock * block_elems},
       [&](const float* c, int from, int to, int64_t pair, int64_t row) {
         for (int i = from; i < to; ++i) {
           __m512 gate = _mm512_loadu_ps(c + 2 * i * kBlock);
@@ -213,6 +244,36 @@ void amx_gemm_silu_and_mul(const Bf16* x, int64_t m, int64_t k, const Bf16* w, i
       });
 }
 #endif  // KVSERVE_AMX
+
+// out = x W^T (+ bias) over the blocks `weight` gives: on AMX tiles where they run, else on the
+// AVX-512 register tiles.
+template <typename T, typename Blocks>
+void gemm(const T* x, int64_t m, int64_t k, const Blocks& weight, int64_t n, const T* bias,
+          T* out) {
+#ifdef KVSERVE_AMX
+  if constexpr (std::is_same_v<T, Bf16>) {
+    if (kvserve::amx::runs(k)) {
+      amx_gemm(x, m, k, weight, n, bias, out);
+      return;
+    }
+  }
+#endif
+#ifdef __AVX512F__
+  blocked_gemm<T>(x, m, k, weight, n, bias, out);
+#endif
+}
+
+// fn(T{}) for the GEMM's element type T of `type`, where this build has a GEMM for it.
+template <typename Fn>
+void with_gemm_type(torch::ScalarType type, const char* name, Fn fn) {
+#ifdef __AVX512F__
+  if (type == torch::kFloat) return fn(float{});
+#endif
+#ifdef __AVX512BF16__
+  if (type == torch::kBFloat16) return fn(at::BFloat16{});
+#endif
+  TORCH_CHECK(false, name, ": no blocked GEMM for ", type, " on this CPU");
+}
 
 // x: contiguous [m, k] rows of the weight's dtype; packed: a weight of at least n outputs.
 void check_blocked_input(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
@@ -262,29 +323,48 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& packed
   check_blocked_input(x, packed, n);
   const int64_t m = x.size(0), k = x.size(1);
   auto out = torch::empty({m, n}, x.options());
-  if (m == 0) return out;
-  AT_DISPATCH_SWITCH(x.scalar_type(), "blocked_linear",
+  if (m > 0)
+    with_gemm_type(x.scalar_type(), "blocked_linear", [&](auto type) {
+      using T = decltype(type);
+      gemm<T>(x.data_ptr<T>(), m, k, PackedBlocks<T>{packed.data_ptr<T>(), k * kBlock}, n,
+              bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>());
+    });
+  return out;
+}
+
+torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qweight,
+                                 const torch::Tensor& scales, const torch::Tensor& zeros,
+                                 int64_t group, int64_t bits) {
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "dequantized_linear: contiguous 2-D input");
+  TORCH_CHECK(bits == 4 || bits == 8, "dequantized_linear: 4 or 8 bits, got ", bits);
+  TORCH_CHECK(group % 64 == 0 && k % group == 0 && qweight.size(1) * 8 == k * bits &&
+                  qweight.scalar_type() == torch::kUInt8 && qweight.is_contiguous(),
+              "dequantized_linear: a [n, k * bits / 8] uint8 weight in groups of a multiple "
+              "of 64 input channels for input width ", k);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && zeros.scalar_type() == torch::kFloat &&
+                  scales.is_contiguous() && zeros.is_contiguous() &&
+                  scales.numel() == n * (k / group) && zeros.numel() == n * (k / group),
+              "dequantized_linear: float32 scales and zeros of [n, k / group]");
+  auto out = torch::empty({m, n}, x.options());
 #ifdef __AVX512F__
-      AT_DISPATCH_CASE(torch::kFloat, [&] {
-        blocked_gemm<float>(x.data_ptr<float>(), m, k, packed.data_ptr<float>(), n,
-                            bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>());
-      })
+  if (m > 0)
+    with_gemm_type(x.scalar_type(), "dequantized_linear", [&](auto type) {
+      using T = decltype(type);
+      const auto run = [&](auto width) {
+        const dequantize::Blocks<T, decltype(width)::value> weight{
+            qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(),
+            n, k, group};
+        gemm<T>(x.data_ptr<T>(), m, k, weight, n, nullptr, out.data_ptr<T>());
+      };
+      if (bits == 4)
+        run(std::integral_constant<int, 4>{});
+      else
+        run(std::integral_constant<int, 8>{});
+    });
+#else
+  TORCH_CHECK(m == 0, "dequantized_linear: no blocked GEMM on this CPU");
 #endif
-#ifdef __AVX512BF16__
-      AT_DISPATCH_CASE(torch::kBFloat16, [&] {
-        using T = at::BFloat16;
-#ifdef KVSERVE_AMX
-        if (amx::runs(k)) {
-          amx_gemm(x.data_ptr<T>(), m, k, packed.data_ptr<T>(), n,
-                   bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>());
-          return;
-        }
-#endif
-        blocked_gemm<T>(x.data_ptr<T>(), m, k, packed.data_ptr<T>(), n,
-                        bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>());
-      })
-#endif
-  );
   return out;
 }
 

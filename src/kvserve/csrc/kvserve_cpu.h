@@ -21,6 +21,11 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& packed
                              const c10::optional<torch::Tensor>& bias);
 torch::Tensor blocked_linear_silu_and_mul(const torch::Tensor& x, const torch::Tensor& packed,
                                           int64_t n);
+// x @ W^T for a W4A8/W8A8 weight (quantization/csrc/wxa8.cpp's [n, k * bits / 8] layout, scales
+// and zeros [n, k / group]), dequantized block by block into the GEMM's packed form.
+torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qweight,
+                                 const torch::Tensor& scales, const torch::Tensor& zeros,
+                                 int64_t group, int64_t bits);
 
 // paged_decode.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,

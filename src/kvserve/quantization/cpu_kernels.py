@@ -8,6 +8,9 @@ and one of ours:
 - W4A8 and W8A8 (`csrc/wxa8.cpp`): 4- and 8-bit layers with groups of a multiple of 64
   channels; each row's activations are quantized to int8 per group and the group's integer
   dot products run on VNNI (AVX2's maddubs without it), as llama.cpp's Q4/Q8 x Q8 paths do.
+  From a measured number of rows up, the same bytes are dequantized block by block into the
+  blocked GEMM's tiles instead (`kvserve/csrc/dequantize.h`, where that GEMM is built): its
+  rate, AMX's where the CPU has it, once enough rows share each dequantized block.
 Act-order layers, whose groups are scattered over the input channels, run with the channels
 sorted by group and each input gathered into that order.
 
@@ -15,11 +18,12 @@ All stream a quarter (8-bit) or an eighth (4-bit) of the float32 weight bytes. W
 fastest, and whether any beats the dense float32 GEMM, depends on the CPU (VNNI, bfloat16
 support) and the shape, so the engine times them on each layer shape at load and keeps the
 fastest for one-row steps, the case quantized models are served for (`kernels.py` makes the
-choice).
+choice), and for W4A8/W8A8 the row count from which the dequantizing GEMM is faster.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
@@ -30,7 +34,7 @@ from types import ModuleType
 
 import torch
 
-from kvserve.cpp_extension import build
+from kvserve.cpp_extension import build, cpu_kernels
 from kvserve.quantization.gptq import QuantizedWeight, sorted_by_group
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -78,22 +82,27 @@ class Int8Weight:
 class WxA8Weight:
     packed: torch.Tensor  # [out, in * bits / 8] uint8, in blocks of 64 channels (csrc/wxa8.cpp)
     scales: torch.Tensor  # [out, groups] float32
-    scaled_zeros: torch.Tensor  # [out, groups] float32: zero * scale
+    zeros: torch.Tensor  # [out, groups] float32
     group_size: int
     bits: int  # 4 or 8
     input_order: torch.Tensor | None  # act-order: the input channels sorted by group
+    # From this many rows up, the dequantizing GEMM runs (None: never).
+    dequantized_from: int | None = None
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.packed, self.scales, self.scaled_zeros))
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).float()
+        rows = x.reshape(-1, x.shape[-1])
         if self.input_order is not None:
             rows = rows.index_select(1, self.input_order)
-        out = load_wxa8().wxa8_matmul(rows.contiguous(), self.packed, self.scales,
-                                      self.scaled_zeros, self.group_size, self.bits)
+        if self.dequantized_from is not None and rows.shape[0] >= self.dequantized_from:
+            out = cpu_kernels().dequantized_linear(rows.contiguous(), self.packed, self.scales,
+                                                   self.zeros, self.group_size, self.bits)
+        else:
+            out = load_wxa8().wxa8_matmul(rows.float().contiguous(), self.packed, self.scales,
+                                          self.zeros, self.group_size, self.bits)
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
@@ -136,19 +145,27 @@ def cpu_candidates(shards: list[QuantizedWeight]) -> list[IntegerWeight]:
             blocks = packed.reshape(out_features, -1, 2, 32)
             packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out_features, -1)
         candidates.append(WxA8Weight(packed.contiguous(), scales.t().contiguous(),
-                                     (zeros * scales).t().contiguous(), group_size, bits,
-                                     order))
+                                     zeros.t().contiguous(), group_size, bits, order))
     return candidates
 
 
-_decisions: dict[tuple[object, ...], int] = {}  # by kernels, shape, layout and dtype
+# By kernels, shape, layout and dtype: the chosen candidate's index (past the end: the dense
+# GEMM), and its dequantized_from.
+_decisions: dict[tuple[object, ...], tuple[int, int | None]] = {}
+# How much slower on one row W4A8/W8A8 may be than the fastest kernel and still be chosen,
+# where its dequantizing GEMM serves many rows: the others have no fast path for them (torch's
+# int4 took 28x one row's time for 64 rows of a 2,048 x 128,256 LM head, 1.07x as fast as
+# W4A8 on one row; W4A8 through the dequantizing GEMM 3.5x).
+ONE_ROW_SLACK = 1.25
 
 
 def fastest(candidates: list[IntegerWeight],
             dense: Callable[[torch.Tensor], torch.Tensor] | None, in_features: int,
             dtype: torch.dtype) -> IntegerWeight | None:
     """The candidate fastest on one row of this shape, or None where `dense` (if given) beats
-    them all; measured once per shape, the median of a few runs each."""
+    them all; measured once per shape, the median of a few runs each. W4A8/W8A8, where its
+    dequantizing GEMM is faster from some row count up, is preferred to a kernel at most
+    ONE_ROW_SLACK faster on one row, and switches to that GEMM from that row count."""
     key = (in_features, dense is None, dtype, *(
         (type(c).__name__, _layout(c)) for c in candidates))
     if key not in _decisions:
@@ -156,9 +173,38 @@ def fastest(candidates: list[IntegerWeight],
         times = [_median_time(c.matmul, x) for c in candidates]
         if dense is not None:
             times.append(_median_time(dense, x))
-        _decisions[key] = min(range(len(times)), key=times.__getitem__)
-    index = _decisions[key]
-    return candidates[index] if index < len(candidates) else None
+        index = min(range(len(times)), key=times.__getitem__)
+        rows = None
+        wxa8 = next((i for i, c in enumerate(candidates) if isinstance(c, WxA8Weight)), None)
+        if (wxa8 is not None and index < len(candidates)
+                and times[wxa8] <= ONE_ROW_SLACK * times[index]):
+            rows = dequantized_crossover(candidates[wxa8], in_features, dtype)
+            if rows is not None:
+                index = wxa8
+        _decisions[key] = index, rows
+    index, rows = _decisions[key]
+    if index == len(candidates):
+        return None
+    chosen = candidates[index]
+    return dataclasses.replace(chosen, dequantized_from=rows) if rows is not None else chosen
+
+
+CROSSOVER_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def dequantized_crossover(kernel: WxA8Weight, in_features: int,
+                          dtype: torch.dtype) -> int | None:
+    """The fewest rows (of CROSSOVER_ROWS) at which the dequantizing GEMM beats the W4A8/W8A8
+    kernel on this layer, or None where it never does or is not built for `dtype`."""
+    gemm = cpu_kernels()
+    if gemm is None or not gemm.gemm_supports(torch.empty(1, in_features, dtype=dtype)):
+        return None
+    dequantized = dataclasses.replace(kernel, dequantized_from=1)
+    for rows in CROSSOVER_ROWS:
+        x = torch.randn(rows, in_features, dtype=dtype)
+        if _median_time(dequantized.matmul, x, 3) < _median_time(kernel.matmul, x, 3):
+            return rows
+    return None
 
 
 def _layout(kernel: IntegerWeight) -> tuple[object, ...]:

@@ -65,13 +65,13 @@ inline __m256i block_dot(const uint8_t* w, const int8_t* x) {
 #endif
 
 // out[r] = sum over groups g of x_scale[r, g] * (scale[g] * dot(q_g, xq[r]_g)
-//                                             - scaled_zero[g] * x_sum[r, g])
+//                                             - scale[g] * zero[g] * x_sum[r, g])
 // for ROWS activation rows `k` apart, over one weight row: each block of 64 weights is
 // loaded once for all rows, and a group's integer sums are scaled into float lanes, so
 // lanes are summed once per output.
 template <int BITS, int ROWS>
 inline void weight_row(const uint8_t* w, const int8_t* xq, const float* x_scale,
-                       const float* x_sum, const float* scale, const float* scaled_zero,
+                       const float* x_sum, const float* scale, const float* zero,
                        int64_t k, int64_t groups, int64_t blocks, float* out) {
   constexpr int64_t kBytes = kBlock * BITS / 8;
   float zero_terms[ROWS] = {};
@@ -90,7 +90,7 @@ inline void weight_row(const uint8_t* w, const int8_t* xq, const float* x_scale,
       const float xs = x_scale[r * groups + g];
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_set1_ps(xs * scale[g]),
                                acc[r]);
-      zero_terms[r] += xs * scaled_zero[g] * x_sum[r * groups + g];
+      zero_terms[r] += xs * (zero[g] * scale[g]) * x_sum[r * groups + g];
     }
   }
   for (int r = 0; r < ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - zero_terms[r];
@@ -108,7 +108,7 @@ inline void weight_row(const uint8_t* w, const int8_t* xq, const float* x_scale,
       const float xs = x_scale[r * groups + g];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r]), _mm256_set1_ps(xs * scale[g]),
                                acc[r]);
-      zero_terms[r] += xs * scaled_zero[g] * x_sum[r * groups + g];
+      zero_terms[r] += xs * (zero[g] * scale[g]) * x_sum[r * groups + g];
     }
   }
   for (int r = 0; r < ROWS; ++r) {
@@ -130,7 +130,8 @@ inline void weight_row(const uint8_t* w, const int8_t* xq, const float* x_scale,
         dot += q * xq[r * k + c];
       }
       const float xs = x_scale[r * groups + g];
-      total += xs * (scale[g] * static_cast<float>(dot) - scaled_zero[g] * x_sum[r * groups + g]);
+      total += xs * (scale[g] * static_cast<float>(dot) -
+                     (zero[g] * scale[g]) * x_sum[r * groups + g]);
     }
     out[r] = total;
   }
@@ -159,10 +160,9 @@ void weight_rows(const uint8_t* w, const int8_t* xq, const float* xs, const floa
 
 }  // namespace
 
-// x [M, K] float32; packed [N, K * bits / 8] uint8; scales and scaled_zeros [N, K / group]
-// float32.
+// x [M, K] float32; packed [N, K * bits / 8] uint8; scales and zeros [N, K / group] float32.
 torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          torch::Tensor scaled_zeros, int64_t group, int64_t bits) {
+                          torch::Tensor zeros, int64_t group, int64_t bits) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2);
   TORCH_CHECK(bits == 4 || bits == 8);
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
@@ -193,7 +193,7 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   auto out = torch::empty({m, n}, torch::kFloat32);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
-  const float* zp = scaled_zeros.data_ptr<float>();
+  const float* zp = zeros.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = k * bits / 8, blocks = group / kBlock;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
