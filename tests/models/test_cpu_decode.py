@@ -12,7 +12,7 @@ from tests.conftest import ARCHES, random_prompts
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the CPU kernels do not build")
 
 
-def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[tuple[int, float]]]:
+def greedy_with_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[tuple[int, float]]]:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [[(t, lp[t].logprob) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
@@ -29,8 +29,8 @@ def test_decode_stack_equals_the_eager_forward(model_dirs, arch, dtype):
                 enforce_eager=True)
     assert eager.engine.core.runner.cpu_decode is None
     assert stacked.engine.core.runner.cpu_decode is not None  # Qwen3's q/k norms included
-    assert _generate(stacked, prompts) == _generate(eager, prompts)
-    assert _generate(stacked, prompts[:1]) == _generate(eager, prompts[:1])
+    assert greedy_with_logprobs(stacked, prompts) == greedy_with_logprobs(eager, prompts)
+    assert greedy_with_logprobs(stacked, prompts[:1]) == greedy_with_logprobs(eager, prompts[:1])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -39,5 +39,5 @@ def test_a_request_computes_the_same_bits_alone_and_beside_prefills(llama_dir, d
     the batch: both go through the same fused decode kernel."""
     target, *others = random_prompts([20, 5, 90, 300, 41], seed=11)
     llm = LLM(str(llama_dir), dtype=dtype, max_num_batched_tokens=64)
-    alone = _generate(llm, [target])[0]
-    assert _generate(llm, others[:2] + [target] + others[2:])[2] == alone
+    alone = greedy_with_logprobs(llm, [target])[0]
+    assert greedy_with_logprobs(llm, others[:2] + [target] + others[2:])[2] == alone

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, SamplingParams
+from kvserve.cpp_extension import cpu_kernels
 from kvserve.layers.linear import Linear
 from kvserve.models.loader import iter_checkpoint
 from kvserve.quantization.cpu_kernels import (
@@ -19,7 +20,6 @@ from kvserve.quantization.cpu_kernels import (
     Int8Weight,
     WxA8Weight,
     cpu_candidates,
-    load_wxa8,
 )
 from kvserve.quantization.gptq import rtn
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
@@ -28,6 +28,7 @@ from kvserve.quantization.quantize import quantize_model
 from kvserve.tools.checkpoint_files import write_weights
 from kvserve.tools.make_model import make_model
 from tests.conftest import random_prompts
+from tests.models.test_cpu_decode import greedy_with_logprobs
 from tests.models.test_hf_equivalence import MAX_TOKENS, hf_greedy, run_greedy
 
 RELATIVE_ERROR = {8: 0.01, 4: 0.2, 3: 0.4}  # |dequantized - original| / |original|
@@ -138,7 +139,7 @@ def test_quantized_kernels_track_the_dequantized_weights(trained_tiny, tmp_path,
     give the dequantized model's log-probabilities within bfloat16 (or int8) noise."""
     if choice == "triton":
         kernel = getattr(pytest.importorskip("kvserve.quantization.triton_gemm"), kernel)
-    if kernel is WxA8Weight and load_wxa8() is None:
+    if kernel is WxA8Weight and cpu_kernels() is None:
         pytest.skip("the C++ kernels are not built here")
     if choice == "integer":  # the kernel under test is the only candidate, whatever the timings
         monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates", lambda shards: [
@@ -165,6 +166,31 @@ def test_quantized_kernels_track_the_dequantized_weights(trained_tiny, tmp_path,
         for position, token in enumerate(a.prompt_token_ids[1:], start=1):
             want = a.prompt_logprobs[position][token].logprob
             assert abs(b.prompt_logprobs[position][token].logprob - want) < 0.05
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_stack_runs_w4a8_layers_as_the_eager_forward(trained_tiny, tmp_path,
+                                                                monkeypatch, dtype):
+    """Act-order 4-bit layers in the one-call decode stack: batches below 3 decodes on the W4A8
+    kernel, from 3 on the dequantizing GEMM, the same logprobs to the bit as eager."""
+    gemm = cpu_kernels()
+    if gemm is None or not gemm.gemm_supports(torch.empty(1, 2, dtype=getattr(torch, dtype))):
+        pytest.skip(f"no blocked GEMM for {dtype} on this CPU")
+    monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates", lambda shards: [
+        k for k in cpu_candidates(shards) if isinstance(k, WxA8Weight)])
+    monkeypatch.setattr("kvserve.quantization.cpu_kernels._decisions", {})
+    monkeypatch.setattr("kvserve.quantization.cpu_kernels.dequantized_crossover",
+                        lambda *args: 3)
+    monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")  # whatever the dense GEMM's time
+    out = quantize_model(trained_tiny, tmp_path / "q", "gptq", 4, group_size=64,
+                         act_order=True, num_samples=8, seq_len=64)
+    stacked = LLM(str(out), dtype=dtype, max_num_batched_tokens=48)
+    eager = LLM(str(out), dtype=dtype, max_num_batched_tokens=48, enforce_eager=True)
+    assert stacked.engine.core.runner.cpu_decode is not None
+    assert stacked.engine.core.runner.model.layers[0].mlp.down_proj.kernel.dequantized_from == 3
+    prompts = random_prompts([5, 17, 70, 3, 40], seed=4)
+    assert greedy_with_logprobs(stacked, prompts) == greedy_with_logprobs(eager, prompts)
+    assert greedy_with_logprobs(stacked, prompts[:2]) == greedy_with_logprobs(eager, prompts[:2])
 
 
 def test_a_quantized_lm_head_is_written_untied_and_serves_like_its_dequantized_weights(

@@ -15,7 +15,6 @@ from kvserve.quantization.cpu_kernels import (
     Int8Weight,
     WxA8Weight,
     cpu_candidates,
-    load_wxa8,
 )
 from kvserve.quantization.gptq import gptq, rtn
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
@@ -180,7 +179,7 @@ def test_4bit_kernels_match_the_dequantized_weight(act_order, rows):
     q = gptq(w, _hessian(torch.randn(256, 128)), 4, 64, sym=False, act_order=act_order)
     assert not act_order or not torch.equal(q.g_idx, torch.arange(128) // 64)
     kernels = cpu_candidates([q.map_rows(lambda t: t[:16]), q.map_rows(lambda t: t[16:])])
-    assert {type(k) for k in kernels} == {Int4Weight} | ({WxA8Weight} if load_wxa8() else set())
+    assert {type(k) for k in kernels} == {Int4Weight} | ({WxA8Weight} if cpu_kernels() else set())
     want = _bf16_reference(x, q)
     for kernel in kernels:
         assert (kernel.input_order is not None) == act_order
@@ -195,13 +194,13 @@ def test_8bit_kernels_match_the_dequantized_weight(sym, rows):
     w, x = torch.randn(40, 128), torch.randn(rows, 128) + 1  # a mean: zero points matter
     q = rtn(w, 8, 128, sym=sym)
     kernels = cpu_candidates([q])
-    assert {type(k) for k in kernels} == {Int8Weight} | ({WxA8Weight} if load_wxa8() else set())
+    assert {type(k) for k in kernels} == {Int8Weight} | ({WxA8Weight} if cpu_kernels() else set())
     assert all(k.zero_terms is None for k in kernels if isinstance(k, Int8Weight)) == sym
     want = _bf16_reference(x, q)
     for kernel in kernels:
         assert (kernel.matmul(x) - want).abs().max() < 0.02 * want.abs().max()
     grouped = cpu_candidates([rtn(w, 8, 64, sym=sym)])  # groups: only W8A8 runs them
-    assert [type(k) for k in grouped] == ([WxA8Weight] if load_wxa8() else [])
+    assert [type(k) for k in grouped] == ([WxA8Weight] if cpu_kernels() else [])
 
 
 def _gemm_runs(dtype: torch.dtype) -> bool:
@@ -215,7 +214,7 @@ def test_dequantizing_gemm_gives_the_dense_gemms_bits(dtype, bits):
     """Each block dequantized into the GEMM's tiles is the packed dequantized weight: the same
     bits as the dense GEMM over it, for few rows, a tile's 6, and over 256 (the AMX path
     that splits rows between threads), with a partial last block (40 outputs)."""
-    if not _gemm_runs(dtype) or load_wxa8() is None:
+    if not _gemm_runs(dtype) or cpu_kernels() is None:
         pytest.skip(f"no blocked GEMM for {dtype} or no W4A8 kernel on this CPU")
     torch.manual_seed(0)
     gemm = cpu_kernels()
@@ -231,7 +230,7 @@ def test_dequantizing_gemm_gives_the_dense_gemms_bits(dtype, bits):
 
 
 def test_w4a8_layers_run_many_rows_through_the_dequantizing_gemm():
-    if not _gemm_runs(torch.float32) or load_wxa8() is None:
+    if not _gemm_runs(torch.float32) or cpu_kernels() is None:
         pytest.skip("no blocked GEMM or no W4A8 kernel on this CPU")
     torch.manual_seed(0)
     w = torch.randn(48, 128)

@@ -4,6 +4,7 @@
 
 namespace py = pybind11;
 using kvserve::DecoderLayerWeights;
+using kvserve::LinearWeights;
 using kvserve::LlamaDecodeStack;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -36,9 +37,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "-inf, in place, for the tokens a grammar's bitmask row leaves out");
   m.def("greedy_tokens", &kvserve::greedy_tokens, release,
         "each row's torch.argmax of [rows, vocab] float32 logits");
+  m.def("wxa8_matmul", &kvserve::wxa8_matmul, release,
+        "x @ W^T for a W4A8/W8A8 weight, x's rows quantized to int8 per group");
+  py::class_<LinearWeights>(m, "LinearWeights")
+      .def(py::init([](torch::Tensor packed) { return LinearWeights{packed}; }),
+           py::arg("packed"))
+      .def(py::init([](torch::Tensor weight, int64_t bits, torch::Tensor scales,
+                       torch::Tensor zeros, c10::optional<torch::Tensor> input_order,
+                       int64_t group, int64_t dequantized_from) {
+             return LinearWeights{weight, bits, scales, zeros, input_order, group,
+                                  dequantized_from};
+           }),
+           py::arg("weight"), py::arg("bits"), py::arg("scales"), py::arg("zeros"),
+           py::arg("input_order"), py::arg("group"), py::arg("dequantized_from"));
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
-      .def(py::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                    torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+      .def(py::init<torch::Tensor, LinearWeights, LinearWeights, torch::Tensor, LinearWeights,
+                    LinearWeights, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                     c10::optional<torch::Tensor>>(),
            py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"),
            py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias") = py::none(),

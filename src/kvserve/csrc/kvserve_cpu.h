@@ -27,6 +27,10 @@ torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qw
                                  const torch::Tensor& scales, const torch::Tensor& zeros,
                                  int64_t group, int64_t bits);
 
+// wxa8.cpp: x [m, k] float32 times a W4A8/W8A8 weight, activations quantized to int8 per group.
+torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                          torch::Tensor zeros, int64_t group, int64_t bits);
+
 // paged_decode.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
@@ -51,9 +55,27 @@ void apply_token_bitmask(torch::Tensor logits, const torch::Tensor& bitmask,
 // greedy.cpp
 torch::Tensor greedy_tokens(const torch::Tensor& logits);
 
-// llama_decode.cpp: one Llama-family decoder layer's weights, linears packed by pack_weight.
+// llama_decode.cpp: a linear layer of the decode stack, run as the eager forward runs it: a
+// weight packed by pack_weight (bits 0), or a W4A8/W8A8 one (quantization/cpu_kernels.py's
+// WxA8Weight: on wxa8_matmul, or on dequantized_linear from `dequantized_from` rows up).
+struct LinearWeights {
+  torch::Tensor weight;  // packed, or [n, k * bits / 8] uint8
+  int64_t bits = 0;
+  c10::optional<torch::Tensor> scales, zeros, input_order;
+  int64_t group = 0, dequantized_from = 0;  // 0: never
+
+  torch::Tensor operator()(const torch::Tensor& x, int64_t n,
+                           const c10::optional<torch::Tensor>& bias) const;
+  // silu(gate) * up of this [gate; up] layer with n outputs each.
+  torch::Tensor silu_and_mul(const torch::Tensor& x, int64_t n) const;
+};
+
+// One Llama-family decoder layer's weights.
 struct DecoderLayerWeights {
-  torch::Tensor input_norm, qkv, o, post_norm, gate_up, down;
+  torch::Tensor input_norm;
+  LinearWeights qkv, o;
+  torch::Tensor post_norm;
+  LinearWeights gate_up, down;
   c10::optional<torch::Tensor> qkv_bias, q_norm, k_norm;  // q/k norms: Qwen3's per-head ones
 };
 

@@ -9,6 +9,24 @@
 
 namespace kvserve {
 
+torch::Tensor LinearWeights::operator()(const torch::Tensor& x, int64_t n,
+                                        const c10::optional<torch::Tensor>& bias) const {
+  if (bits == 0) return blocked_linear(x, weight, n, bias);
+  const torch::Tensor rows = input_order ? x.index_select(1, *input_order) : x;
+  torch::Tensor out =
+      dequantized_from > 0 && rows.size(0) >= dequantized_from
+          ? dequantized_linear(rows.contiguous(), weight, *scales, *zeros, group, bits)
+          : wxa8_matmul(rows.to(torch::kFloat).contiguous(), weight, *scales, *zeros, group,
+                        bits);
+  out = out.to(x.scalar_type());
+  return bias ? out + *bias : out;
+}
+
+torch::Tensor LinearWeights::silu_and_mul(const torch::Tensor& x, int64_t n) const {
+  return bits == 0 ? blocked_linear_silu_and_mul(x, weight, n)
+                   : kvserve::silu_and_mul((*this)(x, 2 * n, c10::nullopt));
+}
+
 LlamaDecodeStack::LlamaDecodeStack(std::vector<DecoderLayerWeights> layers,
                                    torch::Tensor final_norm, int64_t num_heads,
                                    int64_t num_kv_heads, int64_t head_dim,
@@ -39,7 +57,7 @@ torch::Tensor LlamaDecodeStack::forward(torch::Tensor x, const torch::Tensor& ro
     const DecoderLayerWeights& layer = layers_[i];
     if (i > 0) normed = add_rms_norm(x, layer.input_norm, eps_, residual);
     const torch::Tensor heads =
-        blocked_linear(normed, layer.qkv, qkv_size, layer.qkv_bias).view({rows, -1, head_dim_});
+        layer.qkv(normed, qkv_size, layer.qkv_bias).view({rows, -1, head_dim_});
     torch::Tensor qk = heads.narrow(1, 0, qk_heads);
     if (layer.q_norm && layer.k_norm) {  // each head's row normed, as models/llama.py does
       const auto norm_heads = [&](int64_t first, int64_t count, const torch::Tensor& weight) {
@@ -54,11 +72,10 @@ torch::Tensor LlamaDecodeStack::forward(torch::Tensor x, const torch::Tensor& ro
     const torch::Tensor attention = rotate_cache_and_decode(
         qk, heads.narrow(1, qk_heads, num_kv_heads_), rotation, slot_mapping, kv_caches[i],
         block_tables, seq_lens, scale_, window, rows_share_sequences);
-    normed = add_rms_norm(blocked_linear(attention.view({rows, -1}), layer.o, hidden_size_,
-                                         c10::nullopt),
+    normed = add_rms_norm(layer.o(attention.view({rows, -1}), hidden_size_, c10::nullopt),
                           layer.post_norm, eps_, residual);
-    x = blocked_linear(blocked_linear_silu_and_mul(normed, layer.gate_up, intermediate_size_),
-                       layer.down, hidden_size_, c10::nullopt);
+    x = layer.down(layer.gate_up.silu_and_mul(normed, intermediate_size_), hidden_size_,
+                   c10::nullopt);
   }
   return add_rms_norm(x, final_norm_, eps_, residual);
 }

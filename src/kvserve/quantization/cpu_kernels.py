@@ -5,7 +5,7 @@ and one of ours:
 - int8 (`_weight_int8pack_mm`, bfloat16 activations): values of up to 8 bits with one scale
   per output channel. The kernel has no zero points, so the integers are stored offset by
   128 and the zero's share, `scale * (zero - 128) * sum(x)`, is subtracted from the output.
-- W4A8 and W8A8 (`csrc/wxa8.cpp`): 4- and 8-bit layers with groups of a multiple of 64
+- W4A8 and W8A8 (`kvserve/csrc/wxa8.cpp`): 4- and 8-bit layers with groups of a multiple of 64
   channels; each row's activations are quantized to int8 per group and the group's integer
   dot products run on VNNI (AVX2's maddubs without it), as llama.cpp's Q4/Q8 x Q8 paths do.
   From a measured number of rows up, the same bytes are dequantized block by block into the
@@ -24,17 +24,14 @@ choice), and for W4A8/W8A8 the row count from which the dequantizing GEMM is fas
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 
 import torch
 
-from kvserve.cpp_extension import build, cpu_kernels
+from kvserve.cpp_extension import cpu_kernels
 from kvserve.quantization.gptq import QuantizedWeight, sorted_by_group
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -80,7 +77,7 @@ class Int8Weight:
 
 @dataclass(frozen=True)
 class WxA8Weight:
-    packed: torch.Tensor  # [out, in * bits / 8] uint8, in blocks of 64 channels (csrc/wxa8.cpp)
+    packed: torch.Tensor  # [out, in * bits / 8] uint8, in blocks of 64 channels (wxa8.cpp)
     scales: torch.Tensor  # [out, groups] float32
     zeros: torch.Tensor  # [out, groups] float32
     group_size: int
@@ -101,18 +98,12 @@ class WxA8Weight:
             out = cpu_kernels().dequantized_linear(rows.contiguous(), self.packed, self.scales,
                                                    self.zeros, self.group_size, self.bits)
         else:
-            out = load_wxa8().wxa8_matmul(rows.float().contiguous(), self.packed, self.scales,
-                                          self.zeros, self.group_size, self.bits)
+            out = cpu_kernels().wxa8_matmul(rows.float().contiguous(), self.packed, self.scales,
+                                            self.zeros, self.group_size, self.bits)
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
 IntegerWeight = Int4Weight | Int8Weight | WxA8Weight
-
-
-@functools.cache
-def load_wxa8() -> ModuleType | None:
-    return build("kvserve_wxa8", [Path(__file__).parent / "csrc" / "wxa8.cpp"],
-                 "CPU W4A8/W8A8 kernel")
 
 
 def cpu_candidates(shards: list[QuantizedWeight]) -> list[IntegerWeight]:
@@ -139,7 +130,7 @@ def cpu_candidates(shards: list[QuantizedWeight]) -> list[IntegerWeight]:
         bf16_scales = scales[0].bfloat16().contiguous()
         candidates.append(Int8Weight(weight, bf16_scales, None if bool((zeros == 128).all())
                                      else bf16_scales.float() * (zeros[0] - 128)))
-    if group_size % 64 == 0 and load_wxa8() is not None:
+    if group_size % 64 == 0 and cpu_kernels() is not None:
         packed = intweight.to(torch.uint8)
         if bits == 4:
             blocks = packed.reshape(out_features, -1, 2, 32)

@@ -5,9 +5,9 @@ A batch-1 decode step of a small model is ~300 short kernel calls; issued from P
 calls cost a third of the step. `LlamaDecodeStack` (csrc/llama_decode.cpp) runs the same
 kernels in the same order from C++, so the hidden states are bit-identical to the eager
 forward. It covers what those kernels cover: a single-rank Llama-family model (Qwen3's
-per-head q/k norms included), every linear on the blocked GEMM and the C++ attention
-backend. Steps with a prefill chunk, and everything under `enforce_eager`, run the eager
-forward.
+per-head q/k norms included), every linear on the blocked GEMM or on the W4A8/W8A8 kernel
+(and its dequantizing GEMM), and the C++ attention backend. Steps with a prefill chunk, and
+everything under `enforce_eager`, run the eager forward.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import torch
 
 from kvserve.attention.cpu_paged import CpuPagedAttention
 from kvserve.cpp_extension import cpu_kernels
+from kvserve.layers.linear import Linear
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.quantization.cpu_kernels import WxA8Weight
 from kvserve.worker.input_batch import ModelInputs
 from kvserve.worker.tensor_parallel import tp_group
 
@@ -53,7 +55,7 @@ class CpuDecodeStack:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not isinstance(attn.backend, CpuPagedAttention) or attn.head_dim % 16:
                 return False
-            if any(lin.form != "blocked" or lin.kernel is not None for lin in linears):
+            if not all(_runs(lin) for lin in linears):
                 return False
             if any(lin.bias is not None for lin in linears[1:]):  # only QKV has a bias
                 return False
@@ -73,10 +75,26 @@ class CpuDecodeStack:
             seq_lens, meta.sliding_window or 0, meta.decode_rows_share_sequences)
 
 
+def _runs(linear: Linear) -> bool:
+    """Whether the stack runs this linear as its forward does."""
+    if linear.kernel is None:
+        return linear.form == "blocked"
+    return isinstance(linear.kernel, WxA8Weight)
+
+
+def _linear_weights(linear: Linear, kernels: ModuleType) -> object:
+    q = linear.kernel
+    if q is None:
+        return kernels.LinearWeights(linear.weight)
+    return kernels.LinearWeights(q.packed, q.bits, q.scales, q.zeros, q.input_order,
+                                 q.group_size, q.dequantized_from or 0)
+
+
 def _layer_weights(layer: torch.nn.Module, kernels: ModuleType) -> object:
     attn, mlp = layer.self_attn, layer.mlp
     return kernels.DecoderLayerWeights(
-        layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
-        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+        layer.input_layernorm.weight, _linear_weights(attn.qkv_proj, kernels),
+        _linear_weights(attn.o_proj, kernels), layer.post_attention_layernorm.weight,
+        _linear_weights(mlp.gate_up_proj, kernels), _linear_weights(mlp.down_proj, kernels),
         attn.qkv_proj.bias, attn.q_norm.weight if attn.q_norm is not None else None,
         attn.k_norm.weight if attn.k_norm is not None else None)

@@ -5,7 +5,8 @@
 //
 // Weight layout, per block of 64 input channels: 4 bits, 32 bytes where byte j holds channel j
 // in its low nibble and channel j + 32 in its high one; 8 bits, 64 bytes in channel order.
-#include <torch/extension.h>
+#include "kvserve_cpu.h"
+
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -160,6 +161,8 @@ void weight_rows(const uint8_t* w, const int8_t* xq, const float* xs, const floa
 
 }  // namespace
 
+namespace kvserve {
+
 // x [M, K] float32; packed [N, K * bits / 8] uint8; scales and zeros [N, K / group] float32.
 torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           torch::Tensor zeros, int64_t group, int64_t bits) {
@@ -210,6 +213,4 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("wxa8_matmul", &wxa8_matmul, "4- or 8-bit weight x int8 activation matmul");
-}
+}  // namespace kvserve
