@@ -247,6 +247,18 @@ def test_w4a8_layers_run_many_rows_through_the_dequantizing_gemm():
     assert not torch.equal(routed.matmul(many), kernel.matmul(many))
 
 
+def test_dequantize_gives_each_channel_its_groups_scale_and_zero():
+    """Contiguous groups take the broadcast path, act-order ones the per-channel gather: both
+    compute (q - zero[g_idx]) * scale[g_idx] to the bit."""
+    torch.manual_seed(0)
+    w = torch.randn(24, 256)
+    for q in (rtn(w, 4, 64, sym=False),
+              gptq(w, _hessian(torch.randn(512, 256)), 4, 64, sym=False, act_order=True)):
+        want = (q.intweight.float() - q.zeros.t().float()[:, q.g_idx]) * \
+            q.scales.t().float()[:, q.g_idx]
+        assert torch.equal(q.dequantize(), want)
+
+
 def test_layers_no_kernel_fits_stay_dense():
     torch.manual_seed(0)
     w = torch.randn(48, 128)

@@ -31,8 +31,20 @@ class QuantizedWeight:
         return self.intweight.shape
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight [out, in], built in place to bound the memory of large layers."""
+        """The float32 weight [out, in], built in place to bound the memory of large layers.
+        Groups of consecutive channels broadcast their scale and zero over a [out, groups,
+        size] view (the same bits): gathering them per channel, as act-order needs, took
+        most of a 4-bit llama3.2-1b's load time."""
         weight = self.intweight.float()
+        out_features, in_features = weight.shape
+        groups = self.scales.shape[0]
+        size = in_features // max(groups, 1)
+        if size * groups == in_features and torch.equal(
+                self.g_idx, torch.arange(in_features, device=self.g_idx.device) // size):
+            grouped = weight.view(out_features, groups, size)
+            grouped -= self.zeros.t().float()[:, :, None]
+            grouped *= self.scales.t().float()[:, :, None]
+            return weight
         weight -= self.zeros.t().float()[:, self.g_idx]
         weight *= self.scales.t().float()[:, self.g_idx]
         return weight
