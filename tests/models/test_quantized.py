@@ -20,6 +20,7 @@ from kvserve.quantization.cpu_kernels import (
     Int8Weight,
     WxA8Weight,
     cpu_candidates,
+    dequantized_gemm_runs,
 )
 from kvserve.quantization.gptq import rtn
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
@@ -173,8 +174,7 @@ def test_the_decode_stack_runs_w4a8_layers_as_the_eager_forward(trained_tiny, tm
                                                                 monkeypatch, dtype):
     """Act-order 4-bit layers in the one-call decode stack: batches below 3 decodes on the W4A8
     kernel, from 3 on the dequantizing GEMM, the same logprobs to the bit as eager."""
-    gemm = cpu_kernels()
-    if gemm is None or not gemm.gemm_supports(torch.empty(1, 2, dtype=getattr(torch, dtype))):
+    if not dequantized_gemm_runs(2, getattr(torch, dtype)):
         pytest.skip(f"no blocked GEMM for {dtype} on this CPU")
     monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates", lambda shards: [
         k for k in cpu_candidates(shards) if isinstance(k, WxA8Weight)])

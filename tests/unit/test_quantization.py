@@ -15,6 +15,7 @@ from kvserve.quantization.cpu_kernels import (
     Int8Weight,
     WxA8Weight,
     cpu_candidates,
+    dequantized_gemm_runs,
 )
 from kvserve.quantization.gptq import gptq, rtn
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
@@ -203,19 +204,14 @@ def test_8bit_kernels_match_the_dequantized_weight(sym, rows):
     assert [type(k) for k in grouped] == ([WxA8Weight] if cpu_kernels() else [])
 
 
-def _gemm_runs(dtype: torch.dtype) -> bool:
-    gemm = cpu_kernels()
-    return gemm is not None and gemm.gemm_supports(torch.empty(1, 2, dtype=dtype))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_dequantizing_gemm_gives_the_dense_gemms_bits(dtype, bits):
     """Each block dequantized into the GEMM's tiles is the packed dequantized weight: the same
     bits as the dense GEMM over it, for few rows, a tile's 6, and over 256 (the AMX path
     that splits rows between threads), with a partial last block (40 outputs)."""
-    if not _gemm_runs(dtype) or cpu_kernels() is None:
-        pytest.skip(f"no blocked GEMM for {dtype} or no W4A8 kernel on this CPU")
+    if not dequantized_gemm_runs(256, dtype):
+        pytest.skip(f"no blocked GEMM for {dtype} on this CPU")
     torch.manual_seed(0)
     gemm = cpu_kernels()
     for out_features, group in ((40, 64), (96, 128)):
@@ -230,8 +226,8 @@ def test_dequantizing_gemm_gives_the_dense_gemms_bits(dtype, bits):
 
 
 def test_w4a8_layers_run_many_rows_through_the_dequantizing_gemm():
-    if not _gemm_runs(torch.float32) or cpu_kernels() is None:
-        pytest.skip("no blocked GEMM or no W4A8 kernel on this CPU")
+    if not dequantized_gemm_runs(128, torch.float32):
+        pytest.skip("no blocked GEMM on this CPU")
     torch.manual_seed(0)
     w = torch.randn(48, 128)
     q = gptq(w, _hessian(torch.randn(256, 128)), 4, 64, sym=False, act_order=True)

@@ -22,9 +22,8 @@ import torch
 from kvserve.benchmarks.device import memory_bandwidth, timed
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.config import resolve_dtype
-from kvserve.cpp_extension import cpu_kernels
 from kvserve.layers.linear import Linear
-from kvserve.quantization.cpu_kernels import WxA8Weight, cpu_candidates
+from kvserve.quantization.cpu_kernels import WxA8Weight, cpu_candidates, dequantized_gemm_runs
 from kvserve.quantization.gptq import QuantizedWeight, rtn
 from kvserve.quantization.kernels import num_programs
 
@@ -54,15 +53,10 @@ def _kernels(weight: torch.Tensor, args: argparse.Namespace, dtype: torch.dtype
         for kernel in candidates:
             if kernel is not None:
                 kernels[f"{name} ({type(kernel).__name__})"] = (kernel.matmul, kernel.num_bytes)
-            if isinstance(kernel, WxA8Weight) and _dequantizes(in_features, dtype):
+            if isinstance(kernel, WxA8Weight) and dequantized_gemm_runs(in_features, dtype):
                 dequantized = dataclasses.replace(kernel, dequantized_from=1)
                 kernels[f"{name} (dequantized GEMM)"] = (dequantized.matmul, kernel.num_bytes)
     return kernels
-
-
-def _dequantizes(in_features: int, dtype: torch.dtype) -> bool:
-    gemm = cpu_kernels()
-    return gemm is not None and gemm.gemm_supports(torch.empty(1, in_features, dtype=dtype))
 
 
 def run(args: argparse.Namespace) -> None:

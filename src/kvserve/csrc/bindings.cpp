@@ -39,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each row's torch.argmax of [rows, vocab] float32 logits");
   m.def("wxa8_matmul", &kvserve::wxa8_matmul, release,
         "x @ W^T for a W4A8/W8A8 weight, x's rows quantized to int8 per group");
+  m.def("wxa8_linear", &kvserve::wxa8_linear, release,
+        "a W4A8/W8A8 layer: wxa8_matmul, or dequantized_linear from dequantized_from rows up");
   py::class_<LinearWeights>(m, "LinearWeights")
       .def(py::init([](torch::Tensor packed) { return LinearWeights{packed}; }),
            py::arg("packed"))

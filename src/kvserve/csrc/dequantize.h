@@ -1,4 +1,4 @@
-// A W4A8/W8A8 weight (quantization/csrc/wxa8.cpp's layout) dequantized 16 outputs at a time
+// A W4A8/W8A8 weight (wxa8.cpp's layout) dequantized 16 outputs at a time
 // into the 16-output blocks of simd.h, so the blocked GEMM and its AMX tiles run a quantized
 // layer at their own rate once enough input rows share each dequantized block (the MARLIN idea:
 // the weight crosses memory in its 4- or 8-bit form and is widened next to the multiply).

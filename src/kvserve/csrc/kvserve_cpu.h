@@ -21,8 +21,8 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& packed
                              const c10::optional<torch::Tensor>& bias);
 torch::Tensor blocked_linear_silu_and_mul(const torch::Tensor& x, const torch::Tensor& packed,
                                           int64_t n);
-// x @ W^T for a W4A8/W8A8 weight (quantization/csrc/wxa8.cpp's [n, k * bits / 8] layout, scales
-// and zeros [n, k / group]), dequantized block by block into the GEMM's packed form.
+// x @ W^T for a W4A8/W8A8 weight (wxa8.cpp's [n, k * bits / 8] layout, scales and zeros
+// [n, k / group]), dequantized block by block into the GEMM's packed form.
 torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qweight,
                                  const torch::Tensor& scales, const torch::Tensor& zeros,
                                  int64_t group, int64_t bits);
@@ -30,6 +30,13 @@ torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qw
 // wxa8.cpp: x [m, k] float32 times a W4A8/W8A8 weight, activations quantized to int8 per group.
 torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           torch::Tensor zeros, int64_t group, int64_t bits);
+// A W4A8/W8A8 layer (quantization/cpu_kernels.py's WxA8Weight) on x [m, k] of any float dtype:
+// x's columns in `input_order` (act-order), then wxa8_matmul, or dequantized_linear from
+// `dequantized_from` rows up (0: never); the output in x's dtype.
+torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const torch::Tensor& scales, const torch::Tensor& zeros,
+                          const c10::optional<torch::Tensor>& input_order, int64_t group,
+                          int64_t bits, int64_t dequantized_from);
 
 // paged_decode.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
@@ -56,8 +63,7 @@ void apply_token_bitmask(torch::Tensor logits, const torch::Tensor& bitmask,
 torch::Tensor greedy_tokens(const torch::Tensor& logits);
 
 // llama_decode.cpp: a linear layer of the decode stack, run as the eager forward runs it: a
-// weight packed by pack_weight (bits 0), or a W4A8/W8A8 one (quantization/cpu_kernels.py's
-// WxA8Weight: on wxa8_matmul, or on dequantized_linear from `dequantized_from` rows up).
+// weight packed by pack_weight (bits 0), or a W4A8/W8A8 one, on wxa8_linear.
 struct LinearWeights {
   torch::Tensor weight;  // packed, or [n, k * bits / 8] uint8
   int64_t bits = 0;

@@ -12,13 +12,8 @@ namespace kvserve {
 torch::Tensor LinearWeights::operator()(const torch::Tensor& x, int64_t n,
                                         const c10::optional<torch::Tensor>& bias) const {
   if (bits == 0) return blocked_linear(x, weight, n, bias);
-  const torch::Tensor rows = input_order ? x.index_select(1, *input_order) : x;
-  torch::Tensor out =
-      dequantized_from > 0 && rows.size(0) >= dequantized_from
-          ? dequantized_linear(rows.contiguous(), weight, *scales, *zeros, group, bits)
-          : wxa8_matmul(rows.to(torch::kFloat).contiguous(), weight, *scales, *zeros, group,
-                        bits);
-  out = out.to(x.scalar_type());
+  const torch::Tensor out =
+      wxa8_linear(x, weight, *scales, *zeros, input_order, group, bits, dequantized_from);
   return bias ? out + *bias : out;
 }
 

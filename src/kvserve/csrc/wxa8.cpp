@@ -213,4 +213,17 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return out;
 }
 
+torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                          const torch::Tensor& scales, const torch::Tensor& zeros,
+                          const c10::optional<torch::Tensor>& input_order, int64_t group,
+                          int64_t bits, int64_t dequantized_from) {
+  const torch::Tensor rows = input_order ? x.index_select(1, *input_order) : x;
+  const torch::Tensor out =
+      dequantized_from > 0 && rows.size(0) >= dequantized_from
+          ? dequantized_linear(rows.contiguous(), packed, scales, zeros, group, bits)
+          : wxa8_matmul(rows.to(torch::kFloat).contiguous(), packed, scales, zeros, group,
+                        bits);
+  return out.to(x.scalar_type());
+}
+
 }  // namespace kvserve

@@ -91,16 +91,11 @@ class WxA8Weight:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if self.input_order is not None:
-            rows = rows.index_select(1, self.input_order)
-        if self.dequantized_from is not None and rows.shape[0] >= self.dequantized_from:
-            out = cpu_kernels().dequantized_linear(rows.contiguous(), self.packed, self.scales,
-                                                   self.zeros, self.group_size, self.bits)
-        else:
-            out = cpu_kernels().wxa8_matmul(rows.float().contiguous(), self.packed, self.scales,
-                                            self.zeros, self.group_size, self.bits)
-        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+        """On `wxa8_linear`, which the CPU decode stack runs too."""
+        out = cpu_kernels().wxa8_linear(x.reshape(-1, x.shape[-1]), self.packed, self.scales,
+                                        self.zeros, self.input_order, self.group_size,
+                                        self.bits, self.dequantized_from or 0)
+        return out.reshape(*x.shape[:-1], -1)
 
 
 IntegerWeight = Int4Weight | Int8Weight | WxA8Weight
@@ -183,12 +178,17 @@ def fastest(candidates: list[IntegerWeight],
 CROSSOVER_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)
 
 
+def dequantized_gemm_runs(in_features: int, dtype: torch.dtype) -> bool:
+    """Whether this CPU build has the blocked GEMM the dequantizing path runs on."""
+    gemm = cpu_kernels()
+    return gemm is not None and gemm.gemm_supports(torch.empty(1, in_features, dtype=dtype))
+
+
 def dequantized_crossover(kernel: WxA8Weight, in_features: int,
                           dtype: torch.dtype) -> int | None:
     """The fewest rows (of CROSSOVER_ROWS) at which the dequantizing GEMM beats the W4A8/W8A8
     kernel on this layer, or None where it never does or is not built for `dtype`."""
-    gemm = cpu_kernels()
-    if gemm is None or not gemm.gemm_supports(torch.empty(1, in_features, dtype=dtype)):
+    if not dequantized_gemm_runs(in_features, dtype):
         return None
     dequantized = dataclasses.replace(kernel, dequantized_from=1)
     for rows in CROSSOVER_ROWS:
