@@ -3,6 +3,7 @@ transformers: GPTQ files written by `kvserve quantize`, and AWQ files."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -19,6 +20,7 @@ from kvserve.quantization.cpu_kernels import (
     Int4Weight,
     Int8Weight,
     WxA8Weight,
+    amx_int8_runs,
     cpu_candidates,
     dequantized_gemm_runs,
 )
@@ -170,27 +172,33 @@ def test_quantized_kernels_track_the_dequantized_weights(trained_tiny, tmp_path,
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("group_size", [64, -1])
 def test_the_decode_stack_runs_w4a8_layers_as_the_eager_forward(trained_tiny, tmp_path,
-                                                                monkeypatch, dtype):
-    """Act-order 4-bit layers in the one-call decode stack: batches below 3 decodes on the W4A8
-    kernel, from 3 on the dequantizing GEMM, the same logprobs to the bit as eager."""
+                                                                monkeypatch, dtype, group_size):
+    """4-bit layers in the one-call decode stack, act-order ones in groups of 64 and per-channel
+    ones (whose 128-channel down_proj the AMX int8 tiles take, where the CPU has them): one
+    decode on the W4A8 kernel, two or three on the AMX tiles, from four on the dequantizing
+    GEMM, the same logprobs to the bit as eager."""
     if not dequantized_gemm_runs(2, getattr(torch, dtype)):
         pytest.skip(f"no blocked GEMM for {dtype} on this CPU")
     monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates", lambda shards: [
         k for k in cpu_candidates(shards) if isinstance(k, WxA8Weight)])
     monkeypatch.setattr("kvserve.quantization.cpu_kernels._decisions", {})
-    monkeypatch.setattr("kvserve.quantization.cpu_kernels.dequantized_crossover",
-                        lambda *args: 3)
+    monkeypatch.setattr("kvserve.quantization.cpu_kernels.row_crossovers", lambda kernel, _: (
+        dataclasses.replace(kernel, amx_from=2 if amx_int8_runs(kernel) else None,
+                            dequantized_from=4)))
     monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")  # whatever the dense GEMM's time
-    out = quantize_model(trained_tiny, tmp_path / "q", "gptq", 4, group_size=64,
-                         act_order=True, num_samples=8, seq_len=64)
+    out = quantize_model(trained_tiny, tmp_path / "q", "gptq", 4, group_size=group_size,
+                         act_order=group_size != -1, num_samples=8, seq_len=64)
     stacked = LLM(str(out), dtype=dtype, max_num_batched_tokens=48)
     eager = LLM(str(out), dtype=dtype, max_num_batched_tokens=48, enforce_eager=True)
     assert stacked.engine.core.runner.cpu_decode is not None
-    assert stacked.engine.core.runner.model.layers[0].mlp.down_proj.kernel.dequantized_from == 3
+    down = stacked.engine.core.runner.model.layers[0].mlp.down_proj.kernel
+    assert down.dequantized_from == 4
+    assert down.amx_from == (2 if amx_int8_runs(down) else None)
     prompts = random_prompts([5, 17, 70, 3, 40], seed=4)
-    assert greedy_with_logprobs(stacked, prompts) == greedy_with_logprobs(eager, prompts)
-    assert greedy_with_logprobs(stacked, prompts[:2]) == greedy_with_logprobs(eager, prompts[:2])
+    for batch in (prompts, prompts[:3], prompts[:1]):
+        assert greedy_with_logprobs(stacked, batch) == greedy_with_logprobs(eager, batch)
 
 
 def test_a_quantized_lm_head_is_written_untied_and_serves_like_its_dequantized_weights(

@@ -14,6 +14,7 @@ from kvserve.quantization.cpu_kernels import (
     Int4Weight,
     Int8Weight,
     WxA8Weight,
+    amx_int8_runs,
     cpu_candidates,
     dequantized_gemm_runs,
 )
@@ -241,6 +242,41 @@ def test_w4a8_layers_run_many_rows_through_the_dequantizing_gemm():
         many[:, kernel.input_order].contiguous(), gemm.pack_weight(
             dense[:, kernel.input_order].contiguous()), 48, None))
     assert not torch.equal(routed.matmul(many), kernel.matmul(many))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_int8_tiles_give_the_w4a8_kernels_products(bits):
+    """The same integer products as the VNNI kernel, scaled in another order: one partial slab
+    of 16 rows, several, and (8,192 channels) more rows than one pass keeps in L2, in groups of
+    one, two and four 128-channel tile pairs; shapes it cannot take are left to VNNI."""
+    torch.manual_seed(0)
+    probe = cpu_candidates([rtn(torch.randn(48, 256), bits, 128, sym=False)])
+    if not probe or not amx_int8_runs(probe[-1]):
+        pytest.skip("no AMX int8 tiles on this CPU")
+    gemm = cpu_kernels()
+    for out_features, in_features, group, rows in ((48, 256, 128, (1, 5, 16, 17, 40)),
+                                                   (32, 512, 256, (3, 33)),
+                                                   (32, 512, 512, (3, 33)),
+                                                   (16, 8192, 128, (70,))):
+        q = rtn(torch.randn(out_features, in_features), bits, group, sym=False)
+        (kernel,) = [k for k in cpu_candidates([q]) if isinstance(k, WxA8Weight)]
+        for m in rows:
+            x = torch.randn(m, in_features) + 0.5
+            args = (x, kernel.packed, kernel.scales, kernel.zeros, group, bits)
+            want = gemm.wxa8_matmul(*args)
+            got = gemm.wxa8_amx_matmul(*args)
+            # float32 rounding of large cancelling zero terms: a channel laid out wrongly is
+            # off by a whole product
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+            routed = dataclasses.replace(kernel, amx_from=m)
+            assert torch.equal(routed.matmul(x), got)
+            assert torch.equal(dataclasses.replace(kernel, amx_from=m + 1).matmul(x), want)
+    (grouped_64,) = [k for k in cpu_candidates([rtn(torch.randn(48, 256), bits, 64, sym=False)])
+                     if isinstance(k, WxA8Weight)]
+    assert not amx_int8_runs(grouped_64)
+    (odd_outputs,) = [k for k in cpu_candidates([rtn(torch.randn(40, 256), bits, 128, sym=False)])
+                      if isinstance(k, WxA8Weight)]
+    assert not amx_int8_runs(odd_outputs)
 
 
 def test_dequantize_gives_each_channel_its_groups_scale_and_zero():

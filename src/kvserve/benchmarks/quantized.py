@@ -3,10 +3,10 @@ would run instead, on one model's linear shapes (llama3-8b's by default).
 
 For each shape and number of rows, the dense layer as the engine runs it in `--dtype` (the
 blocked GEMM or oneDNN on CPU, cuBLAS on CUDA) is the baseline; each quantized kernel the
-device has (CPU: PyTorch's int4 and int8, our W4A8/W8A8, and the same bytes dequantized into
-the blocked GEMM's tiles; CUDA: the Triton W4A16 and W8A16 GEMMs) is timed on the same random
-weight, RTN quantized, with its speed-up over dense and its time over its own floor: its
-weight bytes at the copy bandwidth measured in the same run.
+device has (CPU: PyTorch's int4 and int8, our W4A8/W8A8 on VNNI and on AMX's int8 tiles, and
+the same bytes dequantized into the blocked GEMM's tiles; CUDA: the Triton W4A16 and W8A16
+GEMMs) is timed on the same random weight, RTN quantized, with its speed-up over dense and its
+time over its own floor: its weight bytes at the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ from kvserve.benchmarks.device import memory_bandwidth, timed
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.config import resolve_dtype
 from kvserve.layers.linear import Linear
-from kvserve.quantization.cpu_kernels import WxA8Weight, cpu_candidates, dequantized_gemm_runs
+from kvserve.quantization.cpu_kernels import (
+    WxA8Weight,
+    amx_int8_runs,
+    cpu_candidates,
+    dequantized_gemm_runs,
+)
 from kvserve.quantization.gptq import QuantizedWeight, rtn
 from kvserve.quantization.kernels import num_programs
 
@@ -53,6 +58,9 @@ def _kernels(weight: torch.Tensor, args: argparse.Namespace, dtype: torch.dtype
         for kernel in candidates:
             if kernel is not None:
                 kernels[f"{name} ({type(kernel).__name__})"] = (kernel.matmul, kernel.num_bytes)
+            if isinstance(kernel, WxA8Weight) and amx_int8_runs(kernel):
+                amx = dataclasses.replace(kernel, amx_from=1)
+                kernels[f"{name} (AMX int8 tiles)"] = (amx.matmul, kernel.num_bytes)
             if isinstance(kernel, WxA8Weight) and dequantized_gemm_runs(in_features, dtype):
                 dequantized = dataclasses.replace(kernel, dequantized_from=1)
                 kernels[f"{name} (dequantized GEMM)"] = (dequantized.matmul, kernel.num_bytes)

@@ -39,19 +39,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each row's torch.argmax of [rows, vocab] float32 logits");
   m.def("wxa8_matmul", &kvserve::wxa8_matmul, release,
         "x @ W^T for a W4A8/W8A8 weight, x's rows quantized to int8 per group");
+  m.def("wxa8_amx_matmul", &kvserve::wxa8_amx_matmul, release,
+        "wxa8_matmul on AMX's int8 tiles");
+  m.def("wxa8_amx_runs", &kvserve::wxa8_amx_runs, "whether wxa8_amx_matmul runs this shape");
   m.def("wxa8_linear", &kvserve::wxa8_linear, release,
-        "a W4A8/W8A8 layer: wxa8_matmul, or dequantized_linear from dequantized_from rows up");
+        "a W4A8/W8A8 layer: wxa8_matmul, wxa8_amx_matmul from amx_from rows up, or "
+        "dequantized_linear from dequantized_from rows up");
   py::class_<LinearWeights>(m, "LinearWeights")
       .def(py::init([](torch::Tensor packed) { return LinearWeights{packed}; }),
            py::arg("packed"))
       .def(py::init([](torch::Tensor weight, int64_t bits, torch::Tensor scales,
                        torch::Tensor zeros, c10::optional<torch::Tensor> input_order,
-                       int64_t group, int64_t dequantized_from) {
+                       int64_t group, int64_t amx_from, int64_t dequantized_from) {
              return LinearWeights{weight, bits, scales, zeros, input_order, group,
-                                  dequantized_from};
+                                  amx_from, dequantized_from};
            }),
            py::arg("weight"), py::arg("bits"), py::arg("scales"), py::arg("zeros"),
-           py::arg("input_order"), py::arg("group"), py::arg("dequantized_from"));
+           py::arg("input_order"), py::arg("group"), py::arg("amx_from"),
+           py::arg("dequantized_from"));
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
       .def(py::init<torch::Tensor, LinearWeights, LinearWeights, torch::Tensor, LinearWeights,
                     LinearWeights, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,

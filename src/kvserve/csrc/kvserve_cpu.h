@@ -30,13 +30,18 @@ torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qw
 // wxa8.cpp: x [m, k] float32 times a W4A8/W8A8 weight, activations quantized to int8 per group.
 torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           torch::Tensor zeros, int64_t group, int64_t bits);
+// wxa8_matmul on AMX's int8 tiles (wxa8_amx_runs: built, granted, and a shape it takes).
+bool wxa8_amx_runs(int64_t k, int64_t n, int64_t group);
+torch::Tensor wxa8_amx_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                              torch::Tensor zeros, int64_t group, int64_t bits);
 // A W4A8/W8A8 layer (quantization/cpu_kernels.py's WxA8Weight) on x [m, k] of any float dtype:
-// x's columns in `input_order` (act-order), then wxa8_matmul, or dequantized_linear from
-// `dequantized_from` rows up (0: never); the output in x's dtype.
+// x's columns in `input_order` (act-order), then wxa8_matmul, wxa8_amx_matmul from `amx_from`
+// rows up, or dequantized_linear from `dequantized_from` rows up (0: never); the output in x's
+// dtype.
 torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const torch::Tensor& scales, const torch::Tensor& zeros,
                           const c10::optional<torch::Tensor>& input_order, int64_t group,
-                          int64_t bits, int64_t dequantized_from);
+                          int64_t bits, int64_t amx_from, int64_t dequantized_from);
 
 // paged_decode.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
@@ -68,7 +73,7 @@ struct LinearWeights {
   torch::Tensor weight;  // packed, or [n, k * bits / 8] uint8
   int64_t bits = 0;
   c10::optional<torch::Tensor> scales, zeros, input_order;
-  int64_t group = 0, dequantized_from = 0;  // 0: never
+  int64_t group = 0, amx_from = 0, dequantized_from = 0;  // 0: never
 
   torch::Tensor operator()(const torch::Tensor& x, int64_t n,
                            const c10::optional<torch::Tensor>& bias) const;

@@ -13,7 +13,8 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x, int64_t n,
                                         const c10::optional<torch::Tensor>& bias) const {
   if (bits == 0) return blocked_linear(x, weight, n, bias);
   const torch::Tensor out =
-      wxa8_linear(x, weight, *scales, *zeros, input_order, group, bits, dequantized_from);
+      wxa8_linear(x, weight, *scales, *zeros, input_order, group, bits, amx_from,
+                  dequantized_from);
   return bias ? out + *bias : out;
 }
 

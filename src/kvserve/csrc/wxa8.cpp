@@ -1,11 +1,15 @@
 // 4- or 8-bit weight x 8-bit activation matmul for CPU decode: the activations of each row are
 // quantized to int8 per weight group on the fly, and each group's integer dot product runs on
-// VNNI (AVX512-VNNI: 64 multiply-adds per instruction) or, without it, AVX2's maddubs. A group
-// contributes x_scale * (w_scale * dot(q, xq) - w_scale * zero * sum(xq)) to the output.
+// VNNI (AVX512-VNNI: 64 multiply-adds per instruction) or, without it, AVX2's maddubs; where
+// the CPU has AMX, 16 rows at a time on its int8 tiles (wxa8_amx_matmul), which costs a few
+// rows no more than one. A group contributes
+// x_scale * (w_scale * dot(q, xq) - w_scale * zero * sum(xq)) to the output.
 //
 // Weight layout, per block of 64 input channels: 4 bits, 32 bytes where byte j holds channel j
 // in its low nibble and channel j + 32 in its high one; 8 bits, 64 bytes in channel order.
 #include "kvserve_cpu.h"
+#include "amx.h"
+#include "dequantize.h"
 
 #include <ATen/Parallel.h>
 
@@ -14,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -159,40 +164,316 @@ void weight_rows(const uint8_t* w, const int8_t* xq, const float* xs, const floa
   }
 }
 
+// Each row's activations as int8, one scale per (row, group), with each group's sum of integers.
+struct QuantizedRows {
+  torch::Tensor q, scale, sum;  // [m, k] int8; [m, groups] float32 twice
+};
+
+QuantizedRows quantize_rows(const torch::Tensor& x, int64_t group) {
+  const int64_t m = x.size(0), k = x.size(1), groups = k / group;
+  QuantizedRows rows{torch::empty({m, k}, torch::kInt8),
+                     torch::empty({m, groups}, torch::kFloat32),
+                     torch::empty({m, groups}, torch::kFloat32)};
+  const float* xp = x.data_ptr<float>();
+  int8_t* xqp = rows.q.data_ptr<int8_t>();
+  float* xs = rows.scale.data_ptr<float>();
+  float* xsum = rows.sum.data_ptr<float>();
+  at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* v = xp + r * group;
+      int8_t* q = xqp + r * group;
+#ifdef __AVX512F__
+      __m512 top = _mm512_setzero_ps();
+      for (int64_t j = 0; j < group; j += 16)
+        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(v + j)));
+      const float amax = _mm512_reduce_max_ps(top);
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      __m512i totals = _mm512_setzero_si512();
+      for (int64_t j = 0; j < group; j += 16) {  // rounded to nearest even, as nearbyint
+        const __m512i level = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j), inv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtepi32_epi8(level));
+        totals = _mm512_add_epi32(totals, level);
+      }
+      const int32_t total = _mm512_reduce_add_epi32(totals);
+#else
+      float amax = 0.f;
+      for (int64_t j = 0; j < group; ++j) amax = std::max(amax, std::fabs(v[j]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t total = 0;
+      for (int64_t j = 0; j < group; ++j) {
+        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+        total += q[j];
+      }
+#endif
+      xs[r] = amax / 127.f;
+      xsum[r] = static_cast<float>(total);
+    }
+  });
+  return rows;
+}
+
+// x [M, K] float32; packed [N, K * bits / 8] uint8; scales and zeros [N, K / group] float32.
+void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                  const torch::Tensor& zeros, int64_t group, int64_t bits) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
+              "wxa8: contiguous 2-D float32 input");
+  TORCH_CHECK(bits == 4 || bits == 8, "wxa8: 4 or 8 bits, got ", bits);
+  const int64_t k = x.size(1), n = packed.size(0);
+  TORCH_CHECK(group % kBlock == 0 && k % group == 0 && packed.size(1) * 8 == k * bits &&
+                  packed.is_contiguous() && packed.scalar_type() == torch::kUInt8,
+              "wxa8: a [n, k * bits / 8] uint8 weight in groups of a multiple of 64 channels "
+              "for input width ", k);
+  TORCH_CHECK(scales.numel() == n * (k / group) && zeros.numel() == n * (k / group) &&
+                  scales.is_contiguous() && zeros.is_contiguous() &&
+                  scales.scalar_type() == torch::kFloat && zeros.scalar_type() == torch::kFloat,
+              "wxa8: float32 scales and zeros of [n, k / group]");
+}
+
+#if defined(KVSERVE_AMX) && defined(__AMX_INT8__)
+// W4A8/W8A8 on AMX's int8 tiles: 16 outputs' weights as the left tile (one output per row,
+// 64 channels), 16 activation rows as the right one, so a 4-bit weight is widened by masking
+// its nibbles, with no transposes: the low nibbles of a 128-channel unit's 64 bytes per output
+// are one tile, the high ones another, and the activations are laid out in the channel order
+// those tiles give. Each group's integer sums are scaled into float32 accumulators.
+namespace amx_int8 {
+
+constexpr int64_t kUnit = 128;            // input channels per pair of tiles
+constexpr int64_t kTileBytes = 16 * 64;   // one tile: 16 rows of 64 bytes
+constexpr int64_t kChunkBytes = 1 << 19;  // activations kept in L2 while the weights pass
+
+// The input channel at byte p (0-63) of half h of unit u's left-hand tile rows.
+template <int BITS>
+inline int64_t channel(int64_t u, int h, int p) {
+  if constexpr (BITS == 4) return (2 * u + p / 32) * kBlock + 32 * h + p % 32;
+  else return u * kUnit + 64 * h + p;
+}
+
+// Quantized rows as right-hand tiles: [slab of 16 rows][unit][half][16 channel quads][16 rows]
+// [4 channels], rows past m zero; and per slab and group, the 16 rows' scales and their
+// scale * sum of integers.
+template <int BITS>
+void lay_out(const QuantizedRows& rows, int64_t slabs, int8_t* tiles, float* scale,
+             float* scaled_sum) {
+  const int64_t m = rows.q.size(0), k = rows.q.size(1), groups = rows.scale.size(1);
+  const int64_t units = k / kUnit;
+  const int8_t* q = rows.q.data_ptr<int8_t>();
+  const float* xs = rows.scale.data_ptr<float>();
+  const float* xsum = rows.sum.data_ptr<float>();
+  // A tile's row q holds channels 4q..4q+3 of each of the 16 rows: the rows' 64 bytes, as 16
+  // 32-bit words each, transposed.
+  at::parallel_for(0, slabs * units, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / units, u = i % units;
+      for (int h = 0; h < 2; ++h) {
+        __m512i words[16];
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t row = s * 16 + r;
+          const int8_t* x = q + row * k;
+          if (row >= m)
+            words[r] = _mm512_setzero_si512();
+          else if constexpr (BITS == 4)
+            words[r] = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(x + channel<4>(u, h, 0)))),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + channel<4>(u, h, 32))),
+                1);
+          else
+            words[r] = _mm512_loadu_si512(x + channel<8>(u, h, 0));
+        }
+        kvserve::dequantize::transpose(words);
+        int8_t* tile = tiles + (i * 2 + h) * kTileBytes;
+        for (int quad = 0; quad < 16; ++quad) _mm512_store_si512(tile + quad * 64, words[quad]);
+      }
+    }
+  });
+  for (int64_t s = 0; s < slabs; ++s)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t r = 0; r < 16; ++r) {
+        const int64_t row = s * 16 + r;
+        scale[(s * groups + g) * 16 + r] = row < m ? xs[row * groups + g] : 0.f;
+        scaled_sum[(s * groups + g) * 16 + r] =
+            row < m ? xs[row * groups + g] * xsum[row * groups + g] : 0.f;
+      }
+}
+
+// The two tile sets a step alternates between (the intrinsics take literal tile numbers): set
+// S sums in tile S from weight tiles 2 + 2S and 3 + 2S; activations always in 6 and 7.
+template <int SET>
+struct TileSet;
+
+template <>
+struct TileSet<0> {
+  static void zero() { _tile_zero(0); }
+  static void load_weights(const void* lo, const void* hi, int64_t stride) {
+    _tile_loadd(2, lo, stride);
+    _tile_loadd(3, hi, stride);
+  }
+  static void multiply() {
+    _tile_dpbusd(0, 2, 6);
+    _tile_dpbusd(0, 3, 7);
+  }
+  static void store(int32_t* sums) { _tile_stored(0, sums, 64); }
+};
+
+template <>
+struct TileSet<1> {
+  static void zero() { _tile_zero(1); }
+  static void load_weights(const void* lo, const void* hi, int64_t stride) {
+    _tile_loadd(4, lo, stride);
+    _tile_loadd(5, hi, stride);
+  }
+  static void multiply() {
+    _tile_dpbusd(1, 4, 6);
+    _tile_dpbusd(1, 5, 7);
+  }
+  static void store(int32_t* sums) { _tile_stored(1, sums, 64); }
+};
+
+// out [m, n] for n a multiple of 16: threads split the 16-output blocks; each runs chunks of
+// rows whose tiles fit in L2, and per block, group by group, every slab of the chunk. A step
+// (one group of one slab) sums into one of two tile sets while the last step's sums are
+// scaled into the float32 accumulators, so the vector work runs while the tiles multiply.
+template <int BITS>
+void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scales,
+            const float* zeros, int64_t n, int64_t group, float* out) {
+  const int64_t m = rows.q.size(0), k = rows.q.size(1), groups = k / group;
+  const int64_t units = k / kUnit, units_per_group = group / kUnit;
+  const int64_t slabs = (m + 15) / 16, row_bytes = k * BITS / 8;
+  // torch's CPU allocator aligns to 64 bytes, as the tiles' stores need.
+  const torch::Tensor tile_buffer = torch::empty({slabs * units * 2 * kTileBytes}, torch::kInt8);
+  const torch::Tensor row_scales = torch::empty({2, slabs * groups * 16}, torch::kFloat32);
+  const int8_t* tiles = tile_buffer.data_ptr<int8_t>();
+  const float* x_scale = row_scales.data_ptr<float>();
+  const float* x_scaled_sum = x_scale + slabs * groups * 16;
+  lay_out<BITS>(rows, slabs, tile_buffer.data_ptr<int8_t>(), row_scales.data_ptr<float>(),
+                row_scales.data_ptr<float>() + slabs * groups * 16);
+  const int64_t chunk = std::clamp<int64_t>(kChunkBytes / (16 * k), 1, slabs);
+  at::parallel_for(0, n / 16, 1, [&](int64_t begin, int64_t end) {
+    kvserve::amx::configure_tiles({16, 16, 16, 16, 16, 16, 16, 16});
+    // 4 bits: a group's units as bytes, two tiles each (a __m512i per tile row), for this
+    // group and the last one.
+    std::vector<__m512i> widened(BITS == 4 ? 2 * units_per_group * 32 : 0);
+    alignas(64) int32_t sums[16 * 16];
+    std::vector<__m512> acc_buffer(chunk * 16);  // per slab, 16 outputs x 16 rows
+    float* acc = reinterpret_cast<float*>(acc_buffer.data());
+    for (int64_t s0 = 0; s0 < slabs; s0 += chunk) {
+      const int64_t s1 = std::min(slabs, s0 + chunk);
+      for (int64_t b = begin; b < end; ++b) {
+        const uint8_t* w = packed + b * 16 * row_bytes;
+        const float* w_scale = scales + b * 16 * groups;
+        const float* w_zero = zeros + b * 16 * groups;
+        std::fill(acc, acc + (s1 - s0) * 256, 0.f);
+        // Step (g, s)'s sums, in tile set `set`, into the accumulators.
+        const auto scale_sums = [&](int64_t g, int64_t s, int set) {
+          if (set == 0) TileSet<0>::store(sums);
+          else TileSet<1>::store(sums);
+          const __m512 xs = _mm512_loadu_ps(x_scale + (s * groups + g) * 16);
+          const __m512 xz = _mm512_loadu_ps(x_scaled_sum + (s * groups + g) * 16);
+          float* a = acc + (s - s0) * 256;
+          for (int o = 0; o < 16; ++o) {
+            // scale * (sums * x_scale - zero * x_scale * x_sum)
+            const __m512 c = _mm512_cvtepi32_ps(_mm512_load_si512(sums + o * 16));
+            const __m512 v = _mm512_fmsub_ps(
+                c, xs, _mm512_mul_ps(xz, _mm512_set1_ps(w_zero[o * groups + g])));
+            _mm512_store_ps(a + o * 16,
+                            _mm512_fmadd_ps(v, _mm512_set1_ps(w_scale[o * groups + g]),
+                                            _mm512_load_ps(a + o * 16)));
+          }
+        };
+        // Step (g, s) on a tile set.
+        const auto multiply = [&](auto set, int64_t g, int64_t s) {
+          using Tiles = TileSet<decltype(set)::value>;
+          Tiles::zero();
+          for (int64_t u = g * units_per_group; u < (g + 1) * units_per_group; ++u) {
+            if constexpr (BITS == 4) {
+              __m512i* wide =
+                  widened.data() + ((g % 2) * units_per_group + u % units_per_group) * 32;
+              if (s == s0) {
+                const __m512i nibble = _mm512_set1_epi8(0x0F);
+                for (int o = 0; o < 16; ++o) {
+                  const __m512i v = _mm512_loadu_si512(w + o * row_bytes + u * 64);
+                  wide[o] = _mm512_and_si512(v, nibble);
+                  wide[16 + o] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+                }
+              }
+              Tiles::load_weights(wide, wide + 16, 64);
+            } else {
+              Tiles::load_weights(w + u * kUnit, w + u * kUnit + 64, row_bytes);
+            }
+            const int8_t* x = tiles + (s * units + u) * 2 * kTileBytes;
+            _tile_loadd(6, x, 64);
+            _tile_loadd(7, x + kTileBytes, 64);
+            Tiles::multiply();
+          }
+        };
+        int64_t last_g = -1, last_s = 0;
+        int set = 0;
+        for (int64_t g = 0; g < groups; ++g)
+          for (int64_t s = s0; s < s1; ++s) {
+            if (set == 0) multiply(std::integral_constant<int, 0>{}, g, s);
+            else multiply(std::integral_constant<int, 1>{}, g, s);
+            if (last_g >= 0) scale_sums(last_g, last_s, 1 - set);
+            last_g = g, last_s = s, set = 1 - set;
+          }
+        scale_sums(last_g, last_s, 1 - set);
+        for (int64_t s = s0; s < s1; ++s) {
+          __m512i t[16];
+          for (int o = 0; o < 16; ++o)
+            t[o] = _mm512_castps_si512(_mm512_load_ps(acc + (s - s0) * 256 + o * 16));
+          kvserve::dequantize::transpose(t);
+          for (int64_t r = 0; r < 16 && s * 16 + r < m; ++r)
+            _mm512_storeu_ps(out + (s * 16 + r) * n + b * 16, _mm512_castsi512_ps(t[r]));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace amx_int8
+#endif
+
 }  // namespace
 
 namespace kvserve {
 
-// x [M, K] float32; packed [N, K * bits / 8] uint8; scales and zeros [N, K / group] float32.
+bool wxa8_amx_runs(int64_t k, int64_t n, int64_t group) {
+#if defined(KVSERVE_AMX) && defined(__AMX_INT8__)
+  return group % amx_int8::kUnit == 0 && k % group == 0 && n % 16 == 0 && amx::ready();
+#else
+  return false;
+#endif
+}
+
+torch::Tensor wxa8_amx_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                              torch::Tensor zeros, int64_t group, int64_t bits) {
+  check_inputs(x, packed, scales, zeros, group, bits);
+  const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
+  TORCH_CHECK(wxa8_amx_runs(k, n, group), "wxa8_amx_matmul: no AMX int8 tiles, or groups not "
+              "of a multiple of 128 channels, or outputs not a multiple of 16");
+  auto out = torch::empty({m, n}, torch::kFloat32);
+#if defined(KVSERVE_AMX) && defined(__AMX_INT8__)
+  if (m == 0) return out;
+  const QuantizedRows rows = quantize_rows(x, group);
+  if (bits == 4)
+    amx_int8::matmul<4>(rows, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                        zeros.data_ptr<float>(), n, group, out.data_ptr<float>());
+  else
+    amx_int8::matmul<8>(rows, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                        zeros.data_ptr<float>(), n, group, out.data_ptr<float>());
+#endif
+  return out;
+}
+
 torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           torch::Tensor zeros, int64_t group, int64_t bits) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2);
-  TORCH_CHECK(bits == 4 || bits == 8);
+  check_inputs(x, packed, scales, zeros, group, bits);
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
   const int64_t groups = k / group;
-  TORCH_CHECK(group % kBlock == 0 && groups * group == k && packed.size(1) * 8 == k * bits);
-  // Activations to int8, one scale per (row, group), with each group's sum of integers.
-  auto xq = torch::empty({m, k}, torch::kInt8);
-  auto x_scale = torch::empty({m, groups}, torch::kFloat32);
-  auto x_sum = torch::empty({m, groups}, torch::kFloat32);
-  const float* xp = x.data_ptr<float>();
-  int8_t* xqp = xq.data_ptr<int8_t>();
-  float* xs = x_scale.data_ptr<float>();
-  float* xsum = x_sum.data_ptr<float>();
-  for (int64_t r = 0; r < m * groups; ++r) {
-    const float* v = xp + r * group;
-    float amax = 0.f;
-    for (int64_t j = 0; j < group; ++j) amax = std::max(amax, std::fabs(v[j]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t total = 0;
-    for (int64_t j = 0; j < group; ++j) {
-      const int32_t q = static_cast<int32_t>(std::nearbyint(v[j] * inv));
-      xqp[r * group + j] = static_cast<int8_t>(q);
-      total += q;
-    }
-    xs[r] = amax / 127.f;
-    xsum[r] = static_cast<float>(total);
-  }
+  const QuantizedRows rows = quantize_rows(x, group);
+  const int8_t* xqp = rows.q.data_ptr<int8_t>();
+  const float* xs = rows.scale.data_ptr<float>();
+  const float* xsum = rows.sum.data_ptr<float>();
   auto out = torch::empty({m, n}, torch::kFloat32);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
@@ -216,13 +497,16 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const torch::Tensor& scales, const torch::Tensor& zeros,
                           const c10::optional<torch::Tensor>& input_order, int64_t group,
-                          int64_t bits, int64_t dequantized_from) {
+                          int64_t bits, int64_t amx_from, int64_t dequantized_from) {
   const torch::Tensor rows = input_order ? x.index_select(1, *input_order) : x;
-  const torch::Tensor out =
-      dequantized_from > 0 && rows.size(0) >= dequantized_from
-          ? dequantized_linear(rows.contiguous(), packed, scales, zeros, group, bits)
-          : wxa8_matmul(rows.to(torch::kFloat).contiguous(), packed, scales, zeros, group,
-                        bits);
+  const int64_t m = rows.size(0);
+  if (dequantized_from > 0 && m >= dequantized_from)
+    return dequantized_linear(rows.contiguous(), packed, scales, zeros, group, bits)
+        .to(x.scalar_type());
+  const torch::Tensor x_float = rows.to(torch::kFloat).contiguous();
+  const torch::Tensor out = amx_from > 0 && m >= amx_from
+                                ? wxa8_amx_matmul(x_float, packed, scales, zeros, group, bits)
+                                : wxa8_matmul(x_float, packed, scales, zeros, group, bits);
   return out.to(x.scalar_type());
 }
 

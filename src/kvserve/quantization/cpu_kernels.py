@@ -8,9 +8,11 @@ and one of ours:
 - W4A8 and W8A8 (`kvserve/csrc/wxa8.cpp`): 4- and 8-bit layers with groups of a multiple of 64
   channels; each row's activations are quantized to int8 per group and the group's integer
   dot products run on VNNI (AVX2's maddubs without it), as llama.cpp's Q4/Q8 x Q8 paths do.
-  From a measured number of rows up, the same bytes are dequantized block by block into the
-  blocked GEMM's tiles instead (`kvserve/csrc/dequantize.h`, where that GEMM is built): its
-  rate, AMX's where the CPU has it, once enough rows share each dequantized block.
+  Each of a few rows costs VNNI a pass over the weight; where the CPU has AMX (and groups are
+  of a multiple of 128 channels), from a measured number of rows up the same products run on
+  its int8 tiles instead, 16 rows to a tile. From another measured number up, the same bytes
+  are dequantized block by block into the blocked GEMM's tiles (`kvserve/csrc/dequantize.h`,
+  where that GEMM is built): its rate, once enough rows share each dequantized block.
 Act-order layers, whose groups are scattered over the input channels, run with the channels
 sorted by group and each input gathered into that order.
 
@@ -18,7 +20,8 @@ All stream a quarter (8-bit) or an eighth (4-bit) of the float32 weight bytes. W
 fastest, and whether any beats the dense float32 GEMM, depends on the CPU (VNNI, bfloat16
 support) and the shape, so the engine times them on each layer shape at load and keeps the
 fastest for one-row steps, the case quantized models are served for (`kernels.py` makes the
-choice), and for W4A8/W8A8 the row count from which the dequantizing GEMM is faster.
+choice), and for W4A8/W8A8 the row counts from which its AMX tiles and the dequantizing GEMM
+are faster.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ class WxA8Weight:
     group_size: int
     bits: int  # 4 or 8
     input_order: torch.Tensor | None  # act-order: the input channels sorted by group
+    # From this many rows up, the AMX int8 tiles run it (None: never).
+    amx_from: int | None = None
     # From this many rows up, the dequantizing GEMM runs (None: never).
     dequantized_from: int | None = None
 
@@ -90,11 +95,16 @@ class WxA8Weight:
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros))
 
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] * 8 // self.bits
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """On `wxa8_linear`, which the CPU decode stack runs too."""
         out = cpu_kernels().wxa8_linear(x.reshape(-1, x.shape[-1]), self.packed, self.scales,
                                         self.zeros, self.input_order, self.group_size,
-                                        self.bits, self.dequantized_from or 0)
+                                        self.bits, self.amx_from or 0,
+                                        self.dequantized_from or 0)
         return out.reshape(*x.shape[:-1], -1)
 
 
@@ -136,12 +146,12 @@ def cpu_candidates(shards: list[QuantizedWeight]) -> list[IntegerWeight]:
 
 
 # By kernels, shape, layout and dtype: the chosen candidate's index (past the end: the dense
-# GEMM), and its dequantized_from.
-_decisions: dict[tuple[object, ...], tuple[int, int | None]] = {}
+# GEMM), and its amx_from and dequantized_from.
+_decisions: dict[tuple[object, ...], tuple[int, int | None, int | None]] = {}
 # How much slower on one row W4A8/W8A8 may be than the fastest kernel and still be chosen,
-# where its dequantizing GEMM serves many rows: the others have no fast path for them (torch's
-# int4 took 28x one row's time for 64 rows of a 2,048 x 128,256 LM head, 1.07x as fast as
-# W4A8 on one row; W4A8 through the dequantizing GEMM 3.5x).
+# where its AMX tiles or dequantizing GEMM serve many rows: the others have no fast path for
+# them (torch's int4 took 28x one row's time for 64 rows of a 2,048 x 128,256 LM head, 1.07x as
+# fast as W4A8 on one row; W4A8 through the dequantizing GEMM 3.5x).
 ONE_ROW_SLACK = 1.25
 
 
@@ -149,9 +159,9 @@ def fastest(candidates: list[IntegerWeight],
             dense: Callable[[torch.Tensor], torch.Tensor] | None, in_features: int,
             dtype: torch.dtype) -> IntegerWeight | None:
     """The candidate fastest on one row of this shape, or None where `dense` (if given) beats
-    them all; measured once per shape, the median of a few runs each. W4A8/W8A8, where its
-    dequantizing GEMM is faster from some row count up, is preferred to a kernel at most
-    ONE_ROW_SLACK faster on one row, and switches to that GEMM from that row count."""
+    them all; measured once per shape, the median of a few runs each. W4A8/W8A8, where its AMX
+    tiles or dequantizing GEMM are faster from some row count up, is preferred to a kernel at
+    most ONE_ROW_SLACK faster on one row, and switches to them from those row counts."""
     key = (in_features, dense is None, dtype, *(
         (type(c).__name__, _layout(c)) for c in candidates))
     if key not in _decisions:
@@ -160,22 +170,25 @@ def fastest(candidates: list[IntegerWeight],
         if dense is not None:
             times.append(_median_time(dense, x))
         index = min(range(len(times)), key=times.__getitem__)
-        rows = None
+        amx_from = dequantized_from = None
         wxa8 = next((i for i, c in enumerate(candidates) if isinstance(c, WxA8Weight)), None)
         if (wxa8 is not None and index < len(candidates)
                 and times[wxa8] <= ONE_ROW_SLACK * times[index]):
-            rows = dequantized_crossover(candidates[wxa8], in_features, dtype)
-            if rows is not None:
+            routed = row_crossovers(candidates[wxa8], dtype)
+            amx_from, dequantized_from = routed.amx_from, routed.dequantized_from
+            if amx_from is not None or dequantized_from is not None:
                 index = wxa8
-        _decisions[key] = index, rows
-    index, rows = _decisions[key]
+        _decisions[key] = index, amx_from, dequantized_from
+    index, amx_from, dequantized_from = _decisions[key]
     if index == len(candidates):
         return None
     chosen = candidates[index]
-    return dataclasses.replace(chosen, dequantized_from=rows) if rows is not None else chosen
+    if isinstance(chosen, WxA8Weight):
+        return dataclasses.replace(chosen, amx_from=amx_from, dequantized_from=dequantized_from)
+    return chosen
 
 
-CROSSOVER_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)
+CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def dequantized_gemm_runs(in_features: int, dtype: torch.dtype) -> bool:
@@ -184,16 +197,31 @@ def dequantized_gemm_runs(in_features: int, dtype: torch.dtype) -> bool:
     return gemm is not None and gemm.gemm_supports(torch.empty(1, in_features, dtype=dtype))
 
 
-def dequantized_crossover(kernel: WxA8Weight, in_features: int,
-                          dtype: torch.dtype) -> int | None:
-    """The fewest rows (of CROSSOVER_ROWS) at which the dequantizing GEMM beats the W4A8/W8A8
-    kernel on this layer, or None where it never does or is not built for `dtype`."""
-    if not dequantized_gemm_runs(in_features, dtype):
-        return None
-    dequantized = dataclasses.replace(kernel, dequantized_from=1)
+def amx_int8_runs(kernel: WxA8Weight) -> bool:
+    """Whether this CPU build runs the W4A8/W8A8 layer on AMX's int8 tiles."""
+    gemm = cpu_kernels()
+    return gemm is not None and gemm.wxa8_amx_runs(kernel.in_features, kernel.packed.shape[0],
+                                                   kernel.group_size)
+
+
+def row_crossovers(kernel: WxA8Weight, dtype: torch.dtype) -> WxA8Weight:
+    """The W4A8/W8A8 layer with its amx_from and dequantized_from measured: the fewest rows
+    (of CROSSOVER_ROWS) at which the AMX tiles beat VNNI, then at which the dequantizing GEMM
+    beats both; None where one never does or is not built (for `dtype`)."""
+    kernel = dataclasses.replace(kernel, amx_from=None, dequantized_from=None)
+    if amx_int8_runs(kernel):
+        kernel = dataclasses.replace(kernel, amx_from=_first_faster(
+            dataclasses.replace(kernel, amx_from=1), kernel, dtype))
+    if dequantized_gemm_runs(kernel.in_features, dtype):
+        kernel = dataclasses.replace(kernel, dequantized_from=_first_faster(
+            dataclasses.replace(kernel, dequantized_from=1), kernel, dtype))
+    return kernel
+
+
+def _first_faster(challenger: WxA8Weight, kernel: WxA8Weight, dtype: torch.dtype) -> int | None:
     for rows in CROSSOVER_ROWS:
-        x = torch.randn(rows, in_features, dtype=dtype)
-        if _median_time(dequantized.matmul, x, 3) < _median_time(kernel.matmul, x, 3):
+        x = torch.randn(rows, kernel.in_features, dtype=dtype)
+        if _median_time(challenger.matmul, x, 3) < _median_time(kernel.matmul, x, 3):
             return rows
     return None
 

@@ -87,7 +87,7 @@ def _linear_weights(linear: Linear, kernels: ModuleType) -> object:
     if q is None:
         return kernels.LinearWeights(linear.weight)
     return kernels.LinearWeights(q.packed, q.bits, q.scales, q.zeros, q.input_order,
-                                 q.group_size, q.dequantized_from or 0)
+                                 q.group_size, q.amx_from or 0, q.dequantized_from or 0)
 
 
 def _layer_weights(layer: torch.nn.Module, kernels: ModuleType) -> object:
