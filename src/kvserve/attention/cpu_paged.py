@@ -16,23 +16,25 @@ from types import ModuleType
 import torch
 
 from kvserve.attention.backend import AttentionMetadata, PrefillChunk
-from kvserve.attention.torch_ref import TorchPagedAttention
+from kvserve.attention.torch_ref import TorchPagedAttention, prefill_chunks, rotate_and_cache
 
 
 class CpuPagedAttention(TorchPagedAttention):
     def __init__(self, kernel: ModuleType) -> None:
         self.kernel = kernel
-        # The dtypes the prefill kernel runs in on this CPU: those of the blocked GEMM.
+        # The dtypes the prefill kernel runs in on this CPU.
         self.prefill_dtypes = {dtype for dtype in (torch.float32, torch.bfloat16)
-                               if kernel.gemm_supports(torch.empty(16, 2, dtype=dtype))}
+                               if kernel.prefill_attention_supports(torch.empty(0, dtype=dtype))}
 
     def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """The decode rows are one fused kernel call (rotary, cache write, attention) whether
         or not prefill chunks share the step, so a decode computes the same bits in any
         batch; the prefill rows are rotated and cached in C++ too, then each chunk runs the
-        prefill kernel. What the kernels do not cover takes the reference path."""
-        if not self._covers(qk) or (meta.prefills and qk.dtype not in self.prefill_dtypes):
+        prefill kernel (the reference's rotary, cache write and prefill where this CPU build
+        has no prefill kernel for the dtype). What the kernels do not cover takes the
+        reference path."""
+        if not self._covers(qk):
             return super().forward(qk, v, freqs_cis, kv_cache, meta, scale)
         qk, v = _with_contiguous_heads(qk), _with_contiguous_heads(v)
         rotation = torch.view_as_real(freqs_cis).contiguous()
@@ -44,17 +46,20 @@ class CpuPagedAttention(TorchPagedAttention):
             out[:num_decodes] = self._decode_rows(
                 qk[:num_decodes], v[:num_decodes], rotation[:num_decodes], kv_cache, meta,
                 scale).view(num_decodes, -1)
-        q = self.kernel.rotate_and_cache(qk[num_decodes:], v[num_decodes:],
-                                         rotation[num_decodes:],
-                                         meta.slot_mapping[num_decodes:], kv_cache)
-        block_size = kv_cache.shape[3]
-        for chunk in meta.prefills:
-            first = chunk.query_start - num_decodes
-            rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
-            block_ids = meta.block_tables[chunk.seq, :-(-chunk.context_len // block_size)]
-            positions = None if meta.query_positions is None else meta.query_positions[rows]
-            self._prefill_chunk(q[first:first + chunk.num_query_tokens], kv_cache, chunk,
-                                block_ids, meta.sliding_window, scale, positions, out[rows])
+        qk, v, slots = qk[num_decodes:], v[num_decodes:], meta.slot_mapping[num_decodes:]
+        kernel = qk.dtype in self.prefill_dtypes
+        if kernel:
+            q = self.kernel.rotate_and_cache(qk, v, rotation[num_decodes:], slots, kv_cache)
+        else:
+            q, k = rotate_and_cache(qk, v, freqs_cis[num_decodes:], kv_cache, slots)
+        for chunk, rows, block_ids, positions in prefill_chunks(meta, kv_cache.shape[3]):
+            own = slice(rows.start - num_decodes, rows.stop - num_decodes)
+            if kernel:
+                self._prefill_chunk(q[own], kv_cache, chunk, block_ids, meta.sliding_window,
+                                    scale, positions, out[rows])
+            else:
+                out[rows] = super().prefill(q[own], k[own], v[own], kv_cache, chunk, block_ids,
+                                            meta.sliding_window, scale, positions)
         return out
 
     def _decode_rows(self, qk: torch.Tensor, v: torch.Tensor, rotation: torch.Tensor,

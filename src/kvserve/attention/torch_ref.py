@@ -6,6 +6,8 @@ one-row queries on CPU); each prefill chunk uses SDPA over its own context.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -15,19 +17,11 @@ from kvserve.attention.backend import AttentionBackend, AttentionMetadata, Prefi
 class TorchPagedAttention(AttentionBackend):
     def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_kv_heads, block_size, head_dim = kv_cache.shape[1], kv_cache.shape[3], qk.shape[-1]
-        qk = apply_rotary(qk, freqs_cis)  # q and k heads rotated in one op
-        q, k = qk[:, :-num_kv_heads], qk[:, -num_kv_heads:]
-        flat = kv_cache.view(2, num_kv_heads, -1, head_dim)
-        flat[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        flat[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        out = torch.empty(q.shape[0], q.shape[1] * head_dim, dtype=q.dtype, device=q.device)
+        q, k = rotate_and_cache(qk, v, freqs_cis, kv_cache, meta.slot_mapping)
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         if meta.num_decodes:
             out[:meta.num_decodes] = self.decode(q[:meta.num_decodes], kv_cache, meta, scale)
-        for chunk in meta.prefills:
-            rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
-            block_ids = meta.block_tables[chunk.seq, :-(-chunk.context_len // block_size)]
-            positions = None if meta.query_positions is None else meta.query_positions[rows]
+        for chunk, rows, block_ids, positions in prefill_chunks(meta, kv_cache.shape[3]):
             out[rows] = self.prefill(q[rows], k[rows], v[rows], kv_cache, chunk, block_ids,
                                      meta.sliding_window, scale, positions)
         return out
@@ -44,6 +38,31 @@ class TorchPagedAttention(AttentionBackend):
         latter already in the cache) over its context; its queries at `positions` when
         given."""
         return _prefill(q, k, v, kv_cache, chunk, block_ids, window, scale, positions)
+
+
+def rotate_and_cache(qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
+                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotated queries and keys of qk [N, Hq + Hkv, D], with the keys and v written to
+    the cache at `slot_mapping`."""
+    num_kv_heads, head_dim = kv_cache.shape[1], qk.shape[-1]
+    qk = apply_rotary(qk, freqs_cis)  # q and k heads rotated in one op
+    q, k = qk[:, :-num_kv_heads], qk[:, -num_kv_heads:]
+    flat = kv_cache.view(2, num_kv_heads, -1, head_dim)
+    flat[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
+    flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
+    return q, k
+
+
+def prefill_chunks(meta: AttentionMetadata, block_size: int
+                   ) -> Iterator[tuple[PrefillChunk, slice, torch.Tensor, torch.Tensor | None]]:
+    """Each prefill chunk of the step with its rows, its context's blocks and its query
+    positions (None: the context's last ones)."""
+    for chunk in meta.prefills:
+        rows = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
+        block_ids = meta.block_tables[chunk.seq, :-(-chunk.context_len // block_size)]
+        positions = None if meta.query_positions is None else meta.query_positions[rows]
+        yield chunk, rows, block_ids, positions
 
 
 def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
