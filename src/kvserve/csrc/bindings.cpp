@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T (+ bias) over a packed weight");
   m.def("blocked_linear_silu_and_mul", &kvserve::blocked_linear_silu_and_mul, release,
         "silu(gate) * up of x @ [W_gate; W_up]^T over a packed weight, n outputs");
+  m.def("dequantized_linear_supports", &kvserve::dequantized_linear_supports,
+        "whether this CPU build has dequantized_linear for x's dtype");
   m.def("dequantized_linear", &kvserve::dequantized_linear, release,
         "x @ W^T for a W4A8/W8A8 weight, dequantized block by block into the GEMM's tiles");
   m.def("paged_decode_attention", &kvserve::paged_decode_attention, release);
@@ -29,6 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotate_and_cache", &kvserve::rotate_and_cache, release,
         "rotary and cache write of rotate_cache_and_decode, without the attention; the queries "
         "are rotated in place");
+  m.def("prefill_attention_supports", &kvserve::prefill_attention_supports,
+        "whether this CPU build has prefill_attention for q's dtype");
   m.def("prefill_attention", &kvserve::prefill_attention, py::arg("q"), py::arg("kv_cache"),
         py::arg("block_ids"), py::arg("ctx"), py::arg("scale"), py::arg("window"),
         py::arg("positions") = py::none(), py::arg("out") = py::none(), release,

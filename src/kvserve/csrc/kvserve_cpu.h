@@ -23,6 +23,7 @@ torch::Tensor blocked_linear_silu_and_mul(const torch::Tensor& x, const torch::T
                                           int64_t n);
 // x @ W^T for a W4A8/W8A8 weight (wxa8.cpp's [n, k * bits / 8] layout, scales and zeros
 // [n, k / group]), dequantized block by block into the GEMM's packed form.
+bool dequantized_linear_supports(const torch::Tensor& x);  // built for x's dtype
 torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qweight,
                                  const torch::Tensor& scales, const torch::Tensor& zeros,
                                  int64_t group, int64_t bits);
@@ -55,6 +56,7 @@ torch::Tensor rotate_and_cache(torch::Tensor qk, torch::Tensor v, torch::Tensor 
                                torch::Tensor slot_mapping, torch::Tensor kv_cache);
 
 // prefill_attention.cpp
+bool prefill_attention_supports(const torch::Tensor& q);  // built for q's dtype
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_ids,
                                 int64_t ctx, double scale, int64_t window,
                                 c10::optional<torch::Tensor> positions,

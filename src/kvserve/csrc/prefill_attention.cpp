@@ -495,12 +495,20 @@ namespace kvserve {
 // written); block_ids: the context's blocks. Returns [num_q, Hq * D], written into `out` when
 // given (rows of a larger step's output: no copy afterwards). With window > 0 a query sees only
 // the last `window` positions.
+bool prefill_attention_supports(const torch::Tensor& q) {
+#ifdef __AVX512F__
+  return gemm_supports(q.new_empty({kBlock, 2}));
+#else
+  return false;
+#endif
+}
+
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_ids,
                                 int64_t ctx, double scale, int64_t window,
                                 c10::optional<torch::Tensor> positions,
                                 c10::optional<torch::Tensor> out) {
   const int64_t num_q = q.size(0), head_dim = q.size(2);
-  TORCH_CHECK(gemm_supports(q.new_empty({kBlock, 2})) && kv_cache.scalar_type() ==
+  TORCH_CHECK(prefill_attention_supports(q) && kv_cache.scalar_type() ==
                   q.scalar_type() && kv_cache.is_contiguous(),
               "prefill_attention: a float32 (AVX-512) or bfloat16 (AVX512-BF16) q and "
               "contiguous kv_cache of one dtype");

@@ -9,6 +9,13 @@ namespace kvserve::simd {
 constexpr int64_t kBlock = 16;  // outputs per block: one 512-bit register of float32
 }
 
+// Where the blocked float32 GEMM is built: AVX-512, or AVX2 with FMA (a block as two 256-bit
+// halves). The rest of this file, and the kernels built on it, are AVX-512 only.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define KVSERVE_BLOCKED_FLOAT32 1
+#include <immintrin.h>
+#endif
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 

@@ -194,7 +194,8 @@ CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 def dequantized_gemm_runs(in_features: int, dtype: torch.dtype) -> bool:
     """Whether this CPU build has the blocked GEMM the dequantizing path runs on."""
     gemm = cpu_kernels()
-    return gemm is not None and gemm.gemm_supports(torch.empty(1, in_features, dtype=dtype))
+    return gemm is not None and gemm.dequantized_linear_supports(
+        torch.empty(1, in_features, dtype=dtype))
 
 
 def amx_int8_runs(kernel: WxA8Weight) -> bool:
