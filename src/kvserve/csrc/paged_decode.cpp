@@ -70,6 +70,46 @@ inline __m512 sum_lanes(const __m512 (&v)[kTile]) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define KVSERVE_AVX2_ATTENTION 1
+constexpr int64_t kHalf = 8;  // lanes of a 256-bit register of float32
+
+// Lane t of the result: the sum of v[t]'s lanes (two rounds of hadd and one cross-lane add).
+inline __m256 sum_lanes(const __m256 (&v)[kHalf]) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// e^x in each lane for x in [-87, 88] (relative error ~1e-7), as simd::exp computes it: 2^n *
+// e^g with n = round(x / ln 2), 2^n built in the exponent bits.
+inline __m256 exp(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 g = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147181f), x);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(c));
+  const __m256i two_to_n =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
+}
+
+// Lanes [0, left) set, for masked loads and stores of a row's last, partial register.
+inline __m256i first_lanes(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, kHalf))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline float sum_of(__m256 v) {
+  const __m128 quads = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pairs = _mm_add_ps(quads, _mm_movehl_ps(quads, quads));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+#endif
+
 // The largest of n scores.
 inline float max_of(const float* s, int64_t n) {
 #ifdef __AVX512F__
@@ -77,6 +117,17 @@ inline float max_of(const float* s, int64_t n) {
   for (int64_t i = 0; i < n; i += kLanes)
     max = _mm512_max_ps(max, _mm512_mask_loadu_ps(max, kvserve::simd::first_lanes(n - i), s + i));
   return _mm512_reduce_max_ps(max);
+#elif defined(KVSERVE_AVX2_ATTENTION)
+  const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 max = lowest;
+  for (int64_t i = 0; i < n; i += kHalf) {
+    const __m256i mask = first_lanes(n - i);
+    max = _mm256_max_ps(max, _mm256_blendv_ps(lowest, _mm256_maskload_ps(s + i, mask),
+                                              _mm256_castsi256_ps(mask)));
+  }
+  alignas(32) float lanes[kHalf];
+  _mm256_store_ps(lanes, max);
+  return *std::max_element(lanes, lanes + kHalf);
 #else
   return *std::max_element(s, s + n);
 #endif
@@ -94,6 +145,17 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
     total = _mm512_mask_add_ps(total, mask, total, e);
   }
   return _mm512_reduce_add_ps(total);
+#elif defined(KVSERVE_AVX2_ATTENTION)
+  __m256 total = _mm256_setzero_ps();
+  const __m256 shift = _mm256_set1_ps(max);
+  for (int64_t i = 0; i < n; i += kHalf) {
+    const __m256i mask = first_lanes(n - i);
+    const __m256 e = _mm256_and_ps(exp(_mm256_sub_ps(_mm256_maskload_ps(s + i, mask), shift)),
+                                   _mm256_castsi256_ps(mask));
+    _mm256_maskstore_ps(s + i, mask, e);
+    total = _mm256_add_ps(total, e);
+  }
+  return sum_of(total);
 #else
   float total = 0.f;
   for (int64_t i = 0; i < n; ++i) total += (s[i] = std::exp(s[i] - max));
@@ -135,6 +197,15 @@ struct WidenedTiles {
         for (int64_t t = 0; t < count; ++t)
           a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(wide[t] + d), a);
         _mm512_storeu_ps(acc, a);
+#elif defined(KVSERVE_AVX2_ATTENTION)
+        __m256 low = _mm256_loadu_ps(acc), high = _mm256_loadu_ps(acc + kHalf);
+        for (int64_t t = 0; t < count; ++t) {
+          const __m256 pt = _mm256_set1_ps(p[t]);
+          low = _mm256_fmadd_ps(pt, _mm256_loadu_ps(wide[t] + d), low);
+          high = _mm256_fmadd_ps(pt, _mm256_loadu_ps(wide[t] + d + kHalf), high);
+        }
+        _mm256_storeu_ps(acc, low);
+        _mm256_storeu_ps(acc + kHalf, high);
 #else
         for (int64_t t = 0; t < count; ++t)
           for (int64_t l = 0; l < kLanes; ++l) acc[l] += p[t] * wide[t][d + l];
@@ -171,6 +242,18 @@ struct WidenedTiles {
     }
     _mm512_mask_storeu_ps(out, kvserve::simd::first_lanes(count),
                           _mm512_mul_ps(sum_lanes(acc), _mm512_set1_ps(scale)));
+#elif defined(KVSERVE_AVX2_ATTENTION)
+    for (int64_t first = 0; first < count; first += kHalf) {  // 8 keys at a time
+      __m256 acc[kHalf];
+      for (auto& a : acc) a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < head_dim; d += kHalf) {
+        const __m256 qd = _mm256_loadu_ps(q + d);
+        for (int64_t t = 0; t < kHalf; ++t)
+          acc[t] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows[first + t] + d), acc[t]);
+      }
+      _mm256_maskstore_ps(out + first, first_lanes(count - first),
+                          _mm256_mul_ps(sum_lanes(acc), _mm256_set1_ps(scale)));
+    }
 #else
     for (int64_t t = 0; t < count; ++t) {
       float acc[kLanes] = {0};  // explicit lanes let the compiler vectorize without fast-math
