@@ -69,8 +69,9 @@ void tile(const T* x, int64_t k, const T* w, int64_t outputs_left, const T* bias
 // weights in use). Built at -O2: GCC 12 at -O3 stores every accumulator to the stack on each
 // input step, which made the tile store-bound at 0.4x the rate.
 template <int ROWS, int WIDTH>
-__attribute__((optimize("O2"))) void avx2_tile(const float* x, int64_t k, const float* w, int64_t outputs_left,
-               const float* bias, float* out, int64_t n) {
+__attribute__((optimize("O2"))) void avx2_tile(const float* x, int64_t k, const float* w,
+                                                int64_t outputs_left, const float* bias,
+                                                float* out, int64_t n) {
   __m256 acc[ROWS][WIDTH][2];
 #pragma GCC unroll 8
   for (int i = 0; i < ROWS; ++i)
@@ -88,8 +89,7 @@ __attribute__((optimize("O2"))) void avx2_tile(const float* x, int64_t k, const 
                                          acc[i][b][h]);
     }
   }
-  // Every sum stored at once, in loops of constant bounds: a loop that may stop early (at
-  // the last block's end) kept the accumulators in memory, stored on each input step.
+  // The sums through a buffer, so the last block's partial width is a plain copy.
   alignas(32) float sums[ROWS][WIDTH][kBlock];
 #pragma GCC unroll 8
   for (int i = 0; i < ROWS; ++i)
