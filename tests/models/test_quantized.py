@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from kvserve.cpp_extension import cpu_kernels
 from kvserve.layers.linear import Linear
 from kvserve.models.loader import iter_checkpoint
 from kvserve.quantization.cpu_kernels import (
+    CpuCandidates,
     Int4Weight,
     Int8Weight,
     WxA8Weight,
@@ -24,10 +26,11 @@ from kvserve.quantization.cpu_kernels import (
     cpu_candidates,
     dequantized_gemm_runs,
 )
-from kvserve.quantization.gptq import rtn
+from kvserve.quantization.gptq import QuantizedWeight, rtn
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
 from kvserve.quantization.packing import pack_awq
 from kvserve.quantization.quantize import quantize_model
+from kvserve.quantization.squeezellm import LutWeight
 from kvserve.tools.checkpoint_files import write_weights
 from kvserve.tools.make_model import make_model
 from tests.conftest import random_prompts
@@ -58,6 +61,15 @@ def dequantized_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Exact comparisons run the dequantized weights; the integer kernels (bfloat16
     activations) are compared within a tolerance below."""
     monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "dequantized")
+
+
+def only_candidate(kind: type) -> Callable[[list[QuantizedWeight]], CpuCandidates]:
+    """`cpu_candidates` offering one kernel only."""
+    def restricted(shards: list[QuantizedWeight]) -> CpuCandidates:
+        candidates = cpu_candidates(shards)
+        return dataclasses.replace(candidates, packers={
+            k: pack for k, pack in candidates.packers.items() if k is kind})
+    return restricted
 
 
 def assert_serves_like_its_dequantized_weights(quantized: Path, reference: Path) -> None:
@@ -145,15 +157,20 @@ def test_quantized_kernels_track_the_dequantized_weights(trained_tiny, tmp_path,
     if kernel is WxA8Weight and cpu_kernels() is None:
         pytest.skip("the C++ kernels are not built here")
     if choice == "integer":  # the kernel under test is the only candidate, whatever the timings
-        monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates", lambda shards: [
-            k for k in cpu_candidates(shards) if isinstance(k, kernel)])
+        monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates",
+                            only_candidate(kernel))
     out = quantize_model(trained_tiny, tmp_path / "q", method, bits, group_size=group_size,
                          act_order=act_order, lm_head=lm_head, num_samples=8, seq_len=64)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 70], seed=8)]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     dense = LLM(str(out))
     monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", choice)
+    dequantized = []
+    for kind in (QuantizedWeight, LutWeight):
+        monkeypatch.setattr(kind, "dequantize", lambda q, f=kind.dequantize: (
+            dequantized.append(q), f(q))[1])
     quantized = LLM(str(out))
+    assert not dequantized  # a layer on a kernel never builds its dense weight
 
     def quantized_linears(llm: LLM) -> list[Linear]:
         model = llm.engine.core.runner.model
@@ -181,8 +198,8 @@ def test_the_decode_stack_runs_w4a8_layers_as_the_eager_forward(trained_tiny, tm
     GEMM, the same logprobs to the bit as eager."""
     if not dequantized_gemm_runs(2, getattr(torch, dtype)):
         pytest.skip(f"no blocked GEMM for {dtype} on this CPU")
-    monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates", lambda shards: [
-        k for k in cpu_candidates(shards) if isinstance(k, WxA8Weight)])
+    monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates",
+                        only_candidate(WxA8Weight))
     monkeypatch.setattr("kvserve.quantization.cpu_kernels._decisions", {})
     monkeypatch.setattr("kvserve.quantization.cpu_kernels.row_crossovers", lambda kernel, _: (
         dataclasses.replace(kernel, amx_from=2 if amx_int8_runs(kernel) else None,

@@ -145,6 +145,38 @@ def test_incomplete_or_unexpected_quantized_tensors_are_refused():
         list(dequantize_checkpoint(iter(bad), config))
 
 
+def _broken(layer, field: str, fn):  # noqa: ANN001, ANN202
+    return dataclasses.replace(layer, **{field: fn(getattr(layer, field))})
+
+
+@pytest.mark.parametrize(("field", "fn", "message"), [
+    ("scales", lambda t: t[:, :-1], r"scales \[2, 7\] and zeros \[2, 8\] must both be"),
+    ("zeros", lambda t: t[:1], r"and zeros \[1, 8\] must both be \[groups, 8\]"),
+    ("g_idx", lambda t: t[:-1], r"g_idx \[63\] must be \[64\]"),
+    ("g_idx", lambda t: t + 1, "g_idx must name groups 0 to 1"),
+])
+def test_quantized_parts_that_do_not_fit_are_named(field, fn, message):
+    q = rtn(torch.randn(8, 64, generator=GEN), 4, 32, sym=True)
+    q.check()
+    with pytest.raises(ValueError, match=message):
+        _broken(q, field, fn).check()
+
+
+@pytest.mark.parametrize(("field", "fn", "message"), [
+    ("lookup_table", lambda t: t[:-1], r"lookup_table \[7, 8\] must be \[8, 2\^bits\]"),
+    ("lookup_table", lambda t: t[:, :4], "indices must be below 4"),
+    ("sparse_rows", lambda t: t[:-1], r"sparse_rows \[8\] must be the CSR pointers of 8"),
+    ("sparse_rows", lambda t: t.flip(0), "must be the CSR pointers"),
+    ("sparse_cols", lambda t: t + 64, "sparse_cols must be below 64"),
+])
+def test_lookup_table_parts_that_do_not_fit_are_named(field, fn, message):
+    lut = squeezellm(torch.randn(8, 64, generator=GEN), torch.ones(8, 64), 3,
+                     outlier_fraction=4 / 512, sensitive_fraction=0)
+    lut.check()
+    with pytest.raises(ValueError, match=message):
+        _broken(lut, field, fn).check()
+
+
 def test_squeezellm_keeps_sensitive_weights_closer_and_outliers_exact():
     w = torch.randn(40, 96, generator=GEN)
     w[3, 7], w[20, 50] = 25.0, -30.0  # outliers far outside every row's range
@@ -180,7 +212,8 @@ def test_4bit_kernels_match_the_dequantized_weight(act_order, rows):
     w, x = torch.randn(48, 128), torch.randn(rows, 128)
     q = gptq(w, _hessian(torch.randn(256, 128)), 4, 64, sym=False, act_order=act_order)
     assert not act_order or not torch.equal(q.g_idx, torch.arange(128) // 64)
-    kernels = cpu_candidates([q.map_rows(lambda t: t[:16]), q.map_rows(lambda t: t[16:])])
+    halves = [q.map_rows(lambda t: t[:16]), q.map_rows(lambda t: t[16:])]
+    kernels = cpu_candidates(halves).packed()
     assert {type(k) for k in kernels} == {Int4Weight} | ({WxA8Weight} if cpu_kernels() else set())
     want = _bf16_reference(x, q)
     for kernel in kernels:
@@ -195,13 +228,13 @@ def test_8bit_kernels_match_the_dequantized_weight(sym, rows):
     torch.manual_seed(0)
     w, x = torch.randn(40, 128), torch.randn(rows, 128) + 1  # a mean: zero points matter
     q = rtn(w, 8, 128, sym=sym)
-    kernels = cpu_candidates([q])
+    kernels = cpu_candidates([q]).packed()
     assert {type(k) for k in kernels} == {Int8Weight} | ({WxA8Weight} if cpu_kernels() else set())
     assert all(k.zero_terms is None for k in kernels if isinstance(k, Int8Weight)) == sym
     want = _bf16_reference(x, q)
     for kernel in kernels:
         assert (kernel.matmul(x) - want).abs().max() < 0.02 * want.abs().max()
-    grouped = cpu_candidates([rtn(w, 8, 64, sym=sym)])  # groups: only W8A8 runs them
+    grouped = cpu_candidates([rtn(w, 8, 64, sym=sym)]).packed()  # groups: only W8A8 runs them
     assert [type(k) for k in grouped] == ([WxA8Weight] if cpu_kernels() else [])
 
 
@@ -217,7 +250,7 @@ def test_dequantizing_gemm_gives_the_dense_gemms_bits(dtype, bits):
     gemm = cpu_kernels()
     for out_features, group in ((40, 64), (96, 128)):
         q = rtn(torch.randn(out_features, 256), bits, group, sym=False)
-        (kernel,) = [k for k in cpu_candidates([q]) if isinstance(k, WxA8Weight)]
+        kernel = cpu_candidates([q]).packers[WxA8Weight]()
         packed = gemm.pack_weight(q.dequantize().to(dtype))
         for rows in (1, 6, 33, 300):
             x = torch.randn(rows, 256).to(dtype)
@@ -232,7 +265,7 @@ def test_w4a8_layers_run_many_rows_through_the_dequantizing_gemm():
     torch.manual_seed(0)
     w = torch.randn(48, 128)
     q = gptq(w, _hessian(torch.randn(256, 128)), 4, 64, sym=False, act_order=True)
-    (kernel,) = [k for k in cpu_candidates([q]) if isinstance(k, WxA8Weight)]
+    kernel = cpu_candidates([q]).packers[WxA8Weight]()
     routed = dataclasses.replace(kernel, dequantized_from=4)
     dense = q.dequantize()
     few, many = torch.randn(3, 128), torch.randn(5, 128)
@@ -250,7 +283,7 @@ def test_amx_int8_tiles_give_the_w4a8_kernels_products(bits):
     of 16 rows, several, and (8,192 channels) more rows than one pass keeps in L2, in groups of
     one, two and four 128-channel tile pairs; shapes it cannot take are left to VNNI."""
     torch.manual_seed(0)
-    probe = cpu_candidates([rtn(torch.randn(48, 256), bits, 128, sym=False)])
+    probe = cpu_candidates([rtn(torch.randn(48, 256), bits, 128, sym=False)]).packed()
     if not probe or not amx_int8_runs(probe[-1]):
         pytest.skip("no AMX int8 tiles on this CPU")
     gemm = cpu_kernels()
@@ -259,7 +292,7 @@ def test_amx_int8_tiles_give_the_w4a8_kernels_products(bits):
                                                    (32, 512, 512, (3, 33)),
                                                    (16, 8192, 128, (70,))):
         q = rtn(torch.randn(out_features, in_features), bits, group, sym=False)
-        (kernel,) = [k for k in cpu_candidates([q]) if isinstance(k, WxA8Weight)]
+        kernel = cpu_candidates([q]).packers[WxA8Weight]()
         for m in rows:
             x = torch.randn(m, in_features) + 0.5
             args = (x, kernel.packed, kernel.scales, kernel.zeros, group, bits)
@@ -271,11 +304,11 @@ def test_amx_int8_tiles_give_the_w4a8_kernels_products(bits):
             routed = dataclasses.replace(kernel, amx_from=m)
             assert torch.equal(routed.matmul(x), got)
             assert torch.equal(dataclasses.replace(kernel, amx_from=m + 1).matmul(x), want)
-    (grouped_64,) = [k for k in cpu_candidates([rtn(torch.randn(48, 256), bits, 64, sym=False)])
-                     if isinstance(k, WxA8Weight)]
+    grouped_64 = cpu_candidates([rtn(torch.randn(48, 256), bits, 64, sym=False)])
+    grouped_64 = grouped_64.packers[WxA8Weight]()
     assert not amx_int8_runs(grouped_64)
-    (odd_outputs,) = [k for k in cpu_candidates([rtn(torch.randn(40, 256), bits, 128, sym=False)])
-                      if isinstance(k, WxA8Weight)]
+    odd_outputs = cpu_candidates([rtn(torch.randn(40, 256), bits, 128, sym=False)])
+    odd_outputs = odd_outputs.packers[WxA8Weight]()
     assert not amx_int8_runs(odd_outputs)
 
 
@@ -294,9 +327,9 @@ def test_dequantize_gives_each_channel_its_groups_scale_and_zero():
 def test_layers_no_kernel_fits_stay_dense():
     torch.manual_seed(0)
     w = torch.randn(48, 128)
-    assert cpu_candidates([rtn(w, 8, 32, sym=True)]) == []  # int8 takes one group per row
+    assert cpu_candidates([rtn(w, 8, 32, sym=True)]).packed() == []  # int8 takes one group per row
     # 40 outputs (not 16-aligned for int4) in groups of 32 (W4A8 takes multiples of 64)
-    assert cpu_candidates([rtn(w[:40], 4, 32, sym=True)]) == []
+    assert cpu_candidates([rtn(w[:40], 4, 32, sym=True)]).packed() == []
     a, b = (gptq(w, _hessian(torch.randn(256, 128) * s), 4, 32, True, act_order=True)
             for s in (torch.ones(128), torch.linspace(0.1, 2, 128)))
-    assert cpu_candidates([a, b]) == []  # shards ordering their inputs differently
+    assert cpu_candidates([a, b]).packed() == []  # shards ordering their inputs differently

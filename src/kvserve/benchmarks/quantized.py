@@ -40,7 +40,8 @@ def _kernels(weight: torch.Tensor, args: argparse.Namespace, dtype: torch.dtype
              ) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
     """name -> (matmul, weight bytes) for the dense layer and every quantized kernel."""
     out_features, in_features = weight.shape
-    dense = Linear(in_features, [out_features], False, dtype).to(args.device)
+    with torch.device(args.device):
+        dense = Linear(in_features, [out_features], False, dtype)
     dense.load("weight", 0, weight.to(args.device, dtype))
     dense.prepare()
     kernels = {"dense": (dense.forward, dense.weight_bytes)}
@@ -54,7 +55,7 @@ def _kernels(weight: torch.Tensor, args: argparse.Namespace, dtype: torch.dtype
             device = torch.device(args.device)
             candidates = [pack_for_triton([q], dtype, device, num_programs(device))]
         else:
-            candidates = cpu_candidates([q])
+            candidates = cpu_candidates([q]).packed()
         for kernel in candidates:
             if kernel is not None:
                 kernels[f"{name} ({type(kernel).__name__})"] = (kernel.matmul, kernel.num_bytes)

@@ -1,8 +1,8 @@
 """Linear layers, loaded shard by shard and then prepared for the device's fastest GEMM.
 
-While loading, the weight is kept transposed (`[in, out]`): fused projections (QKV, gate+up)
-are one matrix whose column ranges come from separate checkpoint tensors (`shard`s). After
-loading, `prepare()` picks the execution form:
+While loading, the weight is kept in the checkpoint's `[out, in]` layout: fused projections
+(QKV, gate+up) are one matrix whose row ranges come from separate checkpoint tensors
+(`shard`s), each one contiguous copy. After loading, `prepare()` picks the execution form:
 - on CPUs with AVX-512 or AVX2 (float32) or AVX512-BF16 (bfloat16), the weight packed in
   16-output blocks for the GEMM of `csrc/gemm.cpp`: 1.3x (float32) and 1.5x (bfloat16) faster
   than oneDNN's prepacked weight at batch 1 on AVX-512, 1.4-3x in float32 on an AVX2 EPYC,
@@ -23,6 +23,7 @@ picks for the device, or, where none fits, as the dense weight they dequantize t
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -73,13 +74,14 @@ class Linear(nn.Module):
         self.output_sizes = list(output_sizes)
         out = sum(output_sizes)
         self.out_features = out
-        self.weight = torch.empty(in_features, out, dtype=dtype)
+        self.weight = torch.empty(out, in_features, dtype=dtype)  # until prepare() packs it
         self.bias = torch.zeros(out, dtype=dtype) if bias else None
         self.quantized: dict[int, QuantizedWeight | LutWeight] = {}  # shards as loaded
         self.kernel: QuantizedKernel | None = None  # chosen by prepare() for those shards
         self.gemm: ModuleType | None = None  # cpu_kernels(), where prepare() picks its GEMM
-        # Until prepare(): then "blocked" (csrc/gemm.cpp), "packed" (oneDNN) or "out_major" (CUDA).
-        self.form = "transposed"
+        # Until prepare(): then "blocked" (csrc/gemm.cpp), "packed" (oneDNN), "out_major"
+        # (CUDA) or "transposed".
+        self.form = "loading"
         # Every loaded adapter's A [in, slots x width] and scaled B [slots x width, out]
         # (see lora/batch.py), in the layer's GEMM form; None: no adapter targets it.
         self.lora: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -165,7 +167,7 @@ class Linear(nn.Module):
              tensor: torch.Tensor | QuantizedWeight | LutWeight) -> None:
         """Copies a checkpoint tensor (`[out, in]` weight, quantized or not, or `[out]` bias)
         into its shard."""
-        assert self.form == "transposed", "load() after prepare()"
+        assert self.form == "loading", "load() after prepare()"
         if self.parallel is not None and tp_group().size > 1:
             if isinstance(tensor, QuantizedWeight | LutWeight):
                 raise ValueError("quantized weights do not split among tensor-parallel ranks "
@@ -183,43 +185,60 @@ class Linear(nn.Module):
         if isinstance(tensor, QuantizedWeight | LutWeight):
             self.quantized[shard] = tensor
         elif kind == "weight":
-            self.weight[:, start:start + size].copy_(tensor.t())
+            self.weight[start:start + size].copy_(tensor)
         elif bias is not None:
             bias[start:start + size].copy_(tensor)
 
     def prepare(self) -> None:
-        """Switches to the fastest execution form for the weight's device (see module doc)."""
-        shards = self._dequantize_shards()
+        """Switches to the fastest execution form for the weight's device (see module doc).
+        A quantized layer builds its dense weight only where no kernel runs it, or to time
+        the kernels against it (once per layer shape)."""
         cpu = self.weight.device.type == "cpu"
         gemm = cpu_kernels() if cpu else None
-        if gemm is not None and gemm.gemm_supports(self.weight.t()):
-            self.weight = gemm.pack_weight(self.weight.t().contiguous())
-            self.gemm = gemm
-            self.form = "blocked"
+        if gemm is not None and gemm.gemm_supports(self.weight):
+            self.gemm, self.form = gemm, "blocked"
         elif cpu and _onednn_packs(self.weight.dtype):
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(
-                self.weight.t().contiguous(), None)
             self.form = "packed"
         elif self.weight.device.type == "cuda":
-            self.weight = self.weight.t().contiguous()
             self.form = "out_major"
-        if shards:
-            self.kernel = choose_kernel(shards, self.forward, self.in_features,
-                                        self.weight.dtype, self.weight.device)
-            if self.kernel is not None:
-                self.weight = torch.empty(0, device=self.weight.device)
+        else:
+            self.form = "transposed"
+        shards = self._quantized_shards()
+        if not shards:
+            self._set_dense(self.weight)
+            return
+        dtype, device = self.weight.dtype, self.weight.device
+        self.kernel = choose_kernel(shards, self._densify, self.in_features, dtype, device)
+        if self.kernel is None:
+            self._densify()
+        else:
+            self.quantized = {}
+            self.weight = torch.empty(0, dtype=dtype, device=device)
 
-    def _dequantize_shards(self) -> list[QuantizedWeight] | list[LutWeight]:
-        """Writes quantized shards into the dense weight, which runs them where no kernel
-        does; returns them in output order."""
-        if not self.quantized:
-            return []
-        if len(self.quantized) != len(self.output_sizes):
+    def _set_dense(self, weight: torch.Tensor) -> None:
+        """Takes the dense weight [out, in] in the layer's execution form."""
+        if self.form == "blocked":
+            self.weight = self.gemm.pack_weight(weight.contiguous())
+        elif self.form == "packed":
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        elif self.form == "out_major":
+            self.weight = weight.contiguous()
+        else:
+            self.weight = weight.t().contiguous()
+
+    def _quantized_shards(self) -> list[QuantizedWeight] | list[LutWeight]:
+        """The quantized shards in output order."""
+        if self.quantized and len(self.quantized) != len(self.output_sizes):
             raise ValueError("a fused layer mixes quantized and float shards")
-        shards = [self.quantized[i] for i in range(len(self.output_sizes))]
-        self.quantized = {}
-        for shard, q in enumerate(shards):
-            start = sum(self.output_sizes[:shard])
-            weight = q.dequantize().t().to(self.weight.device, self.weight.dtype)
-            self.weight[:, start:start + self.output_sizes[shard]].copy_(weight)
-        return shards
+        return [self.quantized[i] for i in range(len(self.quantized))]
+
+    def _densify(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The layer's dense matmul, from the quantized shards' dequantized weight (built on
+        the first call)."""
+        if self.quantized:
+            shards = self._quantized_shards()
+            self.quantized = {}
+            dense = [q.dequantize() for q in shards]
+            weight = dense[0] if len(dense) == 1 else torch.cat(dense)
+            self._set_dense(weight.to(self.weight.device, self.weight.dtype))
+        return self.forward

@@ -27,6 +27,7 @@ are faster.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -111,41 +112,60 @@ class WxA8Weight:
 IntegerWeight = Int4Weight | Int8Weight | WxA8Weight
 
 
-def cpu_candidates(shards: list[QuantizedWeight]) -> list[IntegerWeight]:
-    """The shards (a fused layer's, in output order) packed for every CPU kernel that can run
-    them."""
+@dataclass(frozen=True)
+class CpuCandidates:
+    """The CPU kernels able to run a layer. Each packs the layer for itself only when called
+    (and once), so a layer whose kernel was chosen on another layer of its shape packs only
+    that one."""
+
+    layout: tuple[int, int, int, bool]  # out_features, bits, group size, act-order
+    packers: dict[type[IntegerWeight], Callable[[], IntegerWeight]]
+
+    def packed(self) -> list[IntegerWeight]:
+        return [pack() for pack in self.packers.values()]
+
+
+def cpu_candidates(shards: list[QuantizedWeight]) -> CpuCandidates:
+    """The CPU kernels that can run the shards (a fused layer's, in output order)."""
     grouped = sorted_by_group(shards)
     if grouped is None:
-        return []
+        return CpuCandidates((0, 0, 0, False), {})
     intweight, order, group_size = grouped
     bits = 4 if int(intweight.max()) <= 15 else 8
     scales = torch.cat([s.scales for s in shards], dim=1)
     zeros = torch.cat([s.zeros for s in shards], dim=1).float()
     out_features = intweight.shape[0]
-    candidates: list[IntegerWeight] = []
+    packers: dict[type[IntegerWeight], Callable[[], IntegerWeight]] = {}
     if (bits == 4 and hasattr(torch, "_weight_int4pack_mm_for_cpu")
             and group_size in INT4_GROUP_SIZES and out_features % 16 == 0):
-        scales_and_zeros = torch.stack([scales, (8 - zeros) * scales], dim=-1)
-        candidates.append(Int4Weight(
-            torch._convert_weight_to_int4pack_for_cpu(intweight.to(torch.int32), 1),
-            scales_and_zeros.to(torch.bfloat16).contiguous(), group_size, order))
+        def int4() -> Int4Weight:
+            scales_and_zeros = torch.stack([scales, (8 - zeros) * scales], dim=-1)
+            return Int4Weight(
+                torch._convert_weight_to_int4pack_for_cpu(intweight.to(torch.int32), 1),
+                scales_and_zeros.to(torch.bfloat16).contiguous(), group_size, order)
+        packers[Int4Weight] = int4
     if bits == 8 and len(scales) == 1 and hasattr(torch, "_weight_int8pack_mm"):
-        weight = (intweight.to(torch.int16) - 128).to(torch.int8).contiguous()
-        # The output's scale is the bfloat16 one the kernel applies.
-        bf16_scales = scales[0].bfloat16().contiguous()
-        candidates.append(Int8Weight(weight, bf16_scales, None if bool((zeros == 128).all())
-                                     else bf16_scales.float() * (zeros[0] - 128)))
+        def int8() -> Int8Weight:
+            weight = (intweight.to(torch.int16) - 128).to(torch.int8).contiguous()
+            # The output's scale is the bfloat16 one the kernel applies.
+            bf16_scales = scales[0].bfloat16().contiguous()
+            return Int8Weight(weight, bf16_scales, None if bool((zeros == 128).all())
+                              else bf16_scales.float() * (zeros[0] - 128))
+        packers[Int8Weight] = int8
     if group_size % 64 == 0 and cpu_kernels() is not None:
-        packed = intweight.to(torch.uint8)
-        if bits == 4:
-            blocks = packed.reshape(out_features, -1, 2, 32)
-            packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out_features, -1)
-        candidates.append(WxA8Weight(packed.contiguous(), scales.t().contiguous(),
-                                     zeros.t().contiguous(), group_size, bits, order))
-    return candidates
+        def wxa8() -> WxA8Weight:
+            packed = intweight.to(torch.uint8)
+            if bits == 4:
+                blocks = packed.reshape(out_features, -1, 2, 32)
+                packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out_features, -1)
+            return WxA8Weight(packed.contiguous(), scales.t().contiguous(),
+                              zeros.t().contiguous(), group_size, bits, order)
+        packers[WxA8Weight] = wxa8
+    return CpuCandidates((out_features, bits, group_size, order is not None),
+                         {kind: functools.cache(pack) for kind, pack in packers.items()})
 
 
-# By kernels, shape, layout and dtype: the chosen candidate's index (past the end: the dense
+# By input size, layout, kernels and dtype: the chosen candidate's index (past the end: the dense
 # GEMM), and its amx_from and dequantized_from.
 _decisions: dict[tuple[object, ...], tuple[int, int | None, int | None]] = {}
 # How much slower on one row W4A8/W8A8 may be than the fastest kernel and still be chosen,
@@ -155,34 +175,36 @@ _decisions: dict[tuple[object, ...], tuple[int, int | None, int | None]] = {}
 ONE_ROW_SLACK = 1.25
 
 
-def fastest(candidates: list[IntegerWeight],
-            dense: Callable[[torch.Tensor], torch.Tensor] | None, in_features: int,
-            dtype: torch.dtype) -> IntegerWeight | None:
-    """The candidate fastest on one row of this shape, or None where `dense` (if given) beats
-    them all; measured once per shape, the median of a few runs each. W4A8/W8A8, where its AMX
-    tiles or dequantizing GEMM are faster from some row count up, is preferred to a kernel at
-    most ONE_ROW_SLACK faster on one row, and switches to them from those row counts."""
-    key = (in_features, dense is None, dtype, *(
-        (type(c).__name__, _layout(c)) for c in candidates))
+def fastest(candidates: CpuCandidates,
+            dense: Callable[[], Callable[[torch.Tensor], torch.Tensor]] | None,
+            in_features: int, dtype: torch.dtype) -> IntegerWeight | None:
+    """The candidate fastest on one row of this shape, or None where the dense matmul `dense`
+    builds (if given; called only to time it) beats them all; measured once per shape, the
+    median of a few runs each. W4A8/W8A8, where its AMX tiles or dequantizing GEMM are faster
+    from some row count up, is preferred to a kernel at most ONE_ROW_SLACK faster on one row,
+    and switches to them from those row counts."""
+    kinds = list(candidates.packers)
+    key = (in_features, dense is None, dtype, candidates.layout, *kinds)
     if key not in _decisions:
+        packed = candidates.packed()
         x = torch.randn(1, in_features, dtype=dtype)
-        times = [_median_time(c.matmul, x) for c in candidates]
+        times = [_median_time(c.matmul, x) for c in packed]
         if dense is not None:
-            times.append(_median_time(dense, x))
+            times.append(_median_time(dense(), x))
         index = min(range(len(times)), key=times.__getitem__)
         amx_from = dequantized_from = None
-        wxa8 = next((i for i, c in enumerate(candidates) if isinstance(c, WxA8Weight)), None)
-        if (wxa8 is not None and index < len(candidates)
+        wxa8 = kinds.index(WxA8Weight) if WxA8Weight in kinds else None
+        if (wxa8 is not None and index < len(packed)
                 and times[wxa8] <= ONE_ROW_SLACK * times[index]):
-            routed = row_crossovers(candidates[wxa8], dtype)
+            routed = row_crossovers(packed[wxa8], dtype)
             amx_from, dequantized_from = routed.amx_from, routed.dequantized_from
             if amx_from is not None or dequantized_from is not None:
                 index = wxa8
         _decisions[key] = index, amx_from, dequantized_from
     index, amx_from, dequantized_from = _decisions[key]
-    if index == len(candidates):
+    if index == len(kinds):
         return None
-    chosen = candidates[index]
+    chosen = candidates.packers[kinds[index]]()
     if isinstance(chosen, WxA8Weight):
         return dataclasses.replace(chosen, amx_from=amx_from, dequantized_from=dequantized_from)
     return chosen
@@ -225,15 +247,6 @@ def _first_faster(challenger: WxA8Weight, kernel: WxA8Weight, dtype: torch.dtype
         if _median_time(challenger.matmul, x, 3) < _median_time(kernel.matmul, x, 3):
             return rows
     return None
-
-
-def _layout(kernel: IntegerWeight) -> tuple[object, ...]:
-    if isinstance(kernel, Int8Weight):
-        return (kernel.scales.shape[0],)
-    if isinstance(kernel, WxA8Weight):
-        return (kernel.packed.shape[0], kernel.bits, kernel.group_size,
-                kernel.input_order is not None)
-    return (kernel.scales_and_zeros.shape[1], kernel.group_size, kernel.input_order is not None)
 
 
 def _median_time(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,

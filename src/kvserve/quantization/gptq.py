@@ -30,6 +30,18 @@ class QuantizedWeight:
     def shape(self) -> torch.Size:
         return self.intweight.shape
 
+    def check(self) -> None:
+        """Raises ValueError unless the parts fit together, without building the weight."""
+        out_features, in_features = self.intweight.shape
+        groups = self.scales.shape[0]
+        if self.scales.shape != (groups, out_features) or self.zeros.shape != self.scales.shape:
+            raise ValueError(f"scales {list(self.scales.shape)} and zeros "
+                             f"{list(self.zeros.shape)} must both be [groups, {out_features}]")
+        if self.g_idx.shape != (in_features,):
+            raise ValueError(f"g_idx {list(self.g_idx.shape)} must be [{in_features}]")
+        if in_features and not 0 <= int(self.g_idx.min()) <= int(self.g_idx.max()) < groups:
+            raise ValueError(f"g_idx must name groups 0 to {groups - 1}")
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out, in], built in place to bound the memory of large layers.
         Groups of consecutive channels broadcast their scale and zero over a [out, groups,

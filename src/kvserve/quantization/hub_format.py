@@ -88,7 +88,7 @@ class QuantConfig:
                 lut = LutWeight(unpack_rows(parts["qweight"], self.bits).t(),
                                 parts["lookup_table"].float(), parts["sparse_rows"].long(),
                                 parts["sparse_cols"].long(), parts["sparse_values"].float())
-                lut.dequantize()  # checks that the parts fit together
+                lut.check()
                 return lut
             if self.method == "awq":
                 intweight = unpack_awq(parts["qweight"]).t()
@@ -100,7 +100,7 @@ class QuantConfig:
                                                self.zero_offset)
                 g_idx = parts["g_idx"].long()
             weight = QuantizedWeight(intweight, parts["scales"].float(), zeros, g_idx)
-            weight.dequantize()  # checks that the parts fit together
+            weight.check()
             return weight
         except (IndexError, RuntimeError, ValueError) as e:
             shapes = {k: list(v.shape) for k, v in sorted(parts.items())}

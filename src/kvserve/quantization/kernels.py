@@ -45,10 +45,10 @@ def kernel_choice() -> str:
 
 
 def choose_kernel(shards: list[QuantizedWeight] | list[LutWeight],
-                  dense: Callable[[torch.Tensor], torch.Tensor], in_features: int,
+                  dense: Callable[[], Callable[[torch.Tensor], torch.Tensor]], in_features: int,
                   dtype: torch.dtype, device: torch.device) -> QuantizedKernel | None:
-    """The kernel for a layer's quantized shards (in output order), or None to run `dense`,
-    the layer's dequantized weight."""
+    """The kernel for a layer's quantized shards (in output order), or None to run the
+    layer's dequantized weight, whose matmul `dense` builds where a timing needs it."""
     choice = kernel_choice()
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         triton_gemm = _triton_gemm()
@@ -57,7 +57,7 @@ def choose_kernel(shards: list[QuantizedWeight] | list[LutWeight],
     if choice == "dequantized" or device.type != "cpu" or isinstance(shards[0], LutWeight):
         return None
     candidates = cpu_candidates(shards)
-    if not candidates:
+    if not candidates.packers:
         return None
     return fastest(candidates, dense if choice == "auto" else None, in_features, dtype)
 

@@ -38,17 +38,24 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of `pack_rows`: [w, m] int32 -> [w * 32 / bits, m] uint8 (bits <= 8, as
-    all quantized weights are: a quarter of the memory of int32 for a large LM head)."""
-    w, m = words.shape
-    if 32 % bits == 0:  # whole values per word: shift rows out, never a bit per element
+    all quantized weights are: a quarter of the memory of int32 for a large LM head), as the
+    transpose of a contiguous [m, w * 32 / bits]: layers keep the [out, in] layout, and
+    transposing the words costs a fraction of transposing the values."""
+    return unpack_streams(words.t().contiguous(), bits).t()
+
+
+def unpack_streams(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """[m, w] int32, each row one little-endian bit stream -> [m, w * 32 / bits] uint8."""
+    m, w = words.shape
+    if 32 % bits == 0:  # whole values per word: shift them out, never a bit per element
         per_word = 32 // bits
-        shifts = (torch.arange(per_word, dtype=torch.int32) * bits).view(1, per_word, 1)
-        values = (words.unsqueeze(1) >> shifts) & (2**bits - 1)
-        return values.reshape(w * per_word, m).to(torch.uint8)
+        shifts = torch.arange(per_word, dtype=torch.int32, device=words.device) * bits
+        values = (words.unsqueeze(-1) >> shifts) & (2**bits - 1)
+        return values.reshape(m, w * per_word).to(torch.uint8)
     unsigned = words.long() & 0xFFFFFFFF
-    stream = (unsigned.unsqueeze(1) >> torch.arange(32).view(1, 32, 1)) & 1
-    stream = stream.reshape(-1, bits, m)
-    return (stream << torch.arange(bits).view(1, bits, 1)).sum(dim=1).to(torch.uint8)
+    stream = (unsigned.unsqueeze(-1) >> torch.arange(32, device=words.device)) & 1
+    stream = stream.reshape(m, -1, bits)
+    return (stream << torch.arange(bits, device=words.device)).sum(dim=-1).to(torch.uint8)
 
 
 def pack_gptq(intweight: torch.Tensor, zeros: torch.Tensor, bits: int
@@ -61,7 +68,7 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, zero_off
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(qweight, qzeros) -> intweight [out, in] and zeros [groups, out]; `zero_offset` is 1
     for files that store zero - 1 (checkpoint_format gptq), 0 for gptq_v2."""
-    zeros = unpack_rows(qzeros.t().contiguous(), bits).t().long() + zero_offset
+    zeros = unpack_streams(qzeros, bits).long() + zero_offset
     return unpack_rows(qweight, bits).t(), zeros
 
 

@@ -32,6 +32,26 @@ class LutWeight:
     def shape(self) -> torch.Size:
         return self.indices.shape
 
+    def check(self) -> None:
+        """Raises ValueError unless the parts fit together, without building the weight."""
+        out_features, in_features = self.indices.shape
+        nnz = self.sparse_values.shape[0]
+        if self.lookup_table.dim() != 2 or self.lookup_table.shape[0] != out_features:
+            raise ValueError(f"lookup_table {list(self.lookup_table.shape)} must be "
+                             f"[{out_features}, 2^bits]")
+        if self.indices.numel() and int(self.indices.max()) >= self.lookup_table.shape[1]:
+            raise ValueError(f"indices must be below {self.lookup_table.shape[1]}")
+        pointers = self.sparse_rows.long()
+        if (self.sparse_rows.shape != (out_features + 1,) or self.sparse_cols.shape != (nnz,)
+                or int(pointers[0]) != 0 or int(pointers[-1]) != nnz
+                or bool((pointers.diff() < 0).any())):
+            raise ValueError(f"sparse_rows {list(self.sparse_rows.shape)} must be the CSR "
+                             f"pointers of {out_features} rows over {nnz} sparse_values and "
+                             f"sparse_cols {list(self.sparse_cols.shape)}")
+        cols = self.sparse_cols
+        if nnz and not 0 <= int(cols.min()) <= int(cols.max()) < in_features:
+            raise ValueError(f"sparse_cols must be below {in_features}")
+
     def dequantize(self) -> torch.Tensor:
         return dequantize_lut(self.indices, self.lookup_table, self.sparse_rows,
                               self.sparse_cols, self.sparse_values)
