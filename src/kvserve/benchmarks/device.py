@@ -58,7 +58,7 @@ def gemm_peak(device: str | torch.device, dtype: torch.dtype, size: int = 2048,
     with torch.device(device):
         layer = Linear(size, [size], False, dtype)
         layer.weight.normal_()
-        weight = layer.weight.clone()
+        weight = layer.weight.t().contiguous()
         layer.prepare()
         x = torch.randn(size, size, dtype=dtype)
     with torch.inference_mode():
