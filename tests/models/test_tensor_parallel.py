@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.quantization.quantize import quantize_model
 from kvserve.tools.make_lora import make_lora
 from kvserve.tools.make_model import make_model
 from tests.conftest import random_prompts
@@ -52,6 +53,21 @@ def test_two_ranks_match_one_with_lora_adapters(model_dirs: dict[str, Path],
     one = greedy(path, adapters, lora_modules=modules)
     assert one != greedy(path)  # the adapters change the outputs
     assert greedy(path, adapters, lora_modules=modules, tensor_parallel_size=2) == one
+
+
+@pytest.mark.parametrize(("method", "bits", "group_size"), [("gptq", 4, 32),
+                                                           ("squeezellm", 3, None)])
+def test_two_ranks_match_one_on_quantized_checkpoints(model_dirs: dict[str, Path],
+                                                      tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      method: str, bits: int,
+                                                      group_size: int | None) -> None:
+    """Column-parallel layers split the quantized rows, row-parallel ones the input channels
+    (act-order GPTQ: scattered over the groups) with the groups they use."""
+    monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "dequantized")  # no activation rounding
+    path = quantize_model(model_dirs["llama"], tmp_path / method, method, bits, group_size,
+                          act_order=True, num_samples=8, seq_len=64)
+    assert greedy(path, tensor_parallel_size=2) == greedy(path)
 
 
 def test_heads_that_do_not_divide_are_refused(model_dirs: dict[str, Path],

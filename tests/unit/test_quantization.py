@@ -18,7 +18,7 @@ from kvserve.quantization.cpu_kernels import (
     cpu_candidates,
     dequantized_gemm_runs,
 )
-from kvserve.quantization.gptq import gptq, rtn
+from kvserve.quantization.gptq import gptq, rtn, sorted_by_group
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
 from kvserve.quantization.packing import (
     pack_awq,
@@ -175,6 +175,25 @@ def test_lookup_table_parts_that_do_not_fit_are_named(field, fn, message):
     lut.check()
     with pytest.raises(ValueError, match=message):
         _broken(lut, field, fn).check()
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_input_slices_are_the_layers_columns(act_order):
+    """A row-parallel rank's share of a quantized layer: its input channels, with the groups
+    they use (contiguous groups stay whole and sorted, so the CPU kernels still run them)."""
+    w = torch.randn(16, 128, generator=GEN)
+    q = gptq(w, _hessian(torch.randn(256, 128, generator=GEN)), 4, 32, sym=False,
+             act_order=act_order)
+    lut = squeezellm(w, torch.ones_like(w), 3, outlier_fraction=0.05, sensitive_fraction=0)
+    for start, end in ((0, 64), (64, 128)):
+        part = q.input_slice(start, end)
+        part.check()
+        assert torch.equal(part.dequantize(), q.dequantize()[:, start:end])
+        assert act_order or (part.scales.shape[0] == 2 and sorted_by_group([part]) is not None)
+        lut_part = lut.input_slice(start, end)
+        lut_part.check()
+        assert 0 < len(lut_part.sparse_values) < len(lut.sparse_values)
+        assert torch.equal(lut_part.dequantize(), lut.dequantize()[:, start:end])
 
 
 def test_squeezellm_keeps_sensitive_weights_closer_and_outliers_exact():

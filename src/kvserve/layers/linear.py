@@ -37,7 +37,7 @@ from kvserve.quantization.gptq import QuantizedWeight
 from kvserve.quantization.kernels import QuantizedKernel, choose_kernel
 from kvserve.quantization.squeezellm import LutWeight
 from kvserve.worker.forward_context import get_lora_batch
-from kvserve.worker.tensor_parallel import all_reduce, rank_slice, tp_group
+from kvserve.worker.tensor_parallel import all_reduce, rank_bounds, rank_slice, tp_group
 
 
 @functools.cache
@@ -169,13 +169,7 @@ class Linear(nn.Module):
         into its shard."""
         assert self.form == "loading", "load() after prepare()"
         if self.parallel is not None and tp_group().size > 1:
-            if isinstance(tensor, QuantizedWeight | LutWeight):
-                raise ValueError("quantized weights do not split among tensor-parallel ranks "
-                                 "yet")
-            if self.parallel == "column":
-                tensor = rank_slice(tensor, 0)
-            elif kind == "weight":
-                tensor = rank_slice(tensor, 1)
+            tensor = self._rank_share(kind, tensor)
         start = sum(self.output_sizes[:shard])
         size = self.output_sizes[shard]
         expected = (size, self.in_features) if kind == "weight" else (size,)
@@ -188,6 +182,19 @@ class Linear(nn.Module):
             self.weight[start:start + size].copy_(tensor)
         elif bias is not None:
             bias[start:start + size].copy_(tensor)
+
+    def _rank_share(self, kind: str, tensor: torch.Tensor | QuantizedWeight | LutWeight
+                    ) -> torch.Tensor | QuantizedWeight | LutWeight:
+        """This rank's part of a full checkpoint tensor: its output rows (column-parallel), or
+        its input columns of a row-parallel weight."""
+        quantized = isinstance(tensor, QuantizedWeight | LutWeight)
+        if self.parallel == "column" and quantized:
+            return tensor.map_rows(lambda t: rank_slice(t, 0))
+        if self.parallel == "column":
+            return rank_slice(tensor, 0)
+        if kind == "weight" and quantized:
+            return tensor.input_slice(*rank_bounds(tensor.shape[1], 1))
+        return rank_slice(tensor, 1) if kind == "weight" else tensor
 
     def prepare(self) -> None:
         """Switches to the fastest execution form for the weight's device (see module doc).

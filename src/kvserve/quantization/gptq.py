@@ -61,6 +61,15 @@ class QuantizedWeight:
         weight *= self.scales.t().float()[:, self.g_idx]
         return weight
 
+    def input_slice(self, start: int, end: int) -> QuantizedWeight:
+        """The layer over input channels [start, end) only (a row-parallel rank's share), with
+        the groups those channels use."""
+        g_idx = self.g_idx[start:end]
+        first, last = int(g_idx.min()), int(g_idx.max())
+        return QuantizedWeight(self.intweight[:, start:end].contiguous(),
+                               self.scales[first:last + 1], self.zeros[first:last + 1],
+                               g_idx - first)
+
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
         """The same layer with `fn`, a reordering of output rows, applied to every part."""
         return QuantizedWeight(fn(self.intweight), fn(self.scales.t()).t(),

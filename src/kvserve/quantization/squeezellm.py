@@ -63,6 +63,16 @@ class LutWeight:
             self.sparse_values.float(), tuple(self.indices.shape), is_coalesced=True,
             check_invariants=False)
 
+    def input_slice(self, start: int, end: int) -> LutWeight:
+        """The layer over input channels [start, end) only (a row-parallel rank's share)."""
+        cols = self.sparse_cols.long()
+        kept = (cols >= start) & (cols < end)
+        pointers = torch.zeros_like(self.sparse_rows)
+        pointers[1:] = torch.bincount(_row_of(self.sparse_rows)[kept],
+                                      minlength=self.indices.shape[0]).cumsum(0)
+        return LutWeight(self.indices[:, start:end].contiguous(), self.lookup_table, pointers,
+                         self.sparse_cols[kept] - start, self.sparse_values[kept])
+
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> LutWeight:
         """The layer with `fn`, a selection or reordering of output rows, applied to every
         part."""

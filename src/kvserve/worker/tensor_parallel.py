@@ -56,11 +56,18 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def rank_bounds(size: int, dim: int) -> tuple[int, int]:
+    """This rank's [start, end) of a full checkpoint tensor's `size` entries along `dim`."""
+    if size % _group.size:
+        raise ValueError(f"dimension {dim} ({size}) does not divide among {_group.size} "
+                         "tensor-parallel ranks")
+    share = size // _group.size
+    return _group.rank * share, (_group.rank + 1) * share
+
+
 def rank_slice(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """This rank's slice of a full checkpoint tensor along `dim`."""
     if _group.size == 1:
         return tensor
-    if tensor.shape[dim] % _group.size:
-        raise ValueError(f"dimension {dim} ({tensor.shape[dim]}) does not divide among "
-                         f"{_group.size} tensor-parallel ranks")
-    return tensor.chunk(_group.size, dim)[_group.rank]
+    start, end = rank_bounds(tensor.shape[dim], dim)
+    return tensor.narrow(dim, start, end - start)
