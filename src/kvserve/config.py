@@ -353,9 +353,6 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
         self.model.shard(self.tensor_parallel_size)  # raises if the heads do not divide
-        if self.tensor_parallel_size > 1 and self.cache.kv_offload_dir is not None:
-            raise ValueError("kv_offload_dir: the disk tier does not run with "
-                             "tensor_parallel_size > 1 yet")
         limit = self.model.max_position_embeddings
         if self.scheduler.max_model_len == 0 or self.scheduler.max_model_len > limit:
             if self.scheduler.max_model_len > limit:

@@ -26,10 +26,14 @@ def prompts_sharing_heads() -> list[list[int]]:
     return [head + tail for head, tail in zip(heads, tails, strict=True)]
 
 
-def offload_llm(path: Path, folder: Path | None, host_blocks: int = 4) -> LLM:
-    return LLM(str(path), kv_cache_memory=kv_bytes_for_blocks(path, 12), max_num_seqs=2,
-               kv_offload_host=kv_bytes_for_blocks(path, host_blocks),
-               kv_offload_dir=str(folder) if folder else None)
+def offload_llm(path: Path, folder: Path | None, host_blocks: int = 4,
+                tensor_parallel_size: int = 1) -> LLM:
+    """A 12-block pool and a host tier of `host_blocks` (on each rank, whose blocks hold 1/T
+    of the KV heads)."""
+    ranks = tensor_parallel_size
+    return LLM(str(path), kv_cache_memory=kv_bytes_for_blocks(path, 12) // ranks,
+               max_num_seqs=2, kv_offload_host=kv_bytes_for_blocks(path, host_blocks) // ranks,
+               kv_offload_dir=str(folder) if folder else None, tensor_parallel_size=ranks)
 
 
 def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -39,11 +43,17 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
         out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
         outputs.append(out[0].outputs[0].token_ids)
     assert_no_blocks_held(llm)
-    disk = llm.engine.core.runner.disk_kv
-    if disk is not None:  # no file the tier forgot, none it lists that is gone
-        on_disk = {path.stem for path in disk.folder.glob("*.kv")}
-        assert on_disk == {h.hex() for h in llm.engine.core.kv_cache.tiers.disk}
+    # No file the tier forgot, none it lists that is gone (under tensor parallelism each
+    # rank's store lives in its process: see its test).
+    disk = getattr(llm.engine.core.runner, "disk_kv", None)
+    if disk is not None:
+        assert_files_are_the_disk_tier(llm, disk.folder)
     return outputs
+
+
+def assert_files_are_the_disk_tier(llm: LLM, folder: Path) -> None:
+    on_disk = {path.stem for path in folder.glob("*.kv")}
+    assert on_disk == {h.hex() for h in llm.engine.core.kv_cache.tiers.disk}
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,12 @@ from kvserve.tools.make_lora import make_lora
 from kvserve.tools.make_model import make_model
 from tests.conftest import random_prompts
 from tests.models.test_hf_equivalence import kv_bytes_for_blocks
+from tests.models.test_kv_offload import (
+    assert_files_are_the_disk_tier,
+    offload_llm,
+    prompts_sharing_heads,
+    run,
+)
 
 PROMPTS = random_prompts([5, 40, 150, 17, 90], seed=41)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -68,6 +74,42 @@ def test_two_ranks_match_one_on_quantized_checkpoints(model_dirs: dict[str, Path
     path = quantize_model(model_dirs["llama"], tmp_path / method, method, bits, group_size,
                           act_order=True, num_samples=8, seq_len=64)
     assert greedy(path, tensor_parallel_size=2) == greedy(path)
+
+
+def test_two_ranks_offload_to_disk_and_find_it_again(model_dirs: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    """Each rank keeps its KV heads' part of a block in a folder of its own. A restart counts
+    a block as on disk only where every rank has its part (deleting the others), and a part
+    that one rank cannot read has the block computed again, its parts deleted on every rank."""
+    path, prompts = model_dirs["llama"], prompts_sharing_heads()
+    one = run(offload_llm(path, tmp_path / "one"), prompts * 2)
+
+    def folders() -> list[Path]:
+        return sorted((tmp_path / "two").iterdir())
+
+    def serve(llm: LLM, rounds: int = 2) -> int:
+        """The run's disk hits (in one round, each from an earlier run: every head differs)."""
+        assert run(llm, prompts * rounds) == one[:len(prompts) * rounds]
+        for folder in folders():
+            assert_files_are_the_disk_tier(llm, folder)
+        return llm.get_stats().prefix_cache_disk_hits
+
+    def start() -> LLM:
+        return offload_llm(path, tmp_path / "two", tensor_parallel_size=2)
+
+    assert serve(start()) > 0 and len(folders()) == 2
+    parts = [sorted(folder.glob("*.kv")) for folder in folders()]
+    parts[1][0].unlink()  # as if killed between the ranks' writes: the other part is a stray
+    restarted = start()
+    assert not parts[0][0].exists()
+    assert serve(restarted) > 0
+    del restarted
+    names = sorted(part.name for part in folders()[0].glob("*.kv"))
+    for i, name in enumerate(names):  # every block damaged, half in each rank's part
+        part = folders()[i % 2] / name
+        data = part.read_bytes()
+        part.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert serve(start(), rounds=1) == 0
 
 
 def test_heads_that_do_not_divide_are_refused(model_dirs: dict[str, Path],

@@ -7,7 +7,8 @@ Its header holds the payload's length and SHA-256: a start drops files of the wr
 and every read checks the checksum, so a damaged file is deleted and its block computed
 again rather than served. The folder is named by a hash of the model's identity (its
 config, the weight files' names, sizes and first and last MiB, the dtype and the KV block
-layout), so no KV of another model, dtype or block size is ever read back.
+layout; and the tensor-parallel rank), so no KV of another model, dtype, block size or
+rank is ever read back.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ _SUFFIX = ".kv"
 _SAMPLE = 1 << 20
 
 
-def model_identity(model: ModelConfig, block_size: int) -> str:
-    """A name for everything that decides what a KV block of this engine holds."""
+def model_identity(model: ModelConfig, block_size: int, rank: int = 0, num_ranks: int = 1
+                   ) -> str:
+    """A name for everything that decides what a KV block of this engine holds (under tensor
+    parallelism, of this rank: its KV heads' part)."""
     digest = hashlib.sha256()
     folder = Path(model.path)
     digest.update((folder / "config.json").read_bytes())
@@ -40,7 +43,7 @@ def model_identity(model: ModelConfig, block_size: int) -> str:
             f.seek(max(size - _SAMPLE, 0))
             digest.update(f.read(_SAMPLE))
     layout = (model.dtype, block_size, model.num_layers, model.num_kv_heads, model.head_dim)
-    digest.update(repr(layout).encode())
+    digest.update(repr(layout if num_ranks == 1 else (*layout, rank, num_ranks)).encode())
     return digest.hexdigest()[:32]
 
 

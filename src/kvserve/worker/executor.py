@@ -103,13 +103,22 @@ class TensorParallelExecutor:
         return self._call_all(method, [args] * len(self.pipes))
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", sched)[0]
+        """Rank 0's tokens, with the disk blocks any rank could not read its part of."""
+        outputs = self._call("execute_model", sched)
+        failed = dict.fromkeys(h for output in outputs for h in output.failed_promotions)
+        return replace(outputs[0], failed_promotions=list(failed))
 
     def swap_seconds_per_block(self) -> float:
         return max(self._call("swap_seconds_per_block"))
 
     def disk_blocks(self) -> list[bytes]:
-        return []
+        """The blocks whose part every rank holds on disk (in rank 0's order); a part whose
+        block another rank lacks (a process killed between the ranks' writes) is deleted."""
+        found = self._call("disk_blocks")
+        complete = set.intersection(*(set(hashes) for hashes in found))
+        self._call_all("delete_disk_blocks",
+                       [([h for h in hashes if h not in complete],) for hashes in found])
+        return [h for h in found[0] if h in complete]
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         return torch.cat(self._call("read_kv_blocks", block_ids), dim=_HEADS_DIM)

@@ -39,6 +39,7 @@ from kvserve.worker.prompt_logprobs import prompt_logprobs
 from kvserve.worker.sampler import Sampler, SamplingState
 from kvserve.worker.speculative import Drafter, can_draft
 from kvserve.worker.structured_output import GrammarMatchers
+from kvserve.worker.tensor_parallel import tp_group
 
 
 class ModelRunner:
@@ -59,8 +60,10 @@ class ModelRunner:
         self.disk_kv = None
         if config.num_disk_kv_blocks:
             assert config.cache.kv_offload_dir is not None
+            group = tp_group()
             self.disk_kv = DiskKVStore(config.cache.kv_offload_dir,
-                                       model_identity(mc, self.block_size),
+                                       model_identity(mc, self.block_size, group.rank,
+                                                      group.size),
                                        config.kv_bytes_per_block)
         sched = config.scheduler
         self.inputs = InputBuffers(sched.max_num_tokens_per_step,
@@ -221,6 +224,12 @@ class ModelRunner:
     def disk_blocks(self) -> list[bytes]:
         """The hashes of the blocks the disk tier holds from earlier runs."""
         return self.disk_kv.scan() if self.disk_kv is not None else []
+
+    def delete_disk_blocks(self, block_hashes: list[bytes]) -> None:
+        """Deletes these blocks' files (under tensor parallelism: parts whose block another
+        rank lacks)."""
+        for block_hash in block_hashes:
+            self.disk_kv.delete(block_hash)
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of the given device blocks in host memory, block-major as host blocks lie:

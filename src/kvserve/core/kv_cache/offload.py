@@ -92,12 +92,14 @@ class OffloadTiers:
 
     def end_step(self, failed: list[BlockHash]) -> None:
         """After the runner's copies: unpins host blocks, and files promoted blocks in the host
-        tier, or forgets the files that could not be read."""
+        tier, or deletes the files that could not be read (under tensor parallelism, the
+        other ranks' parts of the block too)."""
         self.host.free(self._pinned)
         self._pinned = []
         for block_hash, host_block in self._promoting.items():
             if block_hash in failed:
                 self.disk.pop(block_hash, None)
+                self.transfers.delete.append(block_hash)
             else:
                 self.host.cache(host_block, block_hash)
                 self._from_disk.add(block_hash)
