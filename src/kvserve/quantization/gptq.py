@@ -21,7 +21,7 @@ import torch
 class QuantizedWeight:
     """w[:, i] ~ scales[g_idx[i]] * (intweight[:, i] - zeros[g_idx[i]])."""
 
-    intweight: torch.Tensor  # [out, in] integers in [0, 2^bits): int64, or uint8 as loaded
+    intweight: torch.Tensor  # [out, in] uint8 integers in [0, 2^bits)
     scales: torch.Tensor  # [groups, out] float32
     zeros: torch.Tensor  # [groups, out] int64
     g_idx: torch.Tensor  # [in] int64
@@ -96,11 +96,12 @@ def sorted_by_group(shards: list[QuantizedWeight]
 
 
 def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of w [out, k], the scale and integer zero that map [min, max] (widened to
-    include 0) onto [0, 2^bits - 1]; symmetric: a range centred on 0, zero at the middle."""
+    """Per group of w [..., k] (its last dimension), the scale and integer zero that map
+    [min, max] (widened to include 0) onto [0, 2^bits - 1]; symmetric: a range centred on 0,
+    zero at the middle."""
     maxq = 2**bits - 1
-    low = w.min(dim=1).values.clamp(max=0)
-    high = w.max(dim=1).values.clamp(min=0)
+    low = w.amin(dim=-1).clamp(max=0)
+    high = w.amax(dim=-1).clamp(min=0)
     if sym:
         high = torch.maximum(-low, high)
         low = -high
@@ -114,23 +115,23 @@ def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, t
 
 def quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int
                     ) -> torch.Tensor:
-    return torch.clamp(torch.round(w / scale) + zero, 0, 2**bits - 1).long()
+    """round(w / scale) + zero, clamped to [0, 2^bits - 1]: in place on one temporary, since a
+    whole layer's (an LM head's gigabytes) is quantized at once."""
+    q = w / scale
+    return q.round_().add_(zero).clamp_(0, 2**bits - 1).to(torch.uint8)
 
 
 def rtn(weight: torch.Tensor, bits: int, group_size: int, sym: bool) -> QuantizedWeight:
     """Round-to-nearest with each group's own range: the baseline GPTQ is measured against."""
     w = weight.float()
     out_features, in_features = w.shape
-    g_idx = torch.arange(in_features) // group_size
-    scales, zeros, columns = [], [], []
-    for start in range(0, in_features, group_size):
-        block = w[:, start:start + group_size]
-        scale, zero = group_params(block, bits, sym)
-        scales.append(scale)
-        zeros.append(zero)
-        columns.append(quantize_column(block, scale.unsqueeze(1), zero.unsqueeze(1), bits))
-    return QuantizedWeight(torch.cat(columns, dim=1), torch.stack(scales), torch.stack(zeros),
-                           g_idx)
+    if in_features % group_size:
+        raise ValueError(f"group_size {group_size} does not divide {in_features} inputs")
+    groups = w.view(out_features, in_features // group_size, group_size)
+    scale, zero = group_params(groups, bits, sym)  # [out, groups]
+    intweight = quantize_column(groups, scale.unsqueeze(-1), zero.unsqueeze(-1), bits)
+    return QuantizedWeight(intweight.view(out_features, in_features), scale.t().contiguous(),
+                           zero.t().contiguous(), torch.arange(in_features) // group_size)
 
 
 def gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, sym: bool,
@@ -149,7 +150,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int
     h += damp * torch.mean(torch.diag(h)) * torch.eye(in_features)
     h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
 
-    intweight = torch.zeros(out_features, in_features, dtype=torch.long)
+    intweight = torch.zeros(out_features, in_features, dtype=torch.uint8)
     scales, zeros = [], []
     for start in range(0, in_features, block_size):
         end = min(start + block_size, in_features)

@@ -21,18 +21,33 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # logical value i sits in nibble AWQ_ORDER
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     """[n, m] integers in [0, 2^bits) -> [n * bits / 32, m] int32: each column a bit stream,
-    value i at bits i * bits .. (i + 1) * bits - 1."""
+    value i at bits i * bits .. (i + 1) * bits - 1. Packed along the rows of the transpose
+    (the [out, in] layout layers keep), whose words then transpose for a fraction of the
+    values' cost."""
     n, m = values.shape
     if (n * bits) % 32:
         raise ValueError(f"{n} values of {bits} bits do not fill whole 32-bit words")
-    if 32 % bits == 0:  # no value straddles two words: shift whole rows, without a bit stream
+    rows = values.t().contiguous()
+    return torch.cat([pack_streams(chunk, bits) for chunk in rows.split(_ROWS_PER_PASS)]
+                     ).t().contiguous()
+
+
+_ROWS_PER_PASS = 1024  # bounds the int64 temporaries of a large LM head
+
+
+def pack_streams(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """[m, n] integers in [0, 2^bits) -> [m, n * bits / 32] int32, each row one
+    little-endian bit stream (the inverse of `unpack_streams`)."""
+    m, n = values.shape
+    if 32 % bits == 0:  # no value straddles two words: or whole values into place
         per_word = 32 // bits
-        shifts = (torch.arange(per_word, device=values.device) * bits).view(1, per_word, 1)
-        words = (values.long().reshape(-1, per_word, m) << shifts).sum(dim=1)
-        return (words - (words >= 2**31).long() * 2**32).to(torch.int32)
-    shifts = torch.arange(bits)
-    stream = ((values.long().unsqueeze(1) >> shifts.view(1, bits, 1)) & 1).reshape(-1, 32, m)
-    words = (stream << torch.arange(32).view(1, 32, 1)).sum(dim=1)
+        slots = values.view(m, n // per_word, per_word)
+        words = slots[..., 0].to(torch.int64, copy=True)  # never the caller's values
+        for i in range(1, per_word):
+            words |= slots[..., i].long() << (i * bits)
+    else:
+        stream = (values.long().unsqueeze(-1) >> torch.arange(bits, device=values.device)) & 1
+        words = (stream.reshape(m, -1, 32) << torch.arange(32, device=values.device)).sum(-1)
     return (words - (words >= 2**31).long() * 2**32).to(torch.int32)
 
 

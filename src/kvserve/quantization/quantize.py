@@ -28,6 +28,7 @@ from kvserve.quantization.packing import pack_gptq, pack_rows
 from kvserve.quantization.squeezellm import LutWeight, squeezellm
 from kvserve.tools.checkpoint_files import write_json, write_weights
 from kvserve.tools.corpus import corpus_tokens
+from kvserve.worker.cpu_allocator import retain_freed_memory
 
 METHODS = ("rtn", "gptq", "squeezellm")
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -58,6 +59,7 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
     if group_size is None:
         group_size = -1 if bits == 8 else 128
     source, out = Path(model_dir), Path(output)
+    retain_freed_memory()  # each layer's temporaries reuse the last one's pages
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     stages = [(f"model.layers.{index}", layer, {name: m for name, m in layer.named_modules()
                                                   if isinstance(m, nn.Linear)})
