@@ -57,9 +57,10 @@ def gemm_peak(device: str | torch.device, dtype: torch.dtype, size: int = 2048,
     faster: the machine's peak, not just the engine's."""
     with torch.device(device):
         layer = Linear(size, [size], False, dtype)
-        layer.weight.normal_()
-        weight = layer.weight.t().contiguous()
+        weight = torch.randn(size, size, dtype=dtype)
+        layer.load("weight", 0, weight)
         layer.prepare()
+        weight = weight.t().contiguous()
         x = torch.randn(size, size, dtype=dtype)
     with torch.inference_mode():
         seconds = []

@@ -17,7 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this CPU build has a blocked GEMM for the weight");
   m.def("amx_in_use", &kvserve::amx_in_use,
         "whether bfloat16 GEMMs and prefill attention run on AMX tiles");
-  m.def("pack_weight", &kvserve::pack_weight, "[n, k] weight -> 16-output blocks");
+  m.def("pack_weight", &kvserve::pack_weight,
+        "a weight's row blocks [n_i, k], in order -> 16-output blocks");
   m.def("blocked_linear", &kvserve::blocked_linear, release,
         "x @ W^T (+ bias) over a packed weight");
   m.def("blocked_linear_silu_and_mul", &kvserve::blocked_linear_silu_and_mul, release,

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -369,17 +370,29 @@ bool gemm_supports(const torch::Tensor& w) {
   }
 }
 
-// [n, k] checkpoint layout -> [ceil(n / 16), k / step, 16, step], outputs padded with zeros.
-// One pass over 4-byte units (a float, or a bfloat16 pair): a model's load writes every
-// weight once into fresh memory, where zero-filling and then permuting took 2-3x the time.
-torch::Tensor pack_weight(const torch::Tensor& weight) {
-  TORCH_CHECK(gemm_supports(weight), "pack_weight: no blocked GEMM for this weight on this CPU");
-  const auto w = weight.contiguous();
-  const int64_t n = w.size(0), blocks = (n + kBlock - 1) / kBlock;
-  const int64_t step = w.scalar_type() == torch::kBFloat16 ? 2 : 1;
-  const int64_t units = w.size(1) / step;
-  auto packed = torch::empty({blocks, units, kBlock, step}, w.options());
-  const auto* src = static_cast<const uint32_t*>(w.data_ptr());
+// The rows of `shards` ([n_i, k] each, in order: a fused layer's checkpoint tensors) ->
+// [ceil(n / 16), k / step, 16, step], outputs padded with zeros. One pass over 4-byte units
+// (a float, or a bfloat16 pair) read where the shards lie: a model's load writes every
+// weight once into fresh memory, where staging the fused rows, zero-filling and then
+// permuting took 2-3x the time.
+torch::Tensor pack_weight(const std::vector<torch::Tensor>& shards) {
+  TORCH_CHECK(!shards.empty() && gemm_supports(shards.front()),
+              "pack_weight: no blocked GEMM for this weight on this CPU");
+  const int64_t k = shards.front().size(1);
+  const int64_t step = shards.front().scalar_type() == torch::kBFloat16 ? 2 : 1;
+  const int64_t units = k / step;
+  std::vector<torch::Tensor> contiguous;
+  std::vector<const uint32_t*> rows;
+  for (const auto& shard : shards) {
+    TORCH_CHECK(shard.dim() == 2 && shard.size(1) == k &&
+                    shard.scalar_type() == shards.front().scalar_type(),
+                "pack_weight: shards of one width and dtype");
+    contiguous.push_back(shard.contiguous());
+    const auto* base = static_cast<const uint32_t*>(contiguous.back().data_ptr());
+    for (int64_t r = 0; r < shard.size(0); ++r) rows.push_back(base + r * units);
+  }
+  const int64_t n = static_cast<int64_t>(rows.size()), blocks = (n + kBlock - 1) / kBlock;
+  auto packed = torch::empty({blocks, units, kBlock, step}, shards.front().options());
   auto* dst = static_cast<uint32_t*>(packed.data_ptr());
   constexpr int64_t kUnitsPerPass = 256;  // a 16 KiB slice of the block, written in L1
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
@@ -390,7 +403,7 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
         for (int64_t r = 0; r < kBlock; ++r) {
           const int64_t row = b * kBlock + r;
           if (row < n) {
-            const uint32_t* in = src + row * units;
+            const uint32_t* in = rows[row];
             for (int64_t u = u0; u < u1; ++u) block[u * kBlock + r] = in[u];
           } else {
             for (int64_t u = u0; u < u1; ++u) block[u * kBlock + r] = 0;

@@ -1,8 +1,8 @@
 """Linear layers, loaded shard by shard and then prepared for the device's fastest GEMM.
 
-While loading, the weight is kept in the checkpoint's `[out, in]` layout: fused projections
-(QKV, gate+up) are one matrix whose row ranges come from separate checkpoint tensors
-(`shard`s), each one contiguous copy. After loading, `prepare()` picks the execution form:
+While loading, the layer holds the checkpoint's tensors (`[out, in]`): fused projections
+(QKV, gate+up) are one matrix whose row ranges come from separate tensors (`shard`s). After
+loading, `prepare()` builds the execution form from them:
 - on CPUs with AVX-512 or AVX2 (float32) or AVX512-BF16 (bfloat16), the weight packed in
   16-output blocks for the GEMM of `csrc/gemm.cpp`: 1.3x (float32) and 1.5x (bfloat16) faster
   than oneDNN's prepacked weight at batch 1 on AVX-512, 1.4-3x in float32 on an AVX2 EPYC,
@@ -74,9 +74,10 @@ class Linear(nn.Module):
         self.output_sizes = list(output_sizes)
         out = sum(output_sizes)
         self.out_features = out
-        self.weight = torch.empty(out, in_features, dtype=dtype)  # until prepare() packs it
+        self.weight = torch.empty(0, in_features, dtype=dtype)  # prepare() builds it here
         self.bias = torch.zeros(out, dtype=dtype) if bias else None
-        self.quantized: dict[int, QuantizedWeight | LutWeight] = {}  # shards as loaded
+        self.shards: dict[int, torch.Tensor] = {}  # the weight's shards as loaded
+        self.quantized: dict[int, QuantizedWeight | LutWeight] = {}  # or quantized ones
         self.kernel: QuantizedKernel | None = None  # chosen by prepare() for those shards
         self.gemm: ModuleType | None = None  # cpu_kernels(), where prepare() picks its GEMM
         # Until prepare(): then "blocked" (csrc/gemm.cpp), "packed" (oneDNN), "out_major"
@@ -165,8 +166,8 @@ class Linear(nn.Module):
 
     def load(self, kind: str, shard: int,
              tensor: torch.Tensor | QuantizedWeight | LutWeight) -> None:
-        """Copies a checkpoint tensor (`[out, in]` weight, quantized or not, or `[out]` bias)
-        into its shard."""
+        """Takes a checkpoint tensor (`[out, in]` weight, quantized or not) as its shard, or
+        copies an `[out]` bias into its range."""
         assert self.form == "loading", "load() after prepare()"
         if self.parallel is not None and tp_group().size > 1:
             tensor = self._rank_share(kind, tensor)
@@ -179,7 +180,7 @@ class Linear(nn.Module):
         if isinstance(tensor, QuantizedWeight | LutWeight):
             self.quantized[shard] = tensor
         elif kind == "weight":
-            self.weight[start:start + size].copy_(tensor)
+            self.shards[shard] = tensor
         elif bias is not None:
             bias[start:start + size].copy_(tensor)
 
@@ -190,11 +191,12 @@ class Linear(nn.Module):
         quantized = isinstance(tensor, QuantizedWeight | LutWeight)
         if self.parallel == "column" and quantized:
             return tensor.map_rows(lambda t: rank_slice(t, 0))
-        if self.parallel == "column":
-            return rank_slice(tensor, 0)
         if kind == "weight" and quantized:
             return tensor.input_slice(*rank_bounds(tensor.shape[1], 1))
-        return rank_slice(tensor, 1) if kind == "weight" else tensor
+        if self.parallel == "column" or kind == "weight":
+            # A copy: the layer keeps it until prepare(), and must not keep the whole tensor.
+            return rank_slice(tensor, 0 if self.parallel == "column" else 1).clone()
+        return tensor
 
     def prepare(self) -> None:
         """Switches to the fastest execution form for the weight's device (see module doc).
@@ -212,7 +214,9 @@ class Linear(nn.Module):
             self.form = "transposed"
         shards = self._quantized_shards()
         if not shards:
-            self._set_dense(self.weight)
+            assert len(self.shards) == len(self.output_sizes), "prepare() before load()"
+            self._set_dense([self.shards[i] for i in range(len(self.shards))])
+            self.shards = {}
             return
         dtype, device = self.weight.dtype, self.weight.device
         self.kernel = choose_kernel(shards, self._densify, self.in_features, dtype, device)
@@ -222,11 +226,14 @@ class Linear(nn.Module):
             self.quantized = {}
             self.weight = torch.empty(0, dtype=dtype, device=device)
 
-    def _set_dense(self, weight: torch.Tensor) -> None:
-        """Takes the dense weight [out, in] in the layer's execution form."""
+    def _set_dense(self, rows: list[torch.Tensor]) -> None:
+        """Takes the dense weight, as its row blocks [out_i, in] in output order, in the
+        layer's execution form."""
         if self.form == "blocked":
-            self.weight = self.gemm.pack_weight(weight.contiguous())
-        elif self.form == "packed":
+            self.weight = self.gemm.pack_weight(rows)  # read where they lie
+            return
+        weight = rows[0] if len(rows) == 1 else torch.cat(rows)
+        if self.form == "packed":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         elif self.form == "out_major":
             self.weight = weight.contiguous()
@@ -245,7 +252,6 @@ class Linear(nn.Module):
         if self.quantized:
             shards = self._quantized_shards()
             self.quantized = {}
-            dense = [q.dequantize() for q in shards]
-            weight = dense[0] if len(dense) == 1 else torch.cat(dense)
-            self._set_dense(weight.to(self.weight.device, self.weight.dtype))
+            self._set_dense([q.dequantize().to(self.weight.device, self.weight.dtype)
+                             for q in shards])
         return self.forward
