@@ -5,7 +5,7 @@ import resource
 import pytest
 import torch
 
-from kvserve.worker.cpu_allocator import advise_huge_pages, retain_freed_memory, zeroed_memory
+from kvserve.worker.cpu_allocator import advise_huge_pages, retain_freed_memory
 
 _PAGES = 2048  # an 8 MiB tensor: served by mmap under glibc's default 128 KiB threshold
 
@@ -63,11 +63,3 @@ def test_advised_memory_is_mapped_on_huge_pages_when_touched():
 
 def test_memory_within_one_huge_page_is_not_advised():
     assert not advise_huge_pages(torch.empty(4096, dtype=torch.uint8))
-
-
-def test_zeroed_memory_is_mapped_only_where_touched():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    pool = zeroed_memory((16, 1024, 1024), torch.bfloat16)  # 32 MiB: 8,192 pages
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 64
-    assert pool.shape == (16, 1024, 1024) and pool.dtype == torch.bfloat16
-    assert pool.is_contiguous() and not pool.any()
