@@ -132,8 +132,7 @@ class Linear(nn.Module):
             return
         self.lora_columns = a.shape[1]
         if self.gemm is not None and all(self.gemm.gemm_supports(w.t()) for w in (a, b)):
-            self.lora = (self.gemm.pack_weight(a.t().contiguous()),
-                         self.gemm.pack_weight(b.t().contiguous()))
+            self.lora = (self.gemm.pack_weight([a.t()]), self.gemm.pack_weight([b.t()]))
         else:
             self.lora = (a, b)
 
