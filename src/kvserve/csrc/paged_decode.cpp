@@ -82,16 +82,18 @@ inline __m256 sum_lanes(const __m256 (&v)[kHalf]) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// e^x in each lane for x in [-87, 88] (relative error ~1e-7), as simd::exp computes it: 2^n *
-// e^g with n = round(x / ln 2), 2^n built in the exponent bits.
+namespace simd = kvserve::simd;
+
+// e^x in each lane for x up to 88, as simd::exp computes it (simd::kExpTaylor's comment),
+// 2^n built in the exponent bits.
 inline __m256 exp(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+  x = _mm256_max_ps(x, _mm256_set1_ps(simd::kExpLowest));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(simd::kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 g = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147181f), x);
-  __m256 p = _mm256_set1_ps(1.f / 5040);
-  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(c));
+  const __m256 g = _mm256_fnmadd_ps(n, _mm256_set1_ps(simd::kLn2), x);
+  __m256 p = _mm256_set1_ps(simd::kExpTaylor[0]);
+  for (size_t i = 1; i < std::size(simd::kExpTaylor); ++i)
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(simd::kExpTaylor[i]));
   const __m256i two_to_n =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));

@@ -5,9 +5,20 @@
 
 #include <torch/extension.h>
 
+#include <iterator>
+
 namespace kvserve::simd {
 constexpr int64_t kBlock = 16;  // outputs per block: one 512-bit register of float32
-}
+
+// e^x as the AVX-512 and AVX2 kernels compute it (relative error ~1e-7): x clamped at
+// kExpLowest, n = round(x * log2(e)), g = x - n * ln(2) (|g| <= ln2 / 2), e^g by its Taylor
+// polynomial (coefficients from the highest degree down), times 2^n.
+constexpr float kExpLowest = -87.f;
+constexpr float kLog2e = 1.44269504f;
+constexpr float kLn2 = 0.693147181f;
+constexpr float kExpTaylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24,
+                                1.f / 6,    0.5f,      1.f,       1.f};
+}  // namespace kvserve::simd
 
 // Where the blocked float32 GEMM is built: AVX-512, or AVX2 with FMA (a block as two 256-bit
 // halves). The rest of this file, and the kernels built on it, are AVX-512 only.
@@ -21,15 +32,15 @@ constexpr int64_t kBlock = 16;  // outputs per block: one 512-bit register of fl
 
 namespace kvserve::simd {
 
-// e^x in each lane (relative error ~1e-7): 2^n * e^g with n = round(x / ln 2), |g| <= ln2 / 2.
+// e^x in each lane (kExpTaylor's comment above).
 inline __m512 exp(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpLowest));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 g = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(c));
+  const __m512 g = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2), x);
+  __m512 p = _mm512_set1_ps(kExpTaylor[0]);
+  for (size_t i = 1; i < std::size(kExpTaylor); ++i)
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(kExpTaylor[i]));
   return _mm512_scalef_ps(p, n);
 }
 
