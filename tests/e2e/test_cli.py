@@ -67,7 +67,8 @@ def test_bench_step_times_every_cell_and_names_a_too_small_pool(llama_dir, tmp_p
     assert all(r["roofline ms"] > 0 and r["step / roofline"] > 0 for r in rows if not r["chunk"])
     for flags, error in ((["--decodes", "64", "--kv-cache-memory", "0.001"],
                           "--kv-cache-memory: the largest step needs"),
-                         (["--context", "1000000"], "--context: 1000000 plus the largest")):
+                         (["--context", "1000000"], "--context: 1000000 plus the largest"),
+                         (["--decodes", "128"], "--max-num-seqs: a step of 128 decodes")):
         bad = kvserve("bench", "step", "--model", str(llama_dir), *flags)
         assert bad.returncode == 2 and error in bad.stderr, bad.stderr
         assert "Traceback" not in bad.stderr

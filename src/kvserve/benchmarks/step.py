@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> None:
 
     if min(args.decodes) < 1 or min(args.chunks) < 1 or args.context < 1:
         raise ValueError("--decodes, --chunks and --context must be at least 1")
+    if max(args.decodes) + 1 > args.max_num_seqs:
+        raise ValueError(f"--max-num-seqs: a step of {max(args.decodes)} decodes and a chunk "
+                         f"runs {max(args.decodes) + 1} sequences, more than {args.max_num_seqs}")
     llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
     runner, kv_cache = llm.engine.core.runner, llm.engine.core.kv_cache
     chunks = sorted(set(args.chunks))

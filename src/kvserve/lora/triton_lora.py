@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.triton_precision import dot_precision
+
 
 @triton.jit
 def _segment_rows(order_ptr, starts_ptr, slot, tile, BLOCK_M: tl.constexpr):
@@ -25,7 +27,8 @@ def _segment_rows(order_ptr, starts_ptr, slot, tile, BLOCK_M: tl.constexpr):
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, t_ptr, order_ptr, starts_ptr, in_features, width,
                    stride_x, stride_a, stride_t,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                   PRECISION: tl.constexpr):
     slot, tile = tl.program_id(0), tl.program_id(1)
     rows, is_row, any_row = _segment_rows(order_ptr, starts_ptr, slot, tile, BLOCK_M)
     if any_row:
@@ -37,7 +40,7 @@ def _shrink_kernel(x_ptr, a_ptr, t_ptr, order_ptr, starts_ptr, in_features, widt
                         mask=is_row[:, None] & (k[None, :] < in_features), other=0.0)
             a = tl.load(a_ptr + k[:, None] * stride_a + slot * width + r[None, :],
                         mask=(k[:, None] < in_features) & (r[None, :] < width), other=0.0)
-            acc += tl.dot(x, a)
+            acc += tl.dot(x, a, input_precision=PRECISION)
         tl.store(t_ptr + rows[:, None] * stride_t + r[None, :], acc.to(t_ptr.dtype.element_ty),
                  mask=is_row[:, None] & (r[None, :] < width))
 
@@ -45,7 +48,8 @@ def _shrink_kernel(x_ptr, a_ptr, t_ptr, order_ptr, starts_ptr, in_features, widt
 @triton.jit
 def _expand_kernel(t_ptr, b_ptr, out_ptr, order_ptr, starts_ptr, out_features, width,
                    stride_t, stride_b, stride_out,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   PRECISION: tl.constexpr):
     slot, tile, n_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, is_row, any_row = _segment_rows(order_ptr, starts_ptr, slot, tile, BLOCK_M)
     if any_row:
@@ -57,7 +61,8 @@ def _expand_kernel(t_ptr, b_ptr, out_ptr, order_ptr, starts_ptr, out_features, w
                     mask=(r[:, None] < width) & (n[None, :] < out_features), other=0.0)
         out_ptrs = out_ptr + rows[:, None] * stride_out + n[None, :]
         mask = is_row[:, None] & (n[None, :] < out_features)
-        acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + tl.dot(t, b)
+        acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.dot(t, b, input_precision=PRECISION)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -77,8 +82,10 @@ def add_lora(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     tiles = triton.cdiv(num_rows, block_m)
     _shrink_kernel[(num_slots, tiles)](
         x, a, shrunk, order, starts, in_features, width, x.stride(0), a.stride(0),
-        shrunk.stride(0), BLOCK_M=block_m, BLOCK_K=64, BLOCK_R=block_r)
+        shrunk.stride(0), BLOCK_M=block_m, BLOCK_K=64, BLOCK_R=block_r,
+        PRECISION=dot_precision(x.dtype))
     block_n = 64
     _expand_kernel[(num_slots, tiles, triton.cdiv(out.shape[1], block_n))](
         shrunk, b, out, order, starts, out.shape[1], width, shrunk.stride(0), b.stride(0),
-        out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r)
+        out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        PRECISION=dot_precision(x.dtype))

@@ -26,6 +26,7 @@ import triton.language as tl
 from kvserve.quantization.gptq import QuantizedWeight, sorted_by_group
 from kvserve.quantization.packing import pack_rows
 from kvserve.quantization.squeezellm import LutWeight
+from kvserve.triton_precision import dot_precision
 
 MIN_BLOCK_K = 32  # a group must hold whole tiles of the input dimension
 
@@ -110,7 +111,7 @@ class TritonQuantizedWeight:
             self.zeros if not lut else self.table, self.table if lut else self.words, out,
             m, n, k, self.group_size, k_per_split,
             BITS=self.bits, LUT=lut,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            PRECISION=dot_precision(x.dtype),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
         result = out[0] if splits == 1 else out.sum(0).to(x.dtype)
         if self.outliers is not None:

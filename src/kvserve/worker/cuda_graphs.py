@@ -60,6 +60,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # loading's cached blocks would come back during capture
         free_before = torch.cuda.mem_get_info()[0]
         pool = None
         # Largest first: the smaller graphs then fit in the memory pool the first one made.

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kvserve.attention.triton.tiles import MASKED, NO_WINDOW, attend_tile, load_kv_tile
+from kvserve.triton_precision import dot_precision
 
 
 @triton.jit
@@ -150,7 +151,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=max(BLOCK_N, block_size), NUM_SPLITS=num_splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION=dot_precision(q.dtype),
         UNIFIED=unified_max is not None, UNIFIED_RANGE=unified_range(q.dtype),
         unified_max=unified_max or 0.0)
     _decode_merge_kernel[(batch, num_heads)](

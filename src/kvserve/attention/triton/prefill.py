@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kvserve.attention.triton.tiles import MASKED, NO_WINDOW, attend_tile, load_kv_tile
+from kvserve.triton_precision import dot_precision
 
 
 @triton.jit
@@ -86,6 +87,6 @@ def paged_prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor,
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=max(64, block_size),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION=dot_precision(q.dtype),
         HAS_POSITIONS=positions is not None)
     return out
