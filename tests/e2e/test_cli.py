@@ -90,6 +90,22 @@ def test_bench_kernels_times_every_kernel_against_the_floor(tmp_path):
     assert bad.returncode == 2 and "--num-heads (5) must be a multiple" in bad.stderr
 
 
+def test_bench_quantized_times_the_dense_layer_and_every_kernel(tmp_path):
+    import json
+
+    out = tmp_path / "quantized.json"
+    run = kvserve("bench", "quantized", "--layers", "o", "--batches", "1", "3", "--repeats",
+                  "2", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    for batch in (1, 3):
+        mine = [r for r in rows if r["rows"] == batch]
+        assert mine[0]["kernel"] == "dense" and mine[0]["speed-up vs dense"] == 1.0
+        assert {r["kernel"].split(" (")[0] for r in mine[1:]} == {"int4 g128",
+                                                                  "int8 per-channel"}
+        assert all(r["ms"] > 0 and r["time / own floor"] > 0 for r in mine)
+
+
 def test_bench_latency_sets_every_engine_against_the_floor(llama_dir, tmp_path):
     """transformers runs beside kvserve; a peer that is not installed is skipped with the
     command that installs it (where one is installed, it runs and gets its row)."""

@@ -4,8 +4,11 @@ step is measured against, and how fast it multiplies matrices, the ceiling of a 
 
 from __future__ import annotations
 
+import copy
+import math
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -25,6 +28,56 @@ def timed(fn: Callable[[], object], device: str | torch.device = "cpu") -> float
     fn()
     synchronize(device)
     return time.perf_counter() - start
+
+
+def device_seconds(calls: Sequence[Callable[[], object]], device: str | torch.device,
+                   repeats: int) -> float:
+    """Median seconds per call of `calls`, run back to back as the device runs them. On CUDA
+    they are captured in one CUDA graph and replayed, as decode steps are, so a kernel's time
+    is the GPU's and not the host's launch cost (a Triton launch costs the host more than a
+    small kernel costs the GPU); elsewhere each call is timed alone."""
+    if torch.device(device).type != "cuda":
+        calls[0]()  # first-use costs
+        return statistics.median(timed(calls[i % len(calls)], device) for i in range(repeats))
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # compile, autotune and allocate before the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    seconds = []
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3 / len(calls))
+    return statistics.median(seconds)
+
+
+def copies_past_cache(num_bytes: int, device: str | torch.device) -> int:
+    """How many copies of a call's `num_bytes` of operands to cycle through on CUDA so that
+    each call reads them from memory, as a decode step does, and not from the L2 cache the
+    call before it filled: together four times the L2. One elsewhere: a CPU call is timed
+    alone, each time as the engine would run it."""
+    if torch.device(device).type != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, math.ceil(4 * l2 / max(num_bytes, 1)))
+
+
+def past_cache_copies(method: Callable, num_bytes: int, device: str | torch.device
+                      ) -> list[Callable]:
+    """`method` and bound copies of it on deep copies of its object (its weights), as many
+    as `copies_past_cache` asks for."""
+    owner = method.__self__
+    return [method] + [getattr(copy.deepcopy(owner), method.__name__)
+                       for _ in range(copies_past_cache(num_bytes, device) - 1)]
 
 
 def memory_bandwidth(device: str | torch.device = "cpu", num_bytes: int = 1 << 30,
