@@ -54,8 +54,9 @@ def test_bench_step_times_every_cell_and_names_a_too_small_pool(llama_dir, tmp_p
     out = tmp_path / "step.json"
     run = kvserve("bench", "step", "--model", str(llama_dir), "--decodes", "1", "3",
                   "--chunks", "8", "24", "--context", "40", "--repeats", "2",
-                  "--prefill-tokens", "64", "--json", str(out))
+                  "--prefill-tokens", "64", "--profile", "2", "--json", str(out))
     assert run.returncode == 0, run.stderr
+    assert "2 decode steps of 1 under torch.profiler" in run.stdout
     saved = json.loads(out.read_text())
     prefill = saved["prefill"]
     assert prefill["prefill tokens"] == 64 and prefill["% of peak"] > 0

@@ -22,6 +22,8 @@ import argparse
 import statistics
 import time
 
+import torch
+
 from kvserve.benchmarks.device import (
     gemm_peak,
     matmul_params,
@@ -123,9 +125,26 @@ def run(args: argparse.Namespace) -> None:
         f"alone costs {alone[chunks[-1]] / chunks[-1]:.2f} ms/token; roofline = "
         f"{weights / 1e6:.0f} MB of weights + the decodes' KV at {bandwidth / 1e9:.1f} GB/s"))
     prefill = prefill_against_gemm_peak(runner, kv_cache, args)
+    if args.profile:
+        print_profile(steps, min(args.decodes), args.profile)
     save_json(args.json, {"benchmark": "step", "model": args.model, "device": runner.device,
                           "context": args.context, "copy_bandwidth": bandwidth,
                           "weight_bytes": weights, "rows": rows, "prefill": prefill})
+
+
+def print_profile(steps: SyntheticSteps, num_decodes: int, num_steps: int) -> None:
+    """The ops (on CUDA, the kernels, graph-replayed ones included) that take the most device
+    time over `num_steps` decode-only steps: where a step's time goes beyond its roofline."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = torch.device(steps.runner.device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            steps.run(num_decodes, 0)
+    print(f"\n{num_steps} decode steps of {num_decodes} under torch.profiler, by device time:")
+    print(prof.key_averages().table(
+        sort_by="self_cuda_time_total" if on_cuda else "self_cpu_time_total", row_limit=25))
 
 
 def prefill_against_gemm_peak(runner: ModelRunner, kv_cache: KVCacheManager,
@@ -173,5 +192,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "and the model's length)")
     p.add_argument("--repeats", type=int, default=7, help="timed steps per cell; the median "
                                                           "is reported")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="also profile this many decode-only steps of the smallest --decodes "
+                        "batch and print the ops that take the most device time")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)
