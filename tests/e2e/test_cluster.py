@@ -123,6 +123,31 @@ def test_a_request_migrated_mid_stream_streams_on_unbroken(server: str, llama_di
     assert metric(server, "kvserve_kv_host_blocks_used", "all") == 0
 
 
+def test_a_request_of_two_completions_migrates_with_both(server: str, llama_dir: Path) -> None:
+    body = {"prompt": "def twice(x):", "max_tokens": MIGRATED, "temperature": 0.8, "seed": 5,
+            "n": 2, "stream": True, "ignore_eos": True}
+    done_before = metric_total(server, "kvserve_cluster_migrations_total")
+    texts, moves = ["", ""], []
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                texts[choice["index"]] += choice["text"]
+            if not moves:
+                source = next(r["replica"] for r in replicas(server) if r["num_requests"])
+                moves = httpx.post(f"{server}/replicas/migrate", json={
+                    "source": source, "destination": 1 - source}).json()
+    assert [m["migrated"] for m in moves] == [True]
+    params = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=MIGRATED, ignore_eos=True)
+    unmoved = LLM(str(llama_dir)).generate(["def twice(x):"], params)[0].outputs
+    assert texts == [o.text for o in unmoved] and texts[0] != texts[1]
+    assert metric_total(server, "kvserve_cluster_migrations_total") == done_before + 1
+    wait_for(lambda: metric(server, "kvserve_num_requests_running", "all") == 0, "the end")
+    assert metric(server, "kvserve_kv_blocks_used", "all") == 0
+    assert metric(server, "kvserve_kv_host_blocks_used", "all") == 0
+
+
 def test_disaggregated_prefill_and_decode_answer_as_one_engine(llama_dir: Path) -> None:
     flags = ["--prefill-replicas", "1", "--decode-replicas", "1", "--kv-cache-memory", "0.02"]
     prompts = [f"def split_{i}(x):" for i in range(4)]

@@ -300,7 +300,7 @@ class ClusterLLM(StreamingLLM):
             request.moving_to, request.detached_at = target.index, time.monotonic()
         model = self.metrics.model_name
         try:
-            await target.actor.attach.remote(migrated, [])
+            await target.actor.attach.remote(migrated, {})
         except self._ray.exceptions.RayError as e:
             self.metrics.migrations.labels(model, "failed").inc()
             self._fail(request_id, source, f"moving this prefilled request to replica "
@@ -360,7 +360,8 @@ class ClusterLLM(StreamingLLM):
             received = await target.actor.receive_kv.remote(
                 source.actor.export_kv.remote(request_id))
             request.detached_at = time.monotonic()
-            migrated = source.actor.detach.remote(request_id, len(received))
+            migrated = source.actor.detach.remote(
+                request_id, {child: len(blocks) for child, blocks in received.items()})
             moved = await target.actor.attach.remote(migrated, received)
         except self._ray.exceptions.RayError as e:
             # A replica died, or failed, mid-move: perhaps after the source let it go.
@@ -407,7 +408,7 @@ class ClusterLLM(StreamingLLM):
         """A replica's running requests that may migrate, shortest first."""
         requests = [self._in_flight[i] for i in self.replicas[index].requests]
         return [r.parent.request_id for r in sorted(requests, key=lambda r: r.num_tokens)
-                if r.started and r.moving_to is None and r.params.n == 1]
+                if r.started and r.moving_to is None]
 
     async def _recover(self, replica: Replica, error: Exception) -> None:
         """Re-runs or fails the dead replica's requests, then waits for Ray's restart."""

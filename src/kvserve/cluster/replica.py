@@ -108,30 +108,33 @@ class EngineReplica:
     async def abort(self, request_id: str) -> None:
         self.llm.abort(request_id)
 
-    async def export_kv(self, request_id: str) -> torch.Tensor | None:
+    async def export_kv(self, request_id: str) -> dict[str, torch.Tensor] | None:
         """The full blocks of a running request's KV, sent ahead of its migration."""
         return await self.llm.call_on_engine(
             lambda: self.llm.engine.export_kv(request_id, full_only=True))
 
-    async def receive_kv(self, kv: torch.Tensor | None) -> list[int]:
+    async def receive_kv(self, kv: dict[str, torch.Tensor] | None) -> dict[str, list[int]]:
         """Host blocks holding KV sent ahead of a request migrating here."""
         if kv is None:
-            return []
+            return {}
         return await self.llm.call_on_engine(lambda: self.llm.engine.receive_kv(kv))
 
-    async def release_kv(self, host_blocks: list[int]) -> None:
+    async def release_kv(self, received: dict[str, list[int]]) -> None:
         """Frees received KV whose request did not come after all."""
         kv_cache = self.llm.engine.core.kv_cache
+        host_blocks = [block for blocks in received.values() for block in blocks]
         await self.llm.call_on_engine(lambda: kv_cache.free_host_blocks(host_blocks))
 
-    async def detach(self, request_id: str, first_block: int) -> MigratedRequest | None:
+    async def detach(self, request_id: str, sent_ahead: dict[str, int]
+                     ) -> MigratedRequest | None:
         assert self._outbox is not None, "start() must be called first"
-        migrated = await self.llm.detach(request_id, first_block)
+        migrated = await self.llm.detach(request_id, sent_ahead)
         if migrated is not None:
             self._outbox.discard(request_id)
         return migrated
 
-    async def attach(self, migrated: MigratedRequest | None, received: list[int]) -> bool:
+    async def attach(self, migrated: MigratedRequest | None,
+                     received: dict[str, list[int]]) -> bool:
         """Goes on with a request detached from another replica; False (releasing what was
         received) when the detach found nothing to move."""
         assert self._outbox is not None, "start() must be called first"

@@ -28,12 +28,13 @@ from kvserve.sampling_params import SamplingParams
 @dataclass
 class MigratedRequest:
     """A request detached from one engine to go on in another: the caller's request with its
-    completion so far (engine Request, detokenizer and output), and the KV of its computed
-    blocks from `first_block` on; the earlier blocks were sent ahead while it still ran."""
+    completions so far (engine Requests, detokenizers and outputs), and the KV of each
+    unfinished completion's computed blocks from its `first_blocks` entry on, by the
+    completion's request id; the earlier blocks were sent ahead while it still ran."""
 
     parent: ParentRequest
-    first_block: int
-    kv: torch.Tensor
+    first_blocks: dict[str, int]
+    kv: dict[str, torch.Tensor]
 
 
 class LLMEngine:
@@ -136,70 +137,94 @@ class LLMEngine:
         for child_id in ids:
             self._child_to_parent.pop(child_id, None)
 
-    def export_kv(self, request_id: str, first_block: int = 0, full_only: bool = False
-                  ) -> torch.Tensor | None:
-        """A copy of a running request's KV, its computed blocks from `first_block` on (only
-        the full ones, which no step writes again, with `full_only`); None when the request
-        cannot migrate: not running, n > 1, or in a streaming window, whose keys shift."""
+    def export_kv(self, request_id: str, first_blocks: dict[str, int] | None = None,
+                  full_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """A copy of the KV of a request's unfinished completions (n > 1 has several), by
+        their request ids: each one's computed blocks from its `first_blocks` entry on (with
+        `full_only`, only the full ones, which no step writes again; none in a streaming
+        window, which moves them as it slides). None when the request cannot migrate: one of
+        its unfinished completions is not running."""
         parent = self._parents.get(request_id)
-        if parent is None or len(parent.sequences) != 1 or self.core.kv_cache.window_blocks:
+        if parent is None:
             return None
-        request = parent.sequences[0].request
-        if request.status != RequestStatus.RUNNING:
+        requests = self._unfinished(parent)
+        if not requests or any(r.status != RequestStatus.RUNNING for r in requests):
             return None
-        kv = self.core.kv_cache
-        blocks = kv.computed_block_ids(request)
-        if full_only:
-            blocks = blocks[:request.num_cached_tokens // kv.block_size]
-        return self.core.runner.read_kv_blocks(blocks[first_block:])
+        kv, first_blocks = self.core.kv_cache, first_blocks or {}
+        exported = {}
+        for request in requests:
+            blocks = kv.computed_block_ids(request)
+            if full_only:
+                blocks = [] if kv.window_blocks else \
+                    blocks[:request.num_cached_tokens // kv.block_size]
+            first = first_blocks.get(request.request_id, 0)
+            exported[request.request_id] = self.core.runner.read_kv_blocks(blocks[first:])
+        return exported
 
-    def receive_kv(self, kv: torch.Tensor) -> list[int]:
-        """Host blocks holding KV sent ahead of a migrating request; none when they do not
-        fit in the swap space (the request then brings all of its KV when it comes)."""
-        host_blocks = self.core.kv_cache.allocate_host_blocks(len(kv)) if len(kv) else None
-        if host_blocks is None:
-            return []
-        self.core.runner.write_host_blocks(host_blocks, kv)
-        return host_blocks
+    @staticmethod
+    def _unfinished(parent: ParentRequest) -> list[Request]:
+        return [seq.request for seq in parent.sequences if not seq.request.is_finished]
 
-    def detach(self, request_id: str, first_block: int) -> MigratedRequest | None:
+    def receive_kv(self, kv: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+        """Host blocks holding the KV sent ahead of a migrating request's completions; a
+        completion's is left out when it does not fit in the swap space (it then brings all
+        of its KV when it comes)."""
+        received = {}
+        for child_id, blocks in kv.items():
+            host_blocks = self.core.kv_cache.allocate_host_blocks(len(blocks)) \
+                if len(blocks) else None
+            if host_blocks is not None:
+                self.core.runner.write_host_blocks(host_blocks, blocks)
+                received[child_id] = host_blocks
+        return received
+
+    def detach(self, request_id: str, sent_ahead: dict[str, int]) -> MigratedRequest | None:
         """Stops a running request here and returns all it needs to go on in another engine,
-        its KV from `first_block` on included; None when it cannot migrate (see
-        `export_kv`), or has fewer blocks than were sent ahead (preempted since)."""
-        kv = self.export_kv(request_id, first_block)
+        each unfinished completion's KV after the `sent_ahead` blocks included; None when it
+        cannot migrate (see `export_kv`), or a completion has fewer blocks than were sent
+        ahead (preempted since)."""
+        kv = self.export_kv(request_id, sent_ahead)
         if kv is None:
             return None
         parent = self._parents[request_id]
-        request = parent.sequences[0].request
-        if self.core.kv_cache.num_blocks_for(request.num_cached_tokens) < first_block:
+        requests = self._unfinished(parent)
+        num_blocks = self.core.kv_cache.num_blocks_for
+        if any(num_blocks(r.num_cached_tokens) < sent_ahead.get(r.request_id, 0)
+               for r in requests):
             return None
-        request.generator_state = self.core.runner.generator_state(request.request_id)
-        self.core.scheduler.detach_request(request.request_id)
+        for request in requests:
+            request.generator_state = self.core.runner.generator_state(request.request_id)
+            self.core.scheduler.detach_request(request.request_id)
         del self._parents[request_id]
-        self._child_to_parent.pop(request.request_id, None)
-        return MigratedRequest(parent, first_block, kv)
+        for seq in parent.sequences:
+            self._child_to_parent.pop(seq.request.request_id, None)
+        return MigratedRequest(parent, {r.request_id: sent_ahead.get(r.request_id, 0)
+                                        for r in requests}, kv)
 
-    def attach(self, migrated: MigratedRequest, received: list[int]) -> None:
-        """Goes on with a request detached from another engine; `received` are the host
-        blocks holding the KV it sent ahead. Its KV is swapped in when it is scheduled, or
-        recomputed when the swap space cannot take it."""
+    def attach(self, migrated: MigratedRequest, received: dict[str, list[int]]) -> None:
+        """Goes on with a request detached from another engine; `received` holds, by
+        completion, the host blocks of the KV it sent ahead. Each completion's KV is swapped
+        in when it is scheduled, or recomputed when the swap space cannot take it."""
         parent = migrated.parent
         if parent.request_id in self._parents:
             raise ValueError(f"request_id {parent.request_id!r} is already in use")
-        seq = parent.sequences[0]
-        seq.detokenizer.tokenizer = self.tokenizer
-        request = seq.request
         kv = self.core.kv_cache
-        tail = kv.allocate_host_blocks(len(migrated.kv)) if len(migrated.kv) else []
-        host_blocks = None
-        if tail is not None and len(received) == migrated.first_block:
-            self.core.runner.write_host_blocks(tail, migrated.kv)
-            host_blocks = received + tail
-        else:
-            kv.free_host_blocks(received + (tail or []))
+        for child_id in received.keys() - migrated.kv.keys():  # finished before it left
+            kv.free_host_blocks(received[child_id])
         self._parents[parent.request_id] = parent
-        self._child_to_parent[request.request_id] = (parent, seq)
-        self.core.scheduler.attach_request(request, host_blocks)
+        for seq in parent.sequences:
+            seq.detokenizer.tokenizer = self.tokenizer
+            self._child_to_parent[seq.request.request_id] = (parent, seq)
+        for request in self._unfinished(parent):
+            sent, rest = received.get(request.request_id, []), migrated.kv[request.request_id]
+            tail = kv.allocate_host_blocks(len(rest)) if len(rest) else []
+            host_blocks = None
+            if tail is not None and len(sent) == migrated.first_blocks[request.request_id]:
+                self.core.runner.write_host_blocks(tail, rest)
+                host_blocks = sent + tail
+            else:
+                kv.free_host_blocks(sent + (tail or []))
+            self.core.scheduler.attach_request(request, host_blocks)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

@@ -209,11 +209,12 @@ class AsyncLLM(StreamingLLM):
         self._commands.put(command)
         return await future
 
-    async def detach(self, request_id: str, first_block: int) -> MigratedRequest | None:
+    async def detach(self, request_id: str, sent_ahead: dict[str, int]
+                     ) -> MigratedRequest | None:
         """`LLMEngine.detach` between steps; the request's outputs stop here."""
 
         def detach() -> MigratedRequest | None:
-            migrated = self.engine.detach(request_id, first_block)
+            migrated = self.engine.detach(request_id, sent_ahead)
             if migrated is not None:
                 self._sinks.pop(request_id, None)
                 self.metrics.on_migrated_out(request_id)
@@ -221,17 +222,18 @@ class AsyncLLM(StreamingLLM):
 
         return await self.call_on_engine(detach)
 
-    async def attach(self, migrated: MigratedRequest, received: list[int],
+    async def attach(self, migrated: MigratedRequest, received: dict[str, list[int]],
                      sink: OutputSink) -> None:
         """`LLMEngine.attach` between steps; the request's outputs go to `sink` from now."""
         parent = migrated.parent
-        request = parent.sequences[0].request
+        requests = [seq.request for seq in parent.sequences]
 
         def attach() -> None:
             self.engine.attach(migrated, received)
             self._sinks[parent.request_id] = sink
-            self.metrics.on_arrival(parent.request_id, request.arrival_time, 1,
-                                    parent.priority, parent.tenant, request.num_output_tokens)
+            self.metrics.on_arrival(parent.request_id, requests[0].arrival_time, len(requests),
+                                    parent.priority, parent.tenant,
+                                    sum(r.num_output_tokens for r in requests))
 
         await self.call_on_engine(attach)
 
@@ -279,7 +281,7 @@ class AsyncLLM(StreamingLLM):
     def _hand_off(self, request_id: str, sink: OutputSink) -> None:
         """On a prefill replica, between steps: detaches a prefilled request at once, with
         all of its KV, for the sink to send on to a decode replica."""
-        migrated = self.engine.detach(request_id, 0)
+        migrated = self.engine.detach(request_id, {})
         if migrated is None:
             return
         self._sinks.pop(request_id, None)
