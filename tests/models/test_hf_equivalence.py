@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ModelConfig
+from kvserve.tools.make_model import make_model
 from tests.conftest import ARCHES, SLIDING_WINDOW, random_prompts
 
 PROMPT_LENS = [1, 7, 33, 120, 250]
@@ -225,6 +226,16 @@ def test_llama3_rope_scaling_matches_transformers(model_dirs, tmp_path):
     assert ModelConfig.from_pretrained(path).rope_scaling["rope_type"] == "llama3"
     prompts = random_prompts([3, 150], seed=5)
     for prompt, tokens in zip(prompts, run_greedy(LLM(str(path)), prompts), strict=True):
+        assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS)
+
+
+def test_a_bfloat16_checkpoint_served_in_float32_matches_transformers(tmp_path):
+    """Its linear weights stay bfloat16 until each layer widens them as it lays them out."""
+    path = make_model("tiny", tmp_path / "bf16", dtype="bfloat16")
+    llm = LLM(str(path), dtype="float32")
+    assert llm.engine.core.runner.model.lm_head.weight.dtype == torch.float32
+    prompts = random_prompts([5, 33], seed=12)
+    for prompt, tokens in zip(prompts, run_greedy(llm, prompts), strict=True):
         assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS)
 
 

@@ -37,7 +37,7 @@ def test_blocked_linear_matches_matmul(dtype, rows, n, k):
     bias = torch.randn(n, generator=gen).to(dtype)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     expected = x.float() @ w.float().t() + bias.float()
-    packed = GEMM.pack_weight([w])
+    packed = GEMM.pack_weight([w], dtype)
     torch.testing.assert_close(GEMM.blocked_linear(x, packed, n, bias).float(), expected,
                                **TOLERANCE[dtype])
     torch.testing.assert_close(GEMM.blocked_linear(x, packed, n, None).float(),
@@ -59,7 +59,7 @@ def test_many_rows_over_weights_larger_than_one_cache_group():
     gen = torch.Generator().manual_seed(9)
     w = torch.randn(330, 4096, generator=gen).to(torch.bfloat16)
     x = torch.randn(300, 4096, generator=gen).to(torch.bfloat16)
-    got = GEMM.blocked_linear(x, GEMM.pack_weight([w]), 330, None).float()
+    got = GEMM.blocked_linear(x, GEMM.pack_weight([w], w.dtype), 330, None).float()
     torch.testing.assert_close(got, x.float() @ w.float().t(), rtol=1.6e-2, atol=0.5)
 
 
@@ -79,9 +79,29 @@ def test_linear_layer_runs_on_the_blocked_gemm(dtype):
     torch.testing.assert_close(layer(x).float(), expected, **TOLERANCE[dtype])
 
 
+def test_bfloat16_shards_widen_to_float32_as_they_are_packed():
+    """A float32 model keeps a bfloat16 checkpoint's weights as they are until it packs
+    them: the packed weight is that of the widened shards, bit for bit."""
+    _needs(torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    shards = [torch.randn(size, 40, generator=gen).to(torch.bfloat16) for size in (24, 17)]
+    widened = GEMM.pack_weight(shards, torch.float32)
+    assert torch.equal(widened, GEMM.pack_weight([s.float() for s in shards], torch.float32))
+    layer = Linear(40, [24, 17], bias=False, dtype=torch.float32)
+    for shard, w in enumerate(shards):
+        layer.load("weight", shard, w)
+    layer.prepare()
+    assert layer.weight.dtype == torch.float32
+    x = torch.randn(3, 40, generator=gen)
+    torch.testing.assert_close(layer(x), x @ torch.cat(shards).float().t(),
+                               **TOLERANCE[torch.float32])
+    with pytest.raises(RuntimeError, match="cannot pack Half as Float"):
+        GEMM.pack_weight([torch.randn(16, 8).half()], torch.float32)
+
+
 def test_an_input_of_the_wrong_width_is_refused():
     _needs(torch.float32)
-    packed = GEMM.pack_weight([torch.randn(16, 8)])
+    packed = GEMM.pack_weight([torch.randn(16, 8)], torch.float32)
     with pytest.raises(RuntimeError, match="input width 6"):
         GEMM.blocked_linear(torch.randn(2, 6), packed, 16, None)
 
@@ -95,7 +115,7 @@ def test_gate_up_with_silu_is_the_two_ops_bit_for_bit(dtype, rows, n, k):
     the two ops), a weight larger than one cache group."""
     _needs(dtype)
     gen = torch.Generator().manual_seed(rows + n + k)
-    packed = GEMM.pack_weight([torch.randn(2 * n, k, generator=gen).to(dtype)])
+    packed = GEMM.pack_weight([torch.randn(2 * n, k, generator=gen).to(dtype)], dtype)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     two_ops = GEMM.silu_and_mul(GEMM.blocked_linear(x, packed, 2 * n, None))
     assert torch.equal(GEMM.blocked_linear_silu_and_mul(x, packed, n), two_ops)
@@ -105,6 +125,6 @@ def test_gate_up_with_silu_refuses_a_weight_of_another_width():
     _needs(torch.bfloat16)
     if not GEMM.amx_in_use():
         pytest.skip("the fused store runs on AMX only")
-    packed = GEMM.pack_weight([torch.randn(64, 32).to(torch.bfloat16)])
+    packed = GEMM.pack_weight([torch.randn(64, 32).to(torch.bfloat16)], torch.bfloat16)
     with pytest.raises(RuntimeError, match="2 x 16 outputs, got 64"):
         GEMM.blocked_linear_silu_and_mul(torch.randn(2, 32).to(torch.bfloat16), packed, 16)

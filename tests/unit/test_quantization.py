@@ -270,7 +270,7 @@ def test_dequantizing_gemm_gives_the_dense_gemms_bits(dtype, bits):
     for out_features, group in ((40, 64), (96, 128)):
         q = rtn(torch.randn(out_features, 256), bits, group, sym=False)
         kernel = cpu_candidates([q]).packers[WxA8Weight]()
-        packed = gemm.pack_weight([q.dequantize().to(dtype)])
+        packed = gemm.pack_weight([q.dequantize().to(dtype)], dtype)
         for rows in (1, 6, 33, 300):
             x = torch.randn(rows, 256).to(dtype)
             got = gemm.dequantized_linear(x, kernel.packed, kernel.scales, kernel.zeros,
@@ -290,7 +290,7 @@ def test_w4a8_layers_run_many_rows_through_the_dequantizing_gemm():
     few, many = torch.randn(3, 128), torch.randn(5, 128)
     assert torch.equal(routed.matmul(few), kernel.matmul(few))  # int8 activations
     gemm = cpu_kernels()
-    packed = gemm.pack_weight([dense[:, kernel.input_order].contiguous()])
+    packed = gemm.pack_weight([dense[:, kernel.input_order].contiguous()], dense.dtype)
     assert torch.equal(routed.matmul(many), gemm.blocked_linear(  # the act-order input too
         many[:, kernel.input_order].contiguous(), packed, 48, None))
     assert not torch.equal(routed.matmul(many), kernel.matmul(many))

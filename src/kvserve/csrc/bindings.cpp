@@ -18,7 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_in_use", &kvserve::amx_in_use,
         "whether bfloat16 GEMMs and prefill attention run on AMX tiles");
   m.def("pack_weight", &kvserve::pack_weight,
-        "a weight's row blocks [n_i, k], in order -> 16-output blocks");
+        "a weight's row blocks [n_i, k], in order -> 16-output blocks in dtype (bfloat16 "
+        "rows widen to float32)");
   m.def("blocked_linear", &kvserve::blocked_linear, release,
         "x @ W^T (+ bias) over a packed weight");
   m.def("blocked_linear_silu_and_mul", &kvserve::blocked_linear_silu_and_mul, release,

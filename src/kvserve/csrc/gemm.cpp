@@ -371,28 +371,35 @@ bool gemm_supports(const torch::Tensor& w) {
 }
 
 // The rows of `shards` ([n_i, k] each, in order: a fused layer's checkpoint tensors) ->
-// [ceil(n / 16), k / step, 16, step], outputs padded with zeros. One pass over 4-byte units
-// (a float, or a bfloat16 pair) read where the shards lie: a model's load writes every
-// weight once into fresh memory, where staging the fused rows, zero-filling and then
-// permuting took 2-3x the time.
-torch::Tensor pack_weight(const std::vector<torch::Tensor>& shards) {
-  TORCH_CHECK(!shards.empty() && gemm_supports(shards.front()),
-              "pack_weight: no blocked GEMM for this weight on this CPU");
+// [ceil(n / 16), k / step, 16, step] in `dtype`, outputs padded with zeros. One pass over
+// 4-byte units (a float, or a bfloat16 pair) read where the shards lie: a model's load writes
+// every weight once into fresh memory, where staging the fused rows, zero-filling and then
+// permuting took 2-3x the time. bfloat16 shards of a float32 model widen in the same pass
+// (a bfloat16 is a float32's upper half), so the checkpoint is never converted on its own.
+torch::Tensor pack_weight(const std::vector<torch::Tensor>& shards,
+                          c10::ScalarType dtype) {
+  TORCH_CHECK(!shards.empty(), "pack_weight: no shards");
+  const auto source = shards.front().scalar_type();
   const int64_t k = shards.front().size(1);
-  const int64_t step = shards.front().scalar_type() == torch::kBFloat16 ? 2 : 1;
+  auto packed_options = shards.front().options().dtype(dtype);
+  TORCH_CHECK(gemm_supports(torch::empty({0, k}, packed_options)),
+              "pack_weight: no blocked GEMM for this weight on this CPU");
+  const bool widen = source == torch::kBFloat16 && dtype == torch::kFloat;
+  TORCH_CHECK(source == dtype || widen, "pack_weight: cannot pack ", source, " as ", dtype);
+  const int64_t step = dtype == torch::kBFloat16 ? 2 : 1;
   const int64_t units = k / step;
   std::vector<torch::Tensor> contiguous;
-  std::vector<const uint32_t*> rows;
+  std::vector<const void*> rows;
   for (const auto& shard : shards) {
-    TORCH_CHECK(shard.dim() == 2 && shard.size(1) == k &&
-                    shard.scalar_type() == shards.front().scalar_type(),
+    TORCH_CHECK(shard.dim() == 2 && shard.size(1) == k && shard.scalar_type() == source,
                 "pack_weight: shards of one width and dtype");
     contiguous.push_back(shard.contiguous());
-    const auto* base = static_cast<const uint32_t*>(contiguous.back().data_ptr());
-    for (int64_t r = 0; r < shard.size(0); ++r) rows.push_back(base + r * units);
+    const auto* base = static_cast<const char*>(contiguous.back().data_ptr());
+    const int64_t row_bytes = k * shard.element_size();
+    for (int64_t r = 0; r < shard.size(0); ++r) rows.push_back(base + r * row_bytes);
   }
   const int64_t n = static_cast<int64_t>(rows.size()), blocks = (n + kBlock - 1) / kBlock;
-  auto packed = torch::empty({blocks, units, kBlock, step}, shards.front().options());
+  auto packed = torch::empty({blocks, units, kBlock, step}, packed_options);
   auto* dst = static_cast<uint32_t*>(packed.data_ptr());
   constexpr int64_t kUnitsPerPass = 256;  // a 16 KiB slice of the block, written in L1
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
@@ -402,11 +409,14 @@ torch::Tensor pack_weight(const std::vector<torch::Tensor>& shards) {
         const int64_t u1 = std::min(units, u0 + kUnitsPerPass);
         for (int64_t r = 0; r < kBlock; ++r) {
           const int64_t row = b * kBlock + r;
-          if (row < n) {
-            const uint32_t* in = rows[row];
-            for (int64_t u = u0; u < u1; ++u) block[u * kBlock + r] = in[u];
-          } else {
+          if (row >= n) {
             for (int64_t u = u0; u < u1; ++u) block[u * kBlock + r] = 0;
+          } else if (widen) {
+            const auto* in = static_cast<const uint16_t*>(rows[row]);
+            for (int64_t u = u0; u < u1; ++u) block[u * kBlock + r] = uint32_t{in[u]} << 16;
+          } else {
+            const auto* in = static_cast<const uint32_t*>(rows[row]);
+            for (int64_t u = u0; u < u1; ++u) block[u * kBlock + r] = in[u];
           }
         }
       }

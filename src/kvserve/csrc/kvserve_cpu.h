@@ -16,7 +16,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 // gemm.cpp
 bool amx_in_use();  // bfloat16 products on AMX tiles (built for them, and granted by the OS)
 bool gemm_supports(const torch::Tensor& w);
-torch::Tensor pack_weight(const std::vector<torch::Tensor>& shards);
+torch::Tensor pack_weight(const std::vector<torch::Tensor>& shards,
+                          c10::ScalarType dtype);
 torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                              const c10::optional<torch::Tensor>& bias);
 torch::Tensor blocked_linear_silu_and_mul(const torch::Tensor& x, const torch::Tensor& packed,

@@ -132,7 +132,8 @@ class Linear(nn.Module):
             return
         self.lora_columns = a.shape[1]
         if self.gemm is not None and all(self.gemm.gemm_supports(w.t()) for w in (a, b)):
-            self.lora = (self.gemm.pack_weight([a.t()]), self.gemm.pack_weight([b.t()]))
+            self.lora = (self.gemm.pack_weight([a.t()], a.dtype),
+                         self.gemm.pack_weight([b.t()], b.dtype))
         else:
             self.lora = (a, b)
 
@@ -226,12 +227,17 @@ class Linear(nn.Module):
             self.weight = torch.empty(0, dtype=dtype, device=device)
 
     def _set_dense(self, rows: list[torch.Tensor]) -> None:
-        """Takes the dense weight, as its row blocks [out_i, in] in output order, in the
-        layer's execution form."""
+        """Takes the dense weight, as its row blocks [out_i, in] in output order (maybe in a
+        narrower dtype, as the checkpoint holds it), in the layer's execution form and
+        dtype."""
+        dtype = self.weight.dtype
         if self.form == "blocked":
-            self.weight = self.gemm.pack_weight(rows)  # read where they lie
+            widens = all(r.dtype == torch.bfloat16 for r in rows) and dtype == torch.float32
+            if not widens and any(r.dtype != dtype for r in rows):
+                rows = [r.to(dtype) for r in rows]
+            self.weight = self.gemm.pack_weight(rows, dtype)  # read where they lie
             return
-        weight = rows[0] if len(rows) == 1 else torch.cat(rows)
+        weight = (rows[0] if len(rows) == 1 else torch.cat(rows)).to(dtype)
         if self.form == "packed":
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         elif self.form == "out_major":

@@ -50,7 +50,11 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
         else:
             if quantized:
                 tensor = tensor.dequantize()
-            tensor = tensor.to(device=device, dtype=cfg.dtype)
+            # A linear layer widens a narrower checkpoint weight as it lays it out (prepare):
+            # one pass instead of two, and half the memory held until then.
+            keep = (kind == "weight" and isinstance(modules.get(name), Linear)
+                    and tensor.element_size() < cfg.dtype.itemsize)
+            tensor = tensor.to(device=device, dtype=None if keep else cfg.dtype)
             tensor = model.adapt_checkpoint_tensor(hf_name, tensor)
         try:
             if name == "embed_tokens":
