@@ -83,7 +83,6 @@ def run(args: argparse.Namespace) -> None:
             x = torch.randn(batch, in_features, generator=gen).to(args.device, dtype)
             dense_seconds = 0.0
             for name, (matmul, num_bytes) in kernels.items():
-                matmul(x)  # compile, pack, allocate
                 calls = [functools.partial(m, x)
                          for m in past_cache_copies(matmul, num_bytes, args.device)]
                 seconds = device_seconds(calls, args.device, args.repeats)

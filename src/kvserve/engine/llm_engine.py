@@ -171,12 +171,20 @@ class LLMEngine:
         of its KV when it comes)."""
         received = {}
         for child_id, blocks in kv.items():
-            host_blocks = self.core.kv_cache.allocate_host_blocks(len(blocks)) \
-                if len(blocks) else None
-            if host_blocks is not None:
-                self.core.runner.write_host_blocks(host_blocks, blocks)
+            host_blocks = self._to_host(blocks)
+            if host_blocks:
                 received[child_id] = host_blocks
         return received
+
+    def _to_host(self, kv: torch.Tensor) -> list[int] | None:
+        """Swap-space blocks now holding the KV blocks `kv` (none for none); None when too
+        few are free."""
+        if not len(kv):
+            return []
+        host_blocks = self.core.kv_cache.allocate_host_blocks(len(kv))
+        if host_blocks is not None:
+            self.core.runner.write_host_blocks(host_blocks, kv)
+        return host_blocks
 
     def detach(self, request_id: str, sent_ahead: dict[str, int]) -> MigratedRequest | None:
         """Stops a running request here and returns all it needs to go on in another engine,
@@ -216,15 +224,13 @@ class LLMEngine:
             seq.detokenizer.tokenizer = self.tokenizer
             self._child_to_parent[seq.request.request_id] = (parent, seq)
         for request in self._unfinished(parent):
-            sent, rest = received.get(request.request_id, []), migrated.kv[request.request_id]
-            tail = kv.allocate_host_blocks(len(rest)) if len(rest) else []
-            host_blocks = None
-            if tail is not None and len(sent) == migrated.first_blocks[request.request_id]:
-                self.core.runner.write_host_blocks(tail, rest)
-                host_blocks = sent + tail
-            else:
-                kv.free_host_blocks(sent + (tail or []))
-            self.core.scheduler.attach_request(request, host_blocks)
+            sent = received.get(request.request_id, [])
+            tail = None
+            if len(sent) == migrated.first_blocks[request.request_id]:
+                tail = self._to_host(migrated.kv[request.request_id])
+            if tail is None:  # recomputed there instead
+                kv.free_host_blocks(sent)
+            self.core.scheduler.attach_request(request, None if tail is None else sent + tail)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

@@ -92,6 +92,7 @@ class InputBuffers:
         ordered = decodes + [row for s in drafted for row in _draft_rows(s)] + chunks
         num_decodes = sum(len(s.token_ids) == 1 for s in ordered)
         num_seqs = len(ordered)
+        assert num_seqs <= len(self.seq_lens.host), "step exceeds the runner's sequence buffers"
         num_new = np.fromiter((len(s.token_ids) for s in ordered), np.int64, num_seqs)
         starts = np.fromiter((s.num_computed_tokens - s.num_evicted_tokens for s in ordered),
                              np.int64, num_seqs)
