@@ -32,6 +32,8 @@ def check(shards, rows: int, dtype: torch.dtype, num_programs: int = 8) -> None:
     want = x.to(dtype).float() @ weight.to(dtype).float().t()
     got = kernel.matmul(x.to(DEVICE, dtype)).float().cpu()
     assert got.shape == want.shape
+    assert not kernel.tile_counts.any()  # split-K left its counters ready for the next call
+    assert torch.equal(kernel.matmul(x.to(DEVICE, dtype)).float().cpu(), got)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert (got - want).abs().max() <= tolerance * want.abs().max()
 

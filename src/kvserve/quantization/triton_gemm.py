@@ -11,11 +11,14 @@ Weights are repacked at load into the kernel's layout: int32 words along the inp
 holding 8 values of 4 bits (2- and 3-bit values widened to 4) or 4 of 8 bits. Act-order
 layers have their input channels sorted by group and gather each input into that order, so
 a tile of the input dimension always falls in one group. For few rows (decode), the input
-dimension is split over several programs (split-K) whose partial sums are added after.
+dimension is split over several programs (split-K): each stores its float32 partial sum, and
+the last of a tile's programs to finish adds them and writes the output. The step then needs
+no reduction launch of its own, which at decode would cost more than the GEMM's tail.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -33,8 +36,9 @@ MIN_BLOCK_K = 32  # a group must hold whole tiles of the input dimension
 
 @triton.jit
 def _weight_only_gemm_kernel(x_ptr, words_ptr, scales_ptr, zeros_ptr, table_ptr, out_ptr,
-                             M, N, K, group_size, k_per_split,
+                             partials_ptr, tile_counts_ptr, M, N, K, group_size, k_per_split,
                              BITS: tl.constexpr, LUT: tl.constexpr, PRECISION: tl.constexpr,
+                             SPLIT_K: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr):
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -51,9 +55,15 @@ def _weight_only_gemm_kernel(x_ptr, words_ptr, scales_ptr, zeros_ptr, table_ptr,
         x = tl.load(x_ptr + rows[:, None] * K + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         tile_ok = k_ok[:, None] & col_ok[None, :]
-        words = tl.load(words_ptr + (ks // PER_WORD)[:, None] * N + cols[None, :],
-                        mask=tile_ok, other=0)
-        q = (words >> ((ks % PER_WORD) * BITS)[:, None]) & ((1 << BITS) - 1)
+        # Each packed word is loaded once and unpacked in registers: row w of the word
+        # tile holds input channels w * PER_WORD ... w * PER_WORD + PER_WORD - 1.
+        word_rows = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+        words = tl.load(words_ptr + word_rows[:, None] * N + cols[None, :],
+                        mask=(word_rows < tl.cdiv(k_end, PER_WORD))[:, None] & col_ok[None, :],
+                        other=0)
+        shifts = tl.arange(0, PER_WORD) * BITS
+        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1),
+                       [BLOCK_K, BLOCK_N])
         if LUT:
             w = tl.load(table_ptr + cols[None, :] * (1 << BITS) + q, mask=tile_ok, other=0.0)
         else:
@@ -63,8 +73,22 @@ def _weight_only_gemm_kernel(x_ptr, words_ptr, scales_ptr, zeros_ptr, table_ptr,
             w = (q.to(tl.float32) - zero.to(tl.float32)[None, :]) * \
                 scale.to(tl.float32)[None, :]
         acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
-    out = out_ptr + split * M * N + rows[:, None] * N + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    offsets = rows[:, None] * N + cols[None, :]
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K:
+        num_splits = tl.num_programs(2)
+        tl.store(partials_ptr + split * M * N + offsets, acc, mask=out_ok)
+        tl.debug_barrier()  # every thread's partial is stored before the count says so
+        tile = pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(tile_counts_ptr + tile, 1) == num_splits - 1:  # acq_rel, GPU scope
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for other in range(num_splits):  # from L2: another SM wrote them
+                acc += tl.load(partials_ptr + other * M * N + offsets, mask=out_ok, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+            tl.atomic_xchg(tile_counts_ptr + tile, 0)  # ready for the next call
+    else:
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
 @dataclass(frozen=True)
@@ -78,6 +102,7 @@ class TritonQuantizedWeight:
     outliers: torch.Tensor | None  # [out, in] sparse CSR float32
     input_order: torch.Tensor | None  # act-order: the input channels sorted by group
     num_programs: int  # split-K aims to start this many programs
+    tile_counts: torch.Tensor  # [num_programs] int32, zero between calls: splits done per tile
 
     @property
     def num_bytes(self) -> int:
@@ -103,17 +128,17 @@ class TritonQuantizedWeight:
         splits = max(1, min(-(-self.num_programs // tiles), k // (4 * block_k)))
         k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
         splits = triton.cdiv(k, k_per_split)
-        out = torch.empty(splits, m, n, device=x.device,
-                          dtype=x.dtype if splits == 1 else torch.float32)
+        result = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        partials = result if splits == 1 else torch.empty(splits, m, n, device=x.device,
+                                                          dtype=torch.float32)
         lut = self.table is not None
         _weight_only_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
             rows, self.words, self.scales if not lut else self.table,
-            self.zeros if not lut else self.table, self.table if lut else self.words, out,
-            m, n, k, self.group_size, k_per_split,
+            self.zeros if not lut else self.table, self.table if lut else self.words, result,
+            partials, self.tile_counts, m, n, k, self.group_size, k_per_split,
             BITS=self.bits, LUT=lut,
-            PRECISION=dot_precision(x.dtype),
+            PRECISION=dot_precision(x.dtype), SPLIT_K=splits > 1,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-        result = out[0] if splits == 1 else out.sum(0).to(x.dtype)
         if self.outliers is not None:
             result = result + torch.sparse.mm(self.outliers, rows.t().float()).t().to(x.dtype)
         return result.reshape(*x.shape[:-1], n)
@@ -130,7 +155,16 @@ def pack_for_triton(shards: list[QuantizedWeight] | list[LutWeight], dtype: torc
         return None
     return TritonQuantizedWeight(**{
         name: value.to(device) if isinstance(value, torch.Tensor) else value
-        for name, value in parts.items()}, num_programs=num_programs)
+        for name, value in parts.items()}, num_programs=num_programs,
+        tile_counts=_tile_counts(device, num_programs))
+
+
+@functools.cache
+def _tile_counts(device: torch.device, num_programs: int) -> torch.Tensor:
+    """One counter per tile for every layer on `device`: calls on a stream run one after
+    another, and each leaves the counters at zero. Split-K runs only where the tiles are
+    fewer than `num_programs`."""
+    return torch.zeros(num_programs, dtype=torch.int32, device=device)
 
 
 def _integer_parts(shards: list[QuantizedWeight], dtype: torch.dtype) -> dict | None:
