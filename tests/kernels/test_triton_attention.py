@@ -13,7 +13,10 @@ pytest.importorskip("triton")
 from kvserve.attention.backend import PrefillChunk  # noqa: E402
 from kvserve.attention.torch_ref import TorchPagedAttention  # noqa: E402
 from kvserve.attention.triton.backend import TritonPagedAttention  # noqa: E402
-from kvserve.attention.triton.decode import paged_decode_attention  # noqa: E402
+from kvserve.attention.triton.decode import (  # noqa: E402
+    _pair_counts,
+    paged_decode_attention,
+)
 from kvserve.core.scheduler.output import ScheduledRequest  # noqa: E402
 from kvserve.layers.rotary import RotaryEmbedding  # noqa: E402
 from kvserve.worker.input_batch import InputBuffers  # noqa: E402
@@ -118,6 +121,9 @@ def test_decode_splits_agree_and_an_empty_row_gives_zero():
     many = paged_decode_attention(q, cache, meta.block_tables, seq_lens, 0.3, None, 7)
     torch.testing.assert_close(many, one, rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(one[2]) == 0 and torch.isfinite(one).all()
+    assert not _pair_counts(q.device).any()  # the last split of each pair reset its count
+    again = paged_decode_attention(q, cache, meta.block_tables, seq_lens, 0.3, None, 7)
+    assert torch.equal(again, many)
 
 
 def test_a_negative_slot_writes_nothing():

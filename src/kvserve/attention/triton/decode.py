@@ -1,8 +1,10 @@
 """Paged decode attention (one query token per sequence) in Triton, split over the context.
 
 FlashDecoding: each (sequence, KV head) pair's context is cut into `num_splits` pieces that
-run as separate programs, so a small batch with long contexts still fills the GPU; a second
-kernel merges the pieces' partial softmax sums. Keys and values are read in place through
+run as separate programs, so a small batch with long contexts still fills the GPU. Each piece
+stores its partial softmax sums, and the last of a pair's programs to finish merges them, so
+the step needs no merge launch of its own (at a decode step's sizes a launch costs more
+than the merge). Keys and values are read in place through
 the block table (no gather copy), and one program serves every query head of a GQA group,
 so each KV tile is loaded once for the whole group. Split boundaries are derived on the device
 from each sequence's length, so a launch's grid depends only on the batch size: the kernels
@@ -16,6 +18,8 @@ value, where exp would overflow or lose every digit, is recomputed exactly.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -26,9 +30,9 @@ from kvserve.triton_precision import dot_precision
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, part_ptr, lse_ptr,
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, out_ptr, pair_counts_ptr,
     scale, window,
-    stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt,
+    stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr, UNIFIED: tl.constexpr, UNIFIED_RANGE: tl.constexpr,
@@ -81,37 +85,54 @@ def _decode_split_kernel(
             m, l_sum, acc = attend_tile(q, k, v, valid[None, :], m, l_sum, acc, scale,
                                         PRECISION)
 
-    # Each (head, split) leaves its own softmax-weighted output and log-sum-exp; an empty
-    # split leaves 0 and -inf, which the merge weighs 0.
-    row = (seq * num_heads + head) * NUM_SPLITS + split
     keep = g < GROUP
-    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=keep[:, None])
-    lse = tl.where(l_sum > 0, m + tl.log(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
-    tl.store(lse_ptr + row, lse, mask=keep)
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # an empty context gives 0
+    out_rows = out_ptr + seq * stride_ob + head[:, None] * stride_oh + d[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=keep[:, None])
+    else:
+        # Each (head, split) leaves its softmax-weighted output and log-sum-exp; an empty
+        # split leaves 0 and -inf, which the merge weighs 0.
+        rows = (seq * num_heads + head) * NUM_SPLITS
+        tl.store(part_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :], out,
+                 mask=keep[:, None])
+        lse = tl.where(l_sum > 0, m + tl.log(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
+        tl.store(lse_ptr + rows + split, lse, mask=keep)
+        tl.debug_barrier()  # every thread's part is stored before the count says so
+        pair = seq * tl.num_programs(1) + kv_head
+        if tl.atomic_add(pair_counts_ptr + pair, 1) == NUM_SPLITS - 1:  # acq_rel, GPU scope
+            _merge_splits(part_ptr, lse_ptr, rows, keep, d, out_rows, NUM_SPLITS, HEAD_DIM)
+            tl.atomic_xchg(pair_counts_ptr + pair, 0)  # ready for the next call
 
 
 @triton.jit
-def _decode_merge_kernel(part_ptr, lse_ptr, out_ptr, stride_ob, stride_oh,
-                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         SPLITS_POW2: tl.constexpr):
-    seq, head = tl.program_id(0), tl.program_id(1)
-    row = seq * tl.num_programs(1) + head
-    s = tl.arange(0, SPLITS_POW2)
-    d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + s, mask=s < NUM_SPLITS, other=float("-inf"))
-    top = tl.max(lse, 0)
-    weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # all empty: all 0
-    part = tl.load(part_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
-                   mask=(s < NUM_SPLITS)[:, None], other=0.0)
-    total = tl.sum(weight, 0)
-    out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d,
-             out.to(out_ptr.dtype.element_ty))
+def _merge_splits(part_ptr, lse_ptr, rows, keep, d, out_rows, NUM_SPLITS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
+    """The heads' outputs from their splits' parts, weighted by each split's share of the
+    softmax sum. Parts are read from L2 (`.cg`): other SMs wrote them."""
+    top = tl.full(rows.shape, float("-inf"), tl.float32)
+    for split in range(NUM_SPLITS):
+        lse = tl.load(lse_ptr + rows + split, mask=keep, other=float("-inf"),
+                      cache_modifier=".cg")
+        top = tl.maximum(top, lse)
+    top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: every weight 0
+    total = tl.zeros(rows.shape, tl.float32)
+    acc = tl.zeros([rows.shape[0], HEAD_DIM], tl.float32)
+    for split in range(NUM_SPLITS):
+        weight = tl.exp(tl.load(lse_ptr + rows + split, mask=keep, other=float("-inf"),
+                                cache_modifier=".cg") - top)
+        part = tl.load(part_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :],
+                       mask=keep[:, None], other=0.0, cache_modifier=".cg")
+        total += weight
+        acc += part * weight[:, None]
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=keep[:, None])
 
 
 MAX_SPLITS = 16
 BLOCK_N = 64
+MAX_SPLIT_PAIRS = 4096  # (sequence, KV head) pairs a split launch may have: far above the
+# programs that make splitting worth it
 
 
 def unified_range(dtype: torch.dtype) -> float:
@@ -140,21 +161,31 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     assert q.stride(2) == 1 and kv_cache.is_contiguous() and block_tables.stride(1) == 1
+    if num_splits > 1 and batch * num_kv_heads > MAX_SPLIT_PAIRS:
+        raise ValueError(f"num_splits > 1 takes at most {MAX_SPLIT_PAIRS} sequence x KV head "
+                         f"pairs, got {batch * num_kv_heads}")
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    assert out.stride(2) == 1
     part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
                        device=q.device)
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, kv_cache, block_tables, seq_lens, part, lse, scale, window or NO_WINDOW,
+        q, kv_cache, block_tables, seq_lens, part, lse, out, _pair_counts(q.device),
+        scale, window or NO_WINDOW,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=max(BLOCK_N, block_size), NUM_SPLITS=num_splits,
         PRECISION=dot_precision(q.dtype),
         UNIFIED=unified_max is not None, UNIFIED_RANGE=unified_range(q.dtype),
         unified_max=unified_max or 0.0)
-    _decode_merge_kernel[(batch, num_heads)](
-        part, lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits))
     return out
+
+
+@functools.cache
+def _pair_counts(device: torch.device) -> torch.Tensor:
+    """Splits finished per (sequence, KV head) pair, shared by every launch on `device`:
+    launches on a stream run one after another, and each leaves the counts at zero. Made
+    on the first call, which is eager: CUDA graphs are captured after a warm-up step."""
+    return torch.zeros(MAX_SPLIT_PAIRS, dtype=torch.int32, device=device)
