@@ -4,11 +4,14 @@ it runs in Triton's interpreter, in float32 (the interpreter gets bfloat16 dots 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from kvserve.quantization import triton_gemm  # noqa: E402
 from kvserve.quantization.gptq import gptq, rtn  # noqa: E402
 from kvserve.quantization.squeezellm import squeezellm  # noqa: E402
 from kvserve.quantization.triton_gemm import pack_for_triton  # noqa: E402
@@ -47,6 +50,22 @@ def test_integer_weights_match_their_dequantized_matmul(dtype, rows, bits, group
     q = rtn(w, bits, IN if group_size == -1 else group_size, sym)
     halves = [q.map_rows(lambda t: t[:64]), q.map_rows(lambda t: t[64:])]  # a fused layer
     check(halves, rows, dtype)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_every_tile_the_gpu_may_pick_is_right(group_size, monkeypatch):
+    """On CUDA the autotuner picks among the tiles that fit a group; the interpreter runs
+    only the first, so each is run here alone."""
+    on_gpu = {"group_size": group_size, "x_ptr": SimpleNamespace(is_cuda=True)}
+    tiles = triton_gemm._fitting_tiles(triton_gemm.TILE_CONFIGS, on_gpu)
+    assert len(tiles) == (4 if group_size == 32 else 8)
+    w, _ = layer()
+    q = rtn(w, 4, group_size, True)
+    for tile in tiles:
+        assert group_size % tile.kwargs["BLOCK_K"] == 0
+        monkeypatch.setattr(triton_gemm._tuned_gemm, "configs", [tile])
+        for rows in (1, 33):
+            check([q], rows, torch.float32)
 
 
 @pytest.mark.parametrize("num_programs", [1, 64])  # one split, and as many as the input allows

@@ -14,6 +14,10 @@ a tile of the input dimension always falls in one group. For few rows (decode), 
 dimension is split over several programs (split-K): each stores its float32 partial sum, and
 the last of a tile's programs to finish adds them and writes the output. The step then needs
 no reduction launch of its own, which at decode would cost more than the GEMM's tail.
+
+On CUDA the tile shape, warps and pipeline depth are timed once per layer shape and bucket of
+rows (`triton.autotune`, at the first call: before CUDA graphs are captured); the
+interpreter runs the first tile that fits.
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ MIN_BLOCK_K = 32  # a group must hold whole tiles of the input dimension
 
 @triton.jit
 def _weight_only_gemm_kernel(x_ptr, words_ptr, scales_ptr, zeros_ptr, table_ptr, out_ptr,
-                             partials_ptr, tile_counts_ptr, M, N, K, group_size, k_per_split,
+                             partials_ptr, tile_counts_ptr, M, N, K, group_size,
                              BITS: tl.constexpr, LUT: tl.constexpr, PRECISION: tl.constexpr,
-                             SPLIT_K: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr):
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    k_per_split = tl.cdiv(tl.cdiv(K, num_splits), BLOCK_K) * BLOCK_K
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
@@ -75,8 +80,7 @@ def _weight_only_gemm_kernel(x_ptr, words_ptr, scales_ptr, zeros_ptr, table_ptr,
         acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
     offsets = rows[:, None] * N + cols[None, :]
     out_ok = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K:
-        num_splits = tl.num_programs(2)
+    if num_splits > 1:
         tl.store(partials_ptr + split * M * N + offsets, acc, mask=out_ok)
         tl.debug_barrier()  # every thread's partial is stored before the count says so
         tile = pid_m * tl.num_programs(1) + pid_n
@@ -89,6 +93,41 @@ def _weight_only_gemm_kernel(x_ptr, words_ptr, scales_ptr, zeros_ptr, table_ptr,
             tl.atomic_xchg(tile_counts_ptr + tile, 0)  # ready for the next call
     else:
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+TILE_CONFIGS = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps,
+                               num_stages=stages)
+                 for block_n in (64, 128) for block_k in (MIN_BLOCK_K, 64, 128)
+                 for warps, stages in ((4, 3), (8, 4))]
+TILE_SHAPES = sorted({(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for c in TILE_CONFIGS})
+
+
+def _fitting_tiles(configs: list[triton.Config], named_args: dict, **_: object
+                   ) -> list[triton.Config]:
+    """Tiles of the two largest input widths that lie in one group of input channels;
+    under the interpreter, which has nothing to time, only the first of the largest."""
+    widths = sorted({c.kwargs["BLOCK_K"] for c in configs
+                     if named_args["group_size"] % c.kwargs["BLOCK_K"] == 0})[-2:]
+    fitting = sorted((c for c in configs if c.kwargs["BLOCK_K"] in widths),
+                     key=lambda c: -c.kwargs["BLOCK_K"])
+    return fitting if named_args["x_ptr"].is_cuda else fitting[:1]
+
+
+_tuned_gemm = triton.autotune(
+    TILE_CONFIGS, key=["N", "K", "group_size", "BITS", "LUT", "BLOCK_M"],
+    prune_configs_by={"early_config_prune": _fitting_tiles},
+    do_bench=lambda call, quantiles: triton.testing.do_bench(call, warmup=5, rep=25,
+                                                             quantiles=quantiles),
+)(_weight_only_gemm_kernel)
+
+
+def _num_splits(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int,
+                num_programs: int) -> int:
+    """Splits of the input dimension that bring the launch near `num_programs` programs,
+    each at least four input tiles long and none empty."""
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    splits = max(1, min(-(-num_programs // tiles), k // (4 * block_k)))
+    return triton.cdiv(k, triton.cdiv(triton.cdiv(k, splits), block_k) * block_k)
 
 
 @dataclass(frozen=True)
@@ -122,23 +161,21 @@ class TritonQuantizedWeight:
         m, k = rows.shape
         n = self.words.shape[1]
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        block_n = 64 if m <= 32 else 128
-        block_k = 64 if self.group_size % 64 == 0 else MIN_BLOCK_K
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        splits = max(1, min(-(-self.num_programs // tiles), k // (4 * block_k)))
-        k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-        splits = triton.cdiv(k, k_per_split)
+
+        def splits(block_n: int, block_k: int) -> int:
+            return _num_splits(m, n, k, block_m, block_n, block_k, self.num_programs)
+
+        most_splits = max(splits(*shape) for shape in TILE_SHAPES)  # room for any tile
         result = torch.empty(m, n, device=x.device, dtype=x.dtype)
-        partials = result if splits == 1 else torch.empty(splits, m, n, device=x.device,
-                                                          dtype=torch.float32)
+        partials = result if most_splits == 1 else torch.empty(
+            most_splits, m, n, device=x.device, dtype=torch.float32)
         lut = self.table is not None
-        _weight_only_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)](
+        _tuned_gemm[lambda tile: (triton.cdiv(m, block_m), triton.cdiv(n, tile["BLOCK_N"]),
+                                  splits(tile["BLOCK_N"], tile["BLOCK_K"]))](
             rows, self.words, self.scales if not lut else self.table,
             self.zeros if not lut else self.table, self.table if lut else self.words, result,
-            partials, self.tile_counts, m, n, k, self.group_size, k_per_split,
-            BITS=self.bits, LUT=lut,
-            PRECISION=dot_precision(x.dtype), SPLIT_K=splits > 1,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+            partials, self.tile_counts, m, n, k, self.group_size,
+            BITS=self.bits, LUT=lut, PRECISION=dot_precision(x.dtype), BLOCK_M=block_m)
         if self.outliers is not None:
             result = result + torch.sparse.mm(self.outliers, rows.t().float()).t().to(x.dtype)
         return result.reshape(*x.shape[:-1], n)
