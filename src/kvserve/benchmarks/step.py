@@ -126,15 +126,19 @@ def run(args: argparse.Namespace) -> None:
         f"{weights / 1e6:.0f} MB of weights + the decodes' KV at {bandwidth / 1e9:.1f} GB/s"))
     prefill = prefill_against_gemm_peak(runner, kv_cache, args)
     if args.profile:
-        print_profile(steps, min(args.decodes), args.profile)
+        print_profile(steps, min(args.decodes), args.profile,
+                      next(r["step ms"] for r in rows if r["decodes"] == min(args.decodes)))
     save_json(args.json, {"benchmark": "step", "model": args.model, "device": runner.device,
                           "context": args.context, "copy_bandwidth": bandwidth,
                           "weight_bytes": weights, "rows": rows, "prefill": prefill})
 
 
-def print_profile(steps: SyntheticSteps, num_decodes: int, num_steps: int) -> None:
+def print_profile(steps: SyntheticSteps, num_decodes: int, num_steps: int,
+                  step_ms: float) -> None:
     """The ops (on CUDA, the kernels, graph-replayed ones included) that take the most device
-    time over `num_steps` decode-only steps: where a step's time goes beyond its roofline."""
+    time over `num_steps` decode-only steps: where a step's time goes beyond its roofline. On
+    CUDA, also the share of the (unprofiled) step time the kernels fill: the rest is the
+    device waiting on the host and on launches."""
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = torch.device(steps.runner.device).type == "cuda"
@@ -143,8 +147,13 @@ def print_profile(steps: SyntheticSteps, num_decodes: int, num_steps: int) -> No
         for _ in range(num_steps):
             steps.run(num_decodes, 0)
     print(f"\n{num_steps} decode steps of {num_decodes} under torch.profiler, by device time:")
-    print(prof.key_averages().table(
-        sort_by="self_cuda_time_total" if on_cuda else "self_cpu_time_total", row_limit=25))
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cuda_time_total" if on_cuda else "self_cpu_time_total",
+                       row_limit=25))
+    if on_cuda:
+        busy_ms = sum(e.self_device_time_total for e in events) / 1e3 / num_steps
+        print(f"kernels: {busy_ms:.2f} ms per step, in a {step_ms:.2f} ms step "
+              f"({busy_ms / step_ms:.0%} busy)")
 
 
 def prefill_against_gemm_peak(runner: ModelRunner, kv_cache: KVCacheManager,
