@@ -9,8 +9,9 @@ One kernel serves two weight kinds, which differ only in how a tile is dequantiz
 
 Weights are repacked at load into the kernel's layout: int32 words along the input dimension
 holding 8 values of 4 bits (2- and 3-bit values widened to 4) or 4 of 8 bits. Act-order
-layers have their input channels sorted by group and gather each input into that order, so
-a tile of the input dimension always falls in one group. For few rows (decode), the input
+layers have their input channels sorted by group, and the kernel reads each input in that
+order (no gather launch of its own), so a tile of the input dimension always falls in one
+group. For few rows (decode), the input
 dimension is split over several programs (split-K): each stores its float32 partial sum, and
 the last of a tile's programs to finish adds them and writes the output. The step then needs
 no reduction launch of its own, which at decode would cost more than the GEMM's tail.
@@ -39,9 +40,11 @@ MIN_BLOCK_K = 32  # a group must hold whole tiles of the input dimension
 
 
 @triton.jit
-def _weight_only_gemm_kernel(x_ptr, words_ptr, scales_ptr, zeros_ptr, table_ptr, out_ptr,
-                             partials_ptr, tile_counts_ptr, M, N, K, group_size,
-                             BITS: tl.constexpr, LUT: tl.constexpr, PRECISION: tl.constexpr,
+def _weight_only_gemm_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zeros_ptr,
+                             table_ptr, out_ptr, partials_ptr, tile_counts_ptr,
+                             M, N, K, group_size,
+                             BITS: tl.constexpr, LUT: tl.constexpr, ORDERED: tl.constexpr,
+                             PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr):
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -57,7 +60,10 @@ def _weight_only_gemm_kernel(x_ptr, words_ptr, scales_ptr, zeros_ptr, table_ptr,
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
-        x = tl.load(x_ptr + rows[:, None] * K + ks[None, :],
+        x_cols = ks
+        if ORDERED:  # act-order: the weight's input channel ks is the input's x_cols
+            x_cols = tl.load(input_order_ptr + ks, mask=k_ok, other=0)
+        x = tl.load(x_ptr + rows[:, None] * K + x_cols[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         tile_ok = k_ok[:, None] & col_ok[None, :]
         # Each packed word is loaded once and unpacked in registers: row w of the word
@@ -114,7 +120,7 @@ def _fitting_tiles(configs: list[triton.Config], named_args: dict, **_: object
 
 
 _tuned_gemm = triton.autotune(
-    TILE_CONFIGS, key=["N", "K", "group_size", "BITS", "LUT", "BLOCK_M"],
+    TILE_CONFIGS, key=["N", "K", "group_size", "BITS", "LUT", "ORDERED", "BLOCK_M"],
     prune_configs_by={"early_config_prune": _fitting_tiles},
     do_bench=lambda call, quantiles: triton.testing.do_bench(call, warmup=5, rep=25,
                                                              quantiles=quantiles),
@@ -154,10 +160,7 @@ class TritonQuantizedWeight:
         return total
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if self.input_order is not None:
-            rows = rows.index_select(1, self.input_order)
-        rows = rows.contiguous()
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
         m, k = rows.shape
         n = self.words.shape[1]
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -170,12 +173,14 @@ class TritonQuantizedWeight:
         partials = result if most_splits == 1 else torch.empty(
             most_splits, m, n, device=x.device, dtype=torch.float32)
         lut = self.table is not None
+        ordered = self.input_order is not None
         _tuned_gemm[lambda tile: (triton.cdiv(m, block_m), triton.cdiv(n, tile["BLOCK_N"]),
                                   splits(tile["BLOCK_N"], tile["BLOCK_K"]))](
-            rows, self.words, self.scales if not lut else self.table,
-            self.zeros if not lut else self.table, self.table if lut else self.words, result,
-            partials, self.tile_counts, m, n, k, self.group_size,
-            BITS=self.bits, LUT=lut, PRECISION=dot_precision(x.dtype), BLOCK_M=block_m)
+            rows, self.input_order if ordered else self.words, self.words,
+            self.scales if not lut else self.table, self.zeros if not lut else self.table,
+            self.table if lut else self.words, result, partials, self.tile_counts,
+            m, n, k, self.group_size, BITS=self.bits, LUT=lut, ORDERED=ordered,
+            PRECISION=dot_precision(x.dtype), BLOCK_M=block_m)
         if self.outliers is not None:
             result = result + torch.sparse.mm(self.outliers, rows.t().float()).t().to(x.dtype)
         return result.reshape(*x.shape[:-1], n)
@@ -213,7 +218,8 @@ def _integer_parts(shards: list[QuantizedWeight], dtype: torch.dtype) -> dict | 
     return {"words": pack_rows(intweight.t(), bits), "bits": bits, "group_size": group_size,
             "scales": torch.cat([s.scales for s in shards], dim=1).to(dtype).contiguous(),
             "zeros": torch.cat([s.zeros for s in shards], dim=1).to(dtype).contiguous(),
-            "table": None, "outliers": None, "input_order": order}
+            "table": None, "outliers": None,
+            "input_order": None if order is None else order.to(torch.int32)}
 
 
 def _lut_parts(shards: list[LutWeight], dtype: torch.dtype) -> dict | None:
