@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvserve.attention.backend import PrefillChunk  # noqa: E402
+from kvserve.attention.backend import PrefillChunk, QKNorm  # noqa: E402
 from kvserve.attention.torch_ref import TorchPagedAttention  # noqa: E402
 from kvserve.attention.triton.backend import TritonPagedAttention  # noqa: E402
 from kvserve.attention.triton.decode import (  # noqa: E402
@@ -18,6 +18,7 @@ from kvserve.attention.triton.decode import (  # noqa: E402
     paged_decode_attention,
 )
 from kvserve.core.scheduler.output import ScheduledRequest  # noqa: E402
+from kvserve.layers.norm import RMSNorm  # noqa: E402
 from kvserve.layers.rotary import RotaryEmbedding  # noqa: E402
 from kvserve.worker.input_batch import InputBuffers  # noqa: E402
 
@@ -110,6 +111,31 @@ def test_bfloat16_tracks_the_torch_backend():
     torch.testing.assert_close(our_cache, ref_cache, **bf16_close())
     if DEVICE == "cuda":  # Triton 3.9's interpreter gets bfloat16 dot products wrong
         torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_and_key_norms_run_in_the_rotary_pass(dtype):
+    """Qwen3's per-head norms, fused into the rotary pass, against norming first."""
+    qk, v, freqs, cache, meta = make_step(MIXED, 8, 2, 64, 16, dtype=dtype)
+    gen = torch.Generator().manual_seed(5)
+    weights = [(1 + 0.3 * torch.randn(64, generator=gen)).to(DEVICE, dtype) for _ in "qk"]
+    norms = [RMSNorm(64, 1e-6, dtype).to(DEVICE) for _ in "qk"]
+    for norm, weight in zip(norms, weights, strict=True):
+        norm.weight.copy_(weight)
+    normed = torch.cat([norms[0](qk[:, :8]), norms[1](qk[:, 8:])], dim=1)
+    ref_cache, our_cache = cache.clone(), cache.clone()
+    expected = TorchPagedAttention().forward(normed, v, freqs, ref_cache, meta, 0.3)
+    got = TritonPagedAttention(num_programs=8).forward(qk.clone(), v, freqs, our_cache, meta,
+                                                       0.3, QKNorm(*weights, 1e-6))
+    if dtype == torch.float32:
+        torch.testing.assert_close(our_cache, ref_cache, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+    else:
+        # A norm rounded apart moves a rotated pair's small part by a few units in the last
+        # place of the large one: bounded in absolute terms, at the values' scale (~1).
+        torch.testing.assert_close(our_cache, ref_cache, rtol=2 ** -6, atol=2 ** -5)
+        if DEVICE == "cuda":  # Triton 3.9's interpreter gets bfloat16 dot products wrong
+            torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
 
 
 def test_decode_splits_agree_and_an_empty_row_gives_zero():

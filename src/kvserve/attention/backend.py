@@ -59,19 +59,33 @@ class AttentionMetadata:
                 self.seq_lens[:self.num_decodes])
 
 
+@dataclass(frozen=True, slots=True)
+class QKNorm:
+    """RMSNorm of each query head and each key head (Qwen3), weights in the heads'
+    interleaved rotary order."""
+
+    q_weight: torch.Tensor  # [D]
+    k_weight: torch.Tensor  # [D]
+    eps: float
+
+
 class AttentionBackend(ABC):
     """Computes attention for one layer of one step over the paged KV pool."""
 
     # Whether rows with slot -1 and length 0 pass through harmlessly (no KV write, a finite
     # output): what replaying a CUDA graph padded to a larger batch needs.
     takes_padding_rows = False
+    # Whether the backend norms query and key heads itself, in its rotary pass (`qk_norm`).
+    fuses_qk_norm = False
 
     @abstractmethod
     def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                qk_norm: QKNorm | None = None) -> torch.Tensor:
         """qk: [N, Hq + Hkv, D], the queries then the keys, each head's dimensions in
         interleaved rotary pairs, not yet rotated; v: [N, Hkv, D]; freqs_cis: [N, 1, D / 2]
-        complex rotations; kv_cache: [2, Hkv, num_blocks, block_size, D].
+        complex rotations; kv_cache: [2, Hkv, num_blocks, block_size, D]. `qk_norm` comes
+        only to a backend that `fuses_qk_norm`: then qk is not yet normed either.
 
         Rotates queries and keys (a backend may do so in place), writes the keys and values
         into kv_cache at meta.slot_mapping and returns the attention output [N, Hq * D].

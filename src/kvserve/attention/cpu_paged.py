@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from kvserve.attention.backend import AttentionMetadata, PrefillChunk
+from kvserve.attention.backend import AttentionMetadata, PrefillChunk, QKNorm
 from kvserve.attention.torch_ref import TorchPagedAttention, prefill_chunks, rotate_and_cache
 
 
@@ -27,7 +27,8 @@ class CpuPagedAttention(TorchPagedAttention):
                                if kernel.prefill_attention_supports(torch.empty(0, dtype=dtype))}
 
     def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                qk_norm: QKNorm | None = None) -> torch.Tensor:
         """The decode rows are one fused kernel call (rotary, cache write, attention) whether
         or not prefill chunks share the step, so a decode computes the same bits in any
         batch; the prefill rows are rotated and cached in C++ too, then each chunk runs the

@@ -13,7 +13,7 @@ import re
 import torch
 from torch import nn
 
-from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.backend import AttentionBackend, QKNorm
 from kvserve.config import ModelConfig
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
@@ -39,18 +39,21 @@ class Attention(nn.Module):
         self.kv_cache = torch.empty(0)  # bound by the model runner to this layer's pool
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        qk, v = self.project(x)
+        qk_norm = None
+        if self.q_norm is not None and self.k_norm is not None and self.backend.fuses_qk_norm:
+            qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        qk, v = self.project(x, norm=qk_norm is None)
         out = self.backend.forward(qk, v, freqs_cis, self.kv_cache, get_attention_metadata(),
-                                   self.scale)
+                                   self.scale, qk_norm)
         return self.o_proj(out)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows' queries then keys [N, Hq + Hkv, D] (normed, not yet rotated), and their
-        values [N, Hkv, D]."""
+    def project(self, x: torch.Tensor, norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' queries then keys [N, Hq + Hkv, D] (normed unless not `norm`, not yet
+        rotated), and their values [N, Hkv, D]."""
         heads = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
         num_qk = self.num_heads + self.num_kv_heads
         qk, v = heads[:, :num_qk], heads[:, num_qk:]
-        if self.q_norm is not None and self.k_norm is not None:
+        if norm and self.q_norm is not None and self.k_norm is not None:
             # Each head's row normed as a row of [tokens * heads, head_dim]: the shape of the
             # fused norm kernel, which the CPU decode stack calls the same way.
             rows, dim = x.shape[0], self.head_dim

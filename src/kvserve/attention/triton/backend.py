@@ -1,14 +1,15 @@
 """The CUDA attention backend: Triton kernels over the paged pool, nothing gathered.
 
-A step costs three launches per layer: rotary fused with the KV write, split-K decode
-attention for the decode rows (plus its merge), and one varlen prefill launch for all chunks.
+A step costs three launches per layer: rotary fused with the KV write (and with Qwen3's
+query and key norms), split-K decode attention for the decode rows, and one varlen prefill
+launch for all chunks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata, QKNorm
 from kvserve.attention.triton.cache import rotary_and_cache
 from kvserve.attention.triton.decode import num_splits_for, paged_decode_attention
 from kvserve.attention.triton.prefill import paged_prefill_attention
@@ -16,13 +17,15 @@ from kvserve.attention.triton.prefill import paged_prefill_attention
 
 class TritonPagedAttention(AttentionBackend):
     takes_padding_rows = True
+    fuses_qk_norm = True
 
     def __init__(self, num_programs: int) -> None:
         self.num_programs = num_programs  # decode splits aim to start this many programs
 
     def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        rotary_and_cache(qk, v, freqs_cis, kv_cache, meta.slot_mapping)
+                kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                qk_norm: QKNorm | None = None) -> torch.Tensor:
+        rotary_and_cache(qk, v, freqs_cis, kv_cache, meta.slot_mapping, qk_norm)
         num_kv_heads = kv_cache.shape[1]
         q = qk[:, :-num_kv_heads]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -1,5 +1,7 @@
 """Rotary embedding fused with the KV-cache write, in Triton: one pass over a step's new
-queries and keys instead of a rotation, then a scatter of keys and values into the pool."""
+queries and keys instead of a rotation, then a scatter of keys and values into the pool.
+For models that norm each query and key head (Qwen3), the norm runs in the same pass, where
+it would otherwise take a copy, a norm launch per side and a concatenation."""
 
 from __future__ import annotations
 
@@ -7,13 +9,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.attention.backend import QKNorm
+
 
 @triton.jit
 def _rotary_cache_kernel(
-    qk_ptr, v_ptr, freqs_ptr, kv_ptr, slot_ptr,
+    qk_ptr, v_ptr, freqs_ptr, kv_ptr, slot_ptr, q_weight_ptr, k_weight_ptr, eps,
     stride_qkt, stride_qkh, stride_vt, stride_vh, stride_ft, stride_kv, stride_kh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, QK_POW2: tl.constexpr,
-    KV_POW2: tl.constexpr, HALF: tl.constexpr,
+    KV_POW2: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
 ):
     token = tl.program_id(0)
     h = tl.arange(0, QK_POW2)
@@ -24,6 +28,16 @@ def _rotary_cache_kernel(
     pair = qk_ptr + token * stride_qkt + h[:, None] * stride_qkh + 2 * i[None, :]
     x0 = tl.load(pair, mask=is_head[:, None], other=0.0)
     x1 = tl.load(pair + 1, mask=is_head[:, None], other=0.0)
+    if NORM:  # rounded where RMSNorm rounds: the normed value, then its product by the weight
+        a, b = x0.to(tl.float32), x1.to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(a * a + b * b, 1) / (2 * HALF) + eps)
+        is_query = (h < NUM_HEADS)[:, None]
+        w0 = tl.where(is_query, tl.load(q_weight_ptr + 2 * i)[None, :],
+                      tl.load(k_weight_ptr + 2 * i)[None, :]).to(tl.float32)
+        w1 = tl.where(is_query, tl.load(q_weight_ptr + 2 * i + 1)[None, :],
+                      tl.load(k_weight_ptr + 2 * i + 1)[None, :]).to(tl.float32)
+        x0 = (w0 * (a * inv_rms[:, None]).to(x0.dtype).to(tl.float32)).to(x0.dtype)
+        x1 = (w1 * (b * inv_rms[:, None]).to(x1.dtype).to(tl.float32)).to(x1.dtype)
     # Each interleaved pair is a complex number times e^(i * angle), computed in float32.
     re = x0.to(tl.float32) * cos[None, :] - x1.to(tl.float32) * sin[None, :]
     im = x0.to(tl.float32) * sin[None, :] + x1.to(tl.float32) * cos[None, :]
@@ -48,10 +62,12 @@ def _rotary_cache_kernel(
 
 
 def rotary_and_cache(qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
-                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """qk: [N, Hq + Hkv, D] in interleaved pair order, rotated in place; v: [N, Hkv, D];
-    freqs_cis: [N, 1, D / 2] complex; kv_cache: [2, Hkv, num_blocks, block_size, D] receives
-    the rotated keys and the values at `slot_mapping` (a slot of -1 writes nothing)."""
+                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     qk_norm: QKNorm | None = None) -> None:
+    """qk: [N, Hq + Hkv, D] in interleaved pair order, normed (with `qk_norm`) and rotated
+    in place; v: [N, Hkv, D]; freqs_cis: [N, 1, D / 2] complex; kv_cache: [2, Hkv,
+    num_blocks, block_size, D] receives the rotated keys and the values at `slot_mapping` (a
+    slot of -1 writes nothing)."""
     num_tokens, num_qk, head_dim = qk.shape
     num_kv_heads = kv_cache.shape[1]
     freqs = torch.view_as_real(freqs_cis)  # [N, 1, D / 2, 2]: cos, sin
@@ -59,8 +75,10 @@ def rotary_and_cache(qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
     assert freqs.stride(2) == 2 and freqs.stride(3) == 1
     _rotary_cache_kernel[(num_tokens,)](
         qk, v, freqs, kv_cache, slot_mapping,
+        qk_norm.q_weight if qk_norm else qk, qk_norm.k_weight if qk_norm else qk,
+        qk_norm.eps if qk_norm else 0.0,
         qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), freqs.stride(0),
         kv_cache.stride(0), kv_cache.stride(1),
         NUM_HEADS=num_qk - num_kv_heads, NUM_KV_HEADS=num_kv_heads,
         QK_POW2=triton.next_power_of_2(num_qk), KV_POW2=triton.next_power_of_2(num_kv_heads),
-        HALF=head_dim // 2)
+        HALF=head_dim // 2, NORM=qk_norm is not None)
