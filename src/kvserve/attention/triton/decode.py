@@ -167,9 +167,11 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     assert out.stride(2) == 1
-    part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
-                       device=q.device)
-    lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    part = lse = out  # one split writes the output directly
+    if num_splits > 1:
+        part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
+                           device=q.device)
+        lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, part, lse, out, _pair_counts(q.device),
         scale, window or NO_WINDOW,
