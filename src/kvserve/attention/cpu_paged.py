@@ -35,6 +35,7 @@ class CpuPagedAttention(TorchPagedAttention):
         prefill kernel (the reference's rotary, cache write and prefill where this CPU build
         has no prefill kernel for the dtype). What the kernels do not cover takes the
         reference path."""
+        assert qk_norm is None, "qk is normed before a backend that does not fuse it"
         if not self._covers(qk):
             return super().forward(qk, v, freqs_cis, kv_cache, meta, scale)
         qk, v = _with_contiguous_heads(qk), _with_contiguous_heads(v)

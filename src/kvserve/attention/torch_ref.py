@@ -23,6 +23,7 @@ class TorchPagedAttention(AttentionBackend):
     def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 qk_norm: QKNorm | None = None) -> torch.Tensor:
+        assert qk_norm is None, "qk is normed before a backend that does not fuse it"
         q, k = rotate_and_cache(qk, v, freqs_cis, kv_cache, meta.slot_mapping)
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         if meta.num_decodes:
