@@ -1,4 +1,7 @@
-from kvserve.engine.detokenizer import IncrementalDetokenizer
+import pickle
+
+from kvserve.engine.detokenizer import IncrementalDetokenizer, decodes_as_stream
+from kvserve.models.loader import load_tokenizer
 
 
 class ByteTokenizer:
@@ -35,3 +38,23 @@ def test_stop_strings_wait_for_min_tokens():
     assert detok.update([ord("b")]) is None
     assert detok.update([ord("a")]) == "a"
     assert detok.text == "ab"  # the "a" inside the first min_tokens tokens is kept
+
+
+def test_a_fast_tokenizer_streams_the_text_decode_gives(llama_dir):
+    """Token by token through `tokenizers.DecodeStream`: the text of decoding all tokens at
+    once, with multi-byte characters held until whole, and the same after a move to another
+    engine (pickled, then attached to that engine's tokenizer) at every point."""
+    tokenizer = load_tokenizer(str(llama_dir))
+    assert decodes_as_stream(tokenizer) and not decodes_as_stream(ByteTokenizer())
+    ids = tokenizer.encode("Añ €5, 😀 naïve 東京 def f(x):\n    return x", add_special_tokens=False)
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    for cut in range(len(ids) + 1):
+        detok = IncrementalDetokenizer(tokenizer, True, [], 0)
+        assert detok.stream is not None
+        for token_id in ids[:cut]:
+            detok.update([token_id])
+            assert "\ufffd" not in detok.text
+        moved = pickle.loads(pickle.dumps(detok))
+        moved.attach(tokenizer)
+        moved.update(ids[cut:])
+        assert moved.text == whole

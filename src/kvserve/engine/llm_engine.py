@@ -221,7 +221,7 @@ class LLMEngine:
             kv.free_host_blocks(received[child_id])
         self._parents[parent.request_id] = parent
         for seq in parent.sequences:
-            seq.detokenizer.tokenizer = self.tokenizer
+            seq.detokenizer.attach(self.tokenizer)
             self._child_to_parent[seq.request.request_id] = (parent, seq)
         for request in self._unfinished(parent):
             sent = received.get(request.request_id, [])
