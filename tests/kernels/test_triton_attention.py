@@ -13,13 +13,11 @@ pytest.importorskip("triton")
 from kvserve.attention.backend import PrefillChunk, QKNorm  # noqa: E402
 from kvserve.attention.torch_ref import TorchPagedAttention  # noqa: E402
 from kvserve.attention.triton.backend import TritonPagedAttention  # noqa: E402
-from kvserve.attention.triton.decode import (  # noqa: E402
-    _pair_counts,
-    paged_decode_attention,
-)
+from kvserve.attention.triton.decode import paged_decode_attention  # noqa: E402
 from kvserve.core.scheduler.output import ScheduledRequest  # noqa: E402
 from kvserve.layers.norm import RMSNorm  # noqa: E402
 from kvserve.layers.rotary import RotaryEmbedding  # noqa: E402
+from kvserve.triton_splits import split_counters  # noqa: E402
 from kvserve.worker.input_batch import InputBuffers  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -147,7 +145,7 @@ def test_decode_splits_agree_and_an_empty_row_gives_zero():
     many = paged_decode_attention(q, cache, meta.block_tables, seq_lens, 0.3, None, 7)
     torch.testing.assert_close(many, one, rtol=1e-5, atol=1e-5)
     assert torch.count_nonzero(one[2]) == 0 and torch.isfinite(one).all()
-    assert not _pair_counts(q.device).any()  # the last split of each pair reset its count
+    assert not split_counters(q.device).any()  # the last split of each pair re-armed it
     again = paged_decode_attention(q, cache, meta.block_tables, seq_lens, 0.3, None, 7)
     assert torch.equal(again, many)
 

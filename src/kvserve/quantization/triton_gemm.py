@@ -13,8 +13,7 @@ layers have their input channels sorted by group, and the kernel reads each inpu
 order (no gather launch of its own), so a tile of the input dimension always falls in one
 group. For few rows (decode), the input
 dimension is split over several programs (split-K): each stores its float32 partial sum, and
-the last of a tile's programs to finish adds them and writes the output. The step then needs
-no reduction launch of its own, which at decode would cost more than the GEMM's tail.
+the last of a tile's programs to finish adds them and writes the output (`triton_splits`).
 
 On CUDA the tile shape, warps and pipeline depth are timed once per layer shape and bucket of
 rows (`triton.autotune`, at the first call: before CUDA graphs are captured); the
@@ -23,7 +22,6 @@ interpreter runs the first tile that fits.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import dataclass
 
@@ -35,13 +33,14 @@ from kvserve.quantization.gptq import QuantizedWeight, sorted_by_group
 from kvserve.quantization.packing import pack_rows
 from kvserve.quantization.squeezellm import LutWeight
 from kvserve.triton_precision import dot_precision
+from kvserve.triton_splits import arrives_last, check_split_groups, rearm, split_counters
 
 MIN_BLOCK_K = 32  # a group must hold whole tiles of the input dimension
 
 
 @triton.jit
 def _weight_only_gemm_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zeros_ptr,
-                             table_ptr, out_ptr, partials_ptr, tile_counts_ptr,
+                             table_ptr, out_ptr, partials_ptr, counters_ptr,
                              M, N, K, group_size,
                              BITS: tl.constexpr, LUT: tl.constexpr, ORDERED: tl.constexpr,
                              PRECISION: tl.constexpr,
@@ -88,15 +87,14 @@ def _weight_only_gemm_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
     out_ok = row_ok[:, None] & col_ok[None, :]
     if num_splits > 1:
         tl.store(partials_ptr + split * M * N + offsets, acc, mask=out_ok)
-        tl.debug_barrier()  # every thread's partial is stored before the count says so
-        tile = pid_m * tl.num_programs(1) + pid_n
-        if tl.atomic_add(tile_counts_ptr + tile, 1) == num_splits - 1:  # acq_rel, GPU scope
+        counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
+        if arrives_last(counter, num_splits):
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for other in range(num_splits):  # from L2: another SM wrote them
+            for other in range(num_splits):
                 acc += tl.load(partials_ptr + other * M * N + offsets, mask=out_ok, other=0.0,
                                cache_modifier=".cg")
             tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
-            tl.atomic_xchg(tile_counts_ptr + tile, 0)  # ready for the next call
+            rearm(counter)
     else:
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
@@ -147,7 +145,6 @@ class TritonQuantizedWeight:
     outliers: torch.Tensor | None  # [out, in] sparse CSR float32
     input_order: torch.Tensor | None  # act-order: the input channels sorted by group
     num_programs: int  # split-K aims to start this many programs
-    tile_counts: torch.Tensor  # [num_programs] int32, zero between calls: splits done per tile
 
     @property
     def num_bytes(self) -> int:
@@ -178,7 +175,7 @@ class TritonQuantizedWeight:
                                   splits(tile["BLOCK_N"], tile["BLOCK_K"]))](
             rows, self.input_order if ordered else self.words, self.words,
             self.scales if not lut else self.table, self.zeros if not lut else self.table,
-            self.table if lut else self.words, result, partials, self.tile_counts,
+            self.table if lut else self.words, result, partials, split_counters(x.device),
             m, n, k, self.group_size, BITS=self.bits, LUT=lut, ORDERED=ordered,
             PRECISION=dot_precision(x.dtype), BLOCK_M=block_m)
         if self.outliers is not None:
@@ -191,22 +188,15 @@ def pack_for_triton(shards: list[QuantizedWeight] | list[LutWeight], dtype: torc
     """The shards (a fused layer's, in output order) in the kernel's layout on `device`, or
     None where it cannot run them: groups not a multiple of 32 input channels, shards
     ordering their inputs differently, or tables of more than 256 entries."""
+    # Split-K runs only where tiles are fewer than num_programs: each tile takes a counter.
+    check_split_groups(num_programs)
     parts = _lut_parts(shards, dtype) if isinstance(shards[0], LutWeight) \
         else _integer_parts(shards, dtype)
     if parts is None:
         return None
     return TritonQuantizedWeight(**{
         name: value.to(device) if isinstance(value, torch.Tensor) else value
-        for name, value in parts.items()}, num_programs=num_programs,
-        tile_counts=_tile_counts(device, num_programs))
-
-
-@functools.cache
-def _tile_counts(device: torch.device, num_programs: int) -> torch.Tensor:
-    """One counter per tile for every layer on `device`: calls on a stream run one after
-    another, and each leaves the counters at zero. Split-K runs only where the tiles are
-    fewer than `num_programs`."""
-    return torch.zeros(num_programs, dtype=torch.int32, device=device)
+        for name, value in parts.items()}, num_programs=num_programs)
 
 
 def _integer_parts(shards: list[QuantizedWeight], dtype: torch.dtype) -> dict | None:

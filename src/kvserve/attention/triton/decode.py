@@ -2,9 +2,8 @@
 
 FlashDecoding: each (sequence, KV head) pair's context is cut into `num_splits` pieces that
 run as separate programs, so a small batch with long contexts still fills the GPU. Each piece
-stores its partial softmax sums, and the last of a pair's programs to finish merges them, so
-the step needs no merge launch of its own (at a decode step's sizes a launch costs more
-than the merge). Keys and values are read in place through
+stores its partial softmax sums, and the last of a pair's programs to finish merges them
+(`triton_splits`): no merge launch. Keys and values are read in place through
 the block table (no gather copy), and one program serves every query head of a GQA group,
 so each KV tile is loaded once for the whole group. Split boundaries are derived on the device
 from each sequence's length, so a launch's grid depends only on the batch size: the kernels
@@ -18,19 +17,18 @@ value, where exp would overflow or lose every digit, is recomputed exactly.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from kvserve.attention.triton.tiles import MASKED, NO_WINDOW, attend_tile, load_kv_tile
 from kvserve.triton_precision import dot_precision
+from kvserve.triton_splits import arrives_last, check_split_groups, rearm, split_counters
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, out_ptr, pair_counts_ptr,
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, out_ptr, counters_ptr,
     scale, window,
     stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -98,18 +96,17 @@ def _decode_split_kernel(
                  mask=keep[:, None])
         lse = tl.where(l_sum > 0, m + tl.log(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
         tl.store(lse_ptr + rows + split, lse, mask=keep)
-        tl.debug_barrier()  # every thread's part is stored before the count says so
-        pair = seq * tl.num_programs(1) + kv_head
-        if tl.atomic_add(pair_counts_ptr + pair, 1) == NUM_SPLITS - 1:  # acq_rel, GPU scope
+        counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+        if arrives_last(counter, NUM_SPLITS):
             _merge_splits(part_ptr, lse_ptr, rows, keep, d, out_rows, NUM_SPLITS, HEAD_DIM)
-            tl.atomic_xchg(pair_counts_ptr + pair, 0)  # ready for the next call
+            rearm(counter)
 
 
 @triton.jit
 def _merge_splits(part_ptr, lse_ptr, rows, keep, d, out_rows, NUM_SPLITS: tl.constexpr,
                   HEAD_DIM: tl.constexpr):
     """The heads' outputs from their splits' parts, weighted by each split's share of the
-    softmax sum. Parts are read from L2 (`.cg`): other SMs wrote them."""
+    softmax sum."""
     top = tl.full(rows.shape, float("-inf"), tl.float32)
     for split in range(NUM_SPLITS):
         lse = tl.load(lse_ptr + rows + split, mask=keep, other=float("-inf"),
@@ -131,8 +128,6 @@ def _merge_splits(part_ptr, lse_ptr, rows, keep, d, out_rows, NUM_SPLITS: tl.con
 
 MAX_SPLITS = 16
 BLOCK_N = 64
-MAX_SPLIT_PAIRS = 4096  # (sequence, KV head) pairs a split launch may have: far above the
-# programs that make splitting worth it
 
 
 def unified_range(dtype: torch.dtype) -> float:
@@ -161,9 +156,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     assert q.stride(2) == 1 and kv_cache.is_contiguous() and block_tables.stride(1) == 1
-    if num_splits > 1 and batch * num_kv_heads > MAX_SPLIT_PAIRS:
-        raise ValueError(f"num_splits > 1 takes at most {MAX_SPLIT_PAIRS} sequence x KV head "
-                         f"pairs, got {batch * num_kv_heads}")
+    if num_splits > 1:
+        check_split_groups(batch * num_kv_heads)
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     assert out.stride(2) == 1
@@ -173,7 +167,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, kv_cache, block_tables, seq_lens, part, lse, out, _pair_counts(q.device),
+        q, kv_cache, block_tables, seq_lens, part, lse, out, split_counters(q.device),
         scale, window or NO_WINDOW,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
@@ -184,10 +178,3 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         unified_max=unified_max or 0.0)
     return out
 
-
-@functools.cache
-def _pair_counts(device: torch.device) -> torch.Tensor:
-    """Splits finished per (sequence, KV head) pair, shared by every launch on `device`:
-    launches on a stream run one after another, and each leaves the counts at zero. Made
-    on the first call, which is eager: CUDA graphs are captured after a warm-up step."""
-    return torch.zeros(MAX_SPLIT_PAIRS, dtype=torch.int32, device=device)
