@@ -33,7 +33,8 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr, UNIFIED: tl.constexpr, UNIFIED_RANGE: tl.constexpr,
+    SPLITS_POW2: tl.constexpr, PRECISION: tl.constexpr, UNIFIED: tl.constexpr,
+    UNIFIED_RANGE: tl.constexpr,
     unified_max,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -98,32 +99,30 @@ def _decode_split_kernel(
         tl.store(lse_ptr + rows + split, lse, mask=keep)
         counter = counters_ptr + seq * tl.num_programs(1) + kv_head
         if arrives_last(counter, NUM_SPLITS):
-            _merge_splits(part_ptr, lse_ptr, rows, keep, d, out_rows, NUM_SPLITS, HEAD_DIM)
+            for g_merge in tl.static_range(GROUP):
+                _merge_splits(part_ptr, lse_ptr, (seq * num_heads + kv_head * GROUP + g_merge)
+                              * NUM_SPLITS, out_ptr + seq * stride_ob
+                              + (kv_head * GROUP + g_merge) * stride_oh + d, d, NUM_SPLITS,
+                              SPLITS_POW2, HEAD_DIM)
             rearm(counter)
 
 
 @triton.jit
-def _merge_splits(part_ptr, lse_ptr, rows, keep, d, out_rows, NUM_SPLITS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr):
-    """The heads' outputs from their splits' parts, weighted by each split's share of the
-    softmax sum."""
-    top = tl.full(rows.shape, float("-inf"), tl.float32)
-    for split in range(NUM_SPLITS):
-        lse = tl.load(lse_ptr + rows + split, mask=keep, other=float("-inf"),
-                      cache_modifier=".cg")
-        top = tl.maximum(top, lse)
-    top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: every weight 0
-    total = tl.zeros(rows.shape, tl.float32)
-    acc = tl.zeros([rows.shape[0], HEAD_DIM], tl.float32)
-    for split in range(NUM_SPLITS):
-        weight = tl.exp(tl.load(lse_ptr + rows + split, mask=keep, other=float("-inf"),
-                                cache_modifier=".cg") - top)
-        part = tl.load(part_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :],
-                       mask=keep[:, None], other=0.0, cache_modifier=".cg")
-        total += weight
-        acc += part * weight[:, None]
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=keep[:, None])
+def _merge_splits(part_ptr, lse_ptr, row, out_ptrs, d, NUM_SPLITS: tl.constexpr,
+                  SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One head's output from its splits' parts, weighted by each split's share of the
+    softmax sum. Every split is read in one load: a loop of dependent L2 reads would
+    serialize their latency."""
+    s = tl.arange(0, SPLITS_POW2)
+    lse = tl.load(lse_ptr + row + s, mask=s < NUM_SPLITS, other=float("-inf"),
+                  cache_modifier=".cg")
+    part = tl.load(part_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :],
+                   mask=(s < NUM_SPLITS)[:, None], other=0.0, cache_modifier=".cg")
+    top = tl.max(lse, 0)
+    weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # all empty: all 0
+    total = tl.sum(weight, 0)
+    out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty))
 
 
 MAX_SPLITS = 16
@@ -173,6 +172,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=max(BLOCK_N, block_size), NUM_SPLITS=num_splits,
+        SPLITS_POW2=triton.next_power_of_2(num_splits),
         PRECISION=dot_precision(q.dtype),
         UNIFIED=unified_max is not None, UNIFIED_RANGE=unified_range(q.dtype),
         unified_max=unified_max or 0.0)
