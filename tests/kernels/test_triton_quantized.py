@@ -56,16 +56,18 @@ def test_integer_weights_match_their_dequantized_matmul(dtype, rows, bits, group
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_every_tile_the_gpu_may_pick_is_right(group_size, monkeypatch):
     """On CUDA the autotuner picks among the tiles that fit a group; the interpreter runs
-    only the first, so each is run here alone."""
-    on_gpu = {"group_size": group_size, "x_ptr": SimpleNamespace(is_cuda=True)}
-    tiles = triton_gemm._fitting_tiles(triton_gemm.TILE_CONFIGS, on_gpu)
-    assert len(tiles) == (4 if group_size == 32 else 8)
+    only the first, so each is run here alone: in the GEMV (one row) and the GEMM."""
+    on_gpu = {"GROUP_SIZE": group_size, "x_ptr": SimpleNamespace(is_cuda=True)}
     w, _ = layer()
     q = rtn(w, 4, group_size, True)
-    for tile in tiles:
-        assert group_size % tile.kwargs["BLOCK_K"] == 0
-        monkeypatch.setattr(triton_gemm._tuned_gemm, "configs", [tile])
-        for rows in (1, 33):
+    for rows, tuned, configs, fitting in (
+            (1, triton_gemm._tuned_gemv, triton_gemm.GEMV_CONFIGS, 3 if group_size == 32 else 6),
+            (33, triton_gemm._tuned_gemm, triton_gemm.TILE_CONFIGS, 4 if group_size == 32 else 8)):
+        tiles = triton_gemm._fitting_tiles(configs, on_gpu)
+        assert len(tiles) == fitting
+        for tile in tiles:
+            assert group_size % tile.kwargs["BLOCK_K"] == 0
+            monkeypatch.setattr(tuned, "configs", [tile])
             check([q], rows, torch.float32)
 
 

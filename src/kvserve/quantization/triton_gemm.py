@@ -1,7 +1,12 @@
 """Weight-only quantized GEMM in Triton for CUDA: the MARLIN idea of streaming packed integer
-weights and dequantizing them in registers, next to the tensor-core multiply.
+weights and dequantizing them in registers, next to the multiply.
 
-One kernel serves two weight kinds, which differ only in how a tile is dequantized:
+Two kernels share the unpacking, dequantizing and split-K epilogue:
+- one row (decode at batch 1), a GEMV on the CUDA cores in float32: the weights are used
+  in the registers they are unpacked in;
+- more rows, tiles on the tensor cores, whose weight operand is staged in shared memory.
+
+Both serve two weight kinds, which differ only in how a tile is dequantized:
 - integers with a scale and zero per group of input channels (GPTQ, AWQ; W4A16, W8A16):
   w = (q - zero[group]) * scale[group];
 - indices into a per-output-channel lookup table (SqueezeLLM): w = table[row, q], plus the
@@ -39,13 +44,58 @@ MIN_BLOCK_K = 32  # a group must hold whole tiles of the input dimension
 
 
 @triton.jit
+def _unpacked(words, BITS: tl.constexpr):
+    """[W, BN] packed int32 words -> [W, 32 // BITS, BN] integers, unpacked in registers."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    shifts = tl.arange(0, PER_WORD) * BITS
+    return (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _dequantized(q, cols, col_ok, k0, scales_ptr, zeros_ptr, table_ptr, N,
+                 GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, LUT: tl.constexpr):
+    """The float32 weights of integers `q` ([..., BN], columns `cols`) at input offset k0.
+    Integers become 1 + q / 2^BITS by writing them into a float's mantissa (exact, and no
+    int-to-float conversion, which issues at a quarter of the rate of integer ops), then
+    one fused multiply-add per weight applies the group's scale and zero."""
+    if LUT:
+        return tl.load(table_ptr + cols * (1 << BITS) + q, mask=col_ok, other=0.0
+                       ).to(tl.float32)
+    group = k0 // GROUP_SIZE  # the whole tile lies in one group
+    scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    unit = ((q << (23 - BITS)) | 0x3F800000).to(tl.float32, bitcast=True)
+    return unit * (scale * (1 << BITS)) - (zero + (1 << BITS)) * scale
+
+
+@triton.jit
+def _write_tile(acc, rows, cols, M, N, out_ptr, partials_ptr, counter_ptr, split, num_splits):
+    """Stores a [BM, BN] float32 tile: directly, or as one split's partial sum that the last
+    split of the tile to arrive adds up (`triton_splits`)."""
+    offsets = rows[:, None] * N + cols[None, :]
+    out_ok = (rows < M)[:, None] & (cols < N)[None, :]
+    if num_splits > 1:
+        tl.store(partials_ptr + split * M * N + offsets, acc, mask=out_ok)
+        if arrives_last(counter_ptr, num_splits):
+            acc = tl.zeros(acc.shape, tl.float32)
+            for other in range(num_splits):
+                acc += tl.load(partials_ptr + other * M * N + offsets, mask=out_ok, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+            rearm(counter_ptr)
+    else:
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit
 def _weight_only_gemm_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zeros_ptr,
                              table_ptr, out_ptr, partials_ptr, counters_ptr,
-                             M, N, K, group_size,
+                             M, N, K, GROUP_SIZE: tl.constexpr,
                              BITS: tl.constexpr, LUT: tl.constexpr, ORDERED: tl.constexpr,
                              PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr):
+    """Rows of x on the tensor cores: each weight tile is dequantized once per BLOCK_M rows."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
     k_per_split = tl.cdiv(tl.cdiv(K, num_splits), BLOCK_K) * BLOCK_K
@@ -64,46 +114,70 @@ def _weight_only_gemm_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
             x_cols = tl.load(input_order_ptr + ks, mask=k_ok, other=0)
         x = tl.load(x_ptr + rows[:, None] * K + x_cols[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        tile_ok = k_ok[:, None] & col_ok[None, :]
-        # Each packed word is loaded once and unpacked in registers: row w of the word
-        # tile holds input channels w * PER_WORD ... w * PER_WORD + PER_WORD - 1.
+        # Each packed word is loaded once: row w of the word tile holds input channels
+        # w * PER_WORD ... w * PER_WORD + PER_WORD - 1.
         word_rows = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
         words = tl.load(words_ptr + word_rows[:, None] * N + cols[None, :],
                         mask=(word_rows < tl.cdiv(k_end, PER_WORD))[:, None] & col_ok[None, :],
                         other=0)
-        shifts = tl.arange(0, PER_WORD) * BITS
-        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1),
-                       [BLOCK_K, BLOCK_N])
-        if LUT:
-            w = tl.load(table_ptr + cols[None, :] * (1 << BITS) + q, mask=tile_ok, other=0.0)
-        else:
-            group = k0 // group_size  # the whole tile lies in one group
-            scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0)
-            zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0)
-            w = (q.to(tl.float32) - zero.to(tl.float32)[None, :]) * \
-                scale.to(tl.float32)[None, :]
+        q = tl.reshape(_unpacked(words, BITS), [BLOCK_K, BLOCK_N])
+        w = _dequantized(q, cols[None, :], col_ok[None, :], k0, scales_ptr, zeros_ptr,
+                         table_ptr, N, GROUP_SIZE, BITS, LUT)
         acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
-    offsets = rows[:, None] * N + cols[None, :]
-    out_ok = row_ok[:, None] & col_ok[None, :]
-    if num_splits > 1:
-        tl.store(partials_ptr + split * M * N + offsets, acc, mask=out_ok)
-        counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
-        if arrives_last(counter, num_splits):
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for other in range(num_splits):
-                acc += tl.load(partials_ptr + other * M * N + offsets, mask=out_ok, other=0.0,
-                               cache_modifier=".cg")
-            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
-            rearm(counter)
-    else:
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+    _write_tile(acc, rows, cols, M, N, out_ptr, partials_ptr,
+                counters_ptr + pid_m * tl.num_programs(1) + pid_n, split, num_splits)
 
 
-TILE_CONFIGS = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps,
-                               num_stages=stages)
-                 for block_n in (64, 128) for block_k in (MIN_BLOCK_K, 64, 128)
-                 for warps, stages in ((4, 3), (8, 4))]
-TILE_SHAPES = sorted({(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for c in TILE_CONFIGS})
+@triton.jit
+def _weight_only_gemv_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zeros_ptr,
+                             table_ptr, out_ptr, partials_ptr, counters_ptr,
+                             N, K, GROUP_SIZE: tl.constexpr,
+                             BITS: tl.constexpr, LUT: tl.constexpr, ORDERED: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row of x (decode at batch 1) on the CUDA cores, in float32: the weights are used
+    in the registers they are unpacked in, where a tensor-core operand would first go
+    through shared memory, one 16-bit store per weight."""
+    pid_n, split = tl.program_id(0), tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    k_per_split = tl.cdiv(tl.cdiv(K, num_splits), BLOCK_K) * BLOCK_K
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    PER_WORD: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PER_WORD
+    word_in_tile = tl.arange(0, WORDS)
+    # the input channel of each unpacked value: [WORDS, PER_WORD]
+    k_in_tile = word_in_tile[:, None] * PER_WORD + tl.arange(0, PER_WORD)[None, :]
+    acc = tl.zeros([WORDS, BLOCK_N], tl.float32)
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        word_rows = k0 // PER_WORD + word_in_tile
+        words = tl.load(words_ptr + word_rows[:, None] * N + cols[None, :],
+                        mask=(word_rows < tl.cdiv(k_end, PER_WORD))[:, None] & col_ok[None, :],
+                        other=0)
+        w = _dequantized(_unpacked(words, BITS), cols[None, None, :], col_ok[None, None, :],
+                         k0, scales_ptr, zeros_ptr, table_ptr, N, GROUP_SIZE, BITS, LUT)
+        ks = k0 + k_in_tile
+        k_ok = ks < k_end
+        x_cols = ks
+        if ORDERED:
+            x_cols = tl.load(input_order_ptr + ks, mask=k_ok, other=0)
+        x = tl.load(x_ptr + x_cols, mask=k_ok, other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, :, None] * w, axis=1)
+    _write_tile(tl.sum(acc, axis=0)[None, :], tl.arange(0, 1), cols, 1, N, out_ptr,
+                partials_ptr, counters_ptr + pid_n, split, num_splits)
+
+
+def _configs(block_ns: tuple[int, ...], shapes: tuple[tuple[int, int], ...]
+             ) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps,
+                          num_stages=stages)
+            for block_n in block_ns for block_k in (MIN_BLOCK_K, 64, 128)
+            for warps, stages in shapes]
+
+
+TILE_CONFIGS = _configs((64, 128), ((4, 3), (8, 4)))
+GEMV_CONFIGS = _configs((64, 128, 256), ((4, 3),))
 
 
 def _fitting_tiles(configs: list[triton.Config], named_args: dict, **_: object
@@ -111,18 +185,24 @@ def _fitting_tiles(configs: list[triton.Config], named_args: dict, **_: object
     """Tiles of the two largest input widths that lie in one group of input channels;
     under the interpreter, which has nothing to time, only the first of the largest."""
     widths = sorted({c.kwargs["BLOCK_K"] for c in configs
-                     if named_args["group_size"] % c.kwargs["BLOCK_K"] == 0})[-2:]
+                     if named_args["GROUP_SIZE"] % c.kwargs["BLOCK_K"] == 0})[-2:]
     fitting = sorted((c for c in configs if c.kwargs["BLOCK_K"] in widths),
                      key=lambda c: -c.kwargs["BLOCK_K"])
     return fitting if named_args["x_ptr"].is_cuda else fitting[:1]
 
 
-_tuned_gemm = triton.autotune(
-    TILE_CONFIGS, key=["N", "K", "group_size", "BITS", "LUT", "ORDERED", "BLOCK_M"],
-    prune_configs_by={"early_config_prune": _fitting_tiles},
-    do_bench=lambda call, quantiles: triton.testing.do_bench(call, warmup=5, rep=25,
-                                                             quantiles=quantiles),
-)(_weight_only_gemm_kernel)
+def _tuned(kernel: triton.JITFunction, configs: list[triton.Config], key: list[str]
+           ) -> triton.runtime.Autotuner:
+    return triton.autotune(
+        configs, key=["N", "K", "GROUP_SIZE", "BITS", "LUT", "ORDERED", *key],
+        prune_configs_by={"early_config_prune": _fitting_tiles},
+        do_bench=lambda call, quantiles: triton.testing.do_bench(call, warmup=5, rep=25,
+                                                                 quantiles=quantiles),
+    )(kernel)
+
+
+_tuned_gemm = _tuned(_weight_only_gemm_kernel, TILE_CONFIGS, ["BLOCK_M"])
+_tuned_gemv = _tuned(_weight_only_gemv_kernel, GEMV_CONFIGS, [])
 
 
 def _num_splits(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int,
@@ -160,24 +240,34 @@ class TritonQuantizedWeight:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         m, k = rows.shape
         n = self.words.shape[1]
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        gemv = m == 1  # on an H100 the GEMV lost to the tensor cores from 4 rows up
+        block_m = 1 if gemv else 16 if m <= 16 else 32 if m <= 32 else 64
+        tuned = _tuned_gemv if gemv else _tuned_gemm
 
         def splits(block_n: int, block_k: int) -> int:
             return _num_splits(m, n, k, block_m, block_n, block_k, self.num_programs)
 
-        most_splits = max(splits(*shape) for shape in TILE_SHAPES)  # room for any tile
+        def grid(tile: dict) -> tuple[int, ...]:
+            tiles = (triton.cdiv(n, tile["BLOCK_N"]), splits(tile["BLOCK_N"], tile["BLOCK_K"]))
+            return tiles if gemv else (triton.cdiv(m, block_m), *tiles)
+
+        most_splits = max(splits(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"])
+                          for c in tuned.configs)  # room for any tile
         result = torch.empty(m, n, device=x.device, dtype=x.dtype)
         partials = result if most_splits == 1 else torch.empty(
             most_splits, m, n, device=x.device, dtype=torch.float32)
         lut = self.table is not None
         ordered = self.input_order is not None
-        _tuned_gemm[lambda tile: (triton.cdiv(m, block_m), triton.cdiv(n, tile["BLOCK_N"]),
-                                  splits(tile["BLOCK_N"], tile["BLOCK_K"]))](
-            rows, self.input_order if ordered else self.words, self.words,
-            self.scales if not lut else self.table, self.zeros if not lut else self.table,
-            self.table if lut else self.words, result, partials, split_counters(x.device),
-            m, n, k, self.group_size, BITS=self.bits, LUT=lut, ORDERED=ordered,
-            PRECISION=dot_precision(x.dtype), BLOCK_M=block_m)
+        pointers = (rows, self.input_order if ordered else self.words, self.words,
+                    self.scales if not lut else self.table, self.zeros if not lut else self.table,
+                    self.table if lut else self.words, result, partials,
+                    split_counters(x.device))
+        kind = {"BITS": self.bits, "LUT": lut, "ORDERED": ordered}
+        if gemv:
+            tuned[grid](*pointers, n, k, self.group_size, **kind)
+        else:
+            tuned[grid](*pointers, m, n, k, self.group_size, **kind,
+                        PRECISION=dot_precision(x.dtype), BLOCK_M=block_m)
         if self.outliers is not None:
             result = result + torch.sparse.mm(self.outliers, rows.t().float()).t().to(x.dtype)
         return result.reshape(*x.shape[:-1], n)
