@@ -89,3 +89,16 @@ def test_integrity_check_detects_a_leak():
     kv.pool.allocate(1)  # referenced, but no table holds it
     with pytest.raises(AssertionError, match="block 0: 1 references"):
         kv.check_integrity()
+
+
+def test_drained_check_detects_a_leak_and_passes_a_cached_pool():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = make_request("a", 4)
+    kv.allocate_slots(a, 4)
+    a.num_computed_tokens = 4
+    kv.cache_computed_blocks(a)
+    kv.free(a)
+    kv.check_drained()  # cached blocks are free blocks
+    kv.pool.allocate(1)  # referenced, but no request is left
+    with pytest.raises(AssertionError, match="1 blocks are referenced with no request left"):
+        kv.check_drained()

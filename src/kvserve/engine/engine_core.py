@@ -66,6 +66,6 @@ class EngineCore:
         updated = self.scheduler.update_from_output(sched, result)
         by_id = dict(zip(result.request_ids, result.logprobs, strict=True))
         if not self.scheduler.has_unfinished_requests():
-            self.kv_cache.check_integrity()
+            self.kv_cache.check_drained()
         return CoreStep(updated, [by_id[r.request_id] for r in updated], result.prompt_logprobs,
                         sched.shape)

@@ -391,6 +391,24 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
+    def check_drained(self) -> None:
+        """With no request left, every device block is free (cached ones too) and host
+        blocks are held only by KV sent ahead of a migration or read by this step's
+        swap-ins. The engine checks this whenever it drains: unlike `check_integrity`,
+        which audits every block, it costs nothing that grows with the pool."""
+        assert not self.block_tables and not self.segment_holds, (
+            f"finished requests hold blocks: {[*self.block_tables, *self.segment_holds]}")
+        leaked = self.pool.num_blocks - self.pool.num_free_blocks
+        assert not leaked, f"{leaked} blocks are referenced with no request left"
+        if self.host_pool is not None:
+            assert not self.host_tables, f"swapped requests left: {list(self.host_tables)}"
+            held = len(self._host_releasing) + len(self._incoming)
+            assert self.host_pool.num_free_blocks + held == self.host_pool.num_blocks, (
+                f"{self.host_pool.num_blocks - self.host_pool.num_free_blocks} host blocks "
+                f"in use, {held} held")
+        if self.tiers is not None:
+            self.tiers.check_integrity()
+
     def check_integrity(self) -> None:
         """Asserts that every block is either free or referenced exactly as often as block
         tables hold it, that no table holds a block twice, that the hash index and the
