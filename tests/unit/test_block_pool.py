@@ -73,13 +73,19 @@ def test_manager_refuses_without_side_effects_when_full():
     kv.check_integrity()
 
 
-def test_free_releases_tail_first():
+def cached_then_freed(num_tokens: int) -> KVCacheManager:
+    """A pool of 4 blocks of 2 after one request computed, cached and freed its prompt."""
     kv = KVCacheManager(num_blocks=4, block_size=2)
-    a = make_request("a", 6)
-    kv.allocate_slots(a, 6)
-    a.num_computed_tokens = 6
+    a = make_request("a", num_tokens)
+    kv.allocate_slots(a, num_tokens)
+    a.num_computed_tokens = num_tokens
     kv.cache_computed_blocks(a)
     kv.free(a)
+    return kv
+
+
+def test_free_releases_tail_first():
+    kv = cached_then_freed(6)
     assert kv.pool.free_block_ids() == [3, 2, 1, 0]  # the shared head is evicted last
     kv.check_integrity()
 
@@ -92,12 +98,7 @@ def test_integrity_check_detects_a_leak():
 
 
 def test_drained_check_detects_a_leak_and_passes_a_cached_pool():
-    kv = KVCacheManager(num_blocks=4, block_size=2)
-    a = make_request("a", 4)
-    kv.allocate_slots(a, 4)
-    a.num_computed_tokens = 4
-    kv.cache_computed_blocks(a)
-    kv.free(a)
+    kv = cached_then_freed(4)
     kv.check_drained()  # cached blocks are free blocks
     kv.pool.allocate(1)  # referenced, but no request is left
     with pytest.raises(AssertionError, match="1 blocks are referenced with no request left"):
