@@ -44,11 +44,27 @@ MIN_BLOCK_K = 32  # a group must hold whole tiles of the input dimension
 
 
 @triton.jit
-def _unpacked(words, BITS: tl.constexpr):
-    """[W, BN] packed int32 words -> [W, 32 // BITS, BN] integers, unpacked in registers."""
+def _unpacked_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """The integers of input channels k0 ... k0 + BLOCK_K - 1 (none from k_end on) as
+    [BLOCK_K / PER_WORD, PER_WORD, BN]: each packed word is loaded once and unpacked in
+    registers; word row w holds input channels w * PER_WORD ... w * PER_WORD + PER_WORD - 1."""
     PER_WORD: tl.constexpr = 32 // BITS
+    word_rows = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    words = tl.load(words_ptr + word_rows[:, None] * N + cols[None, :],
+                    mask=(word_rows < tl.cdiv(k_end, PER_WORD))[:, None] & col_ok[None, :],
+                    other=0)
     shifts = tl.arange(0, PER_WORD) * BITS
     return (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _input_channels(ks, k_ok, input_order_ptr, ORDERED: tl.constexpr):
+    """The input's channels for the weight's input channels ks: the same, or, for act-order
+    layers (whose channels are sorted by group), read through their order."""
+    if ORDERED:
+        return tl.load(input_order_ptr + ks, mask=k_ok, other=0)
+    return ks
 
 
 @triton.jit
@@ -102,25 +118,17 @@ def _weight_only_gemm_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    PER_WORD: tl.constexpr = 32 // BITS
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
-        x_cols = ks
-        if ORDERED:  # act-order: the weight's input channel ks is the input's x_cols
-            x_cols = tl.load(input_order_ptr + ks, mask=k_ok, other=0)
+        x_cols = _input_channels(ks, k_ok, input_order_ptr, ORDERED)
         x = tl.load(x_ptr + rows[:, None] * K + x_cols[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        # Each packed word is loaded once: row w of the word tile holds input channels
-        # w * PER_WORD ... w * PER_WORD + PER_WORD - 1.
-        word_rows = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-        words = tl.load(words_ptr + word_rows[:, None] * N + cols[None, :],
-                        mask=(word_rows < tl.cdiv(k_end, PER_WORD))[:, None] & col_ok[None, :],
-                        other=0)
-        q = tl.reshape(_unpacked(words, BITS), [BLOCK_K, BLOCK_N])
+        q = tl.reshape(_unpacked_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS, BLOCK_K),
+                       [BLOCK_K, BLOCK_N])
         w = _dequantized(q, cols[None, :], col_ok[None, :], k0, scales_ptr, zeros_ptr,
                          table_ptr, N, GROUP_SIZE, BITS, LUT)
         acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
@@ -144,25 +152,19 @@ def _weight_only_gemv_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
     col_ok = cols < N
     PER_WORD: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PER_WORD
-    word_in_tile = tl.arange(0, WORDS)
     # the input channel of each unpacked value: [WORDS, PER_WORD]
-    k_in_tile = word_in_tile[:, None] * PER_WORD + tl.arange(0, PER_WORD)[None, :]
+    k_in_tile = tl.arange(0, WORDS)[:, None] * PER_WORD + tl.arange(0, PER_WORD)[None, :]
     acc = tl.zeros([WORDS, BLOCK_N], tl.float32)
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        word_rows = k0 // PER_WORD + word_in_tile
-        words = tl.load(words_ptr + word_rows[:, None] * N + cols[None, :],
-                        mask=(word_rows < tl.cdiv(k_end, PER_WORD))[:, None] & col_ok[None, :],
-                        other=0)
-        w = _dequantized(_unpacked(words, BITS), cols[None, None, :], col_ok[None, None, :],
-                         k0, scales_ptr, zeros_ptr, table_ptr, N, GROUP_SIZE, BITS, LUT)
+        q = _unpacked_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS, BLOCK_K)
+        w = _dequantized(q, cols[None, None, :], col_ok[None, None, :], k0, scales_ptr,
+                         zeros_ptr, table_ptr, N, GROUP_SIZE, BITS, LUT)
         ks = k0 + k_in_tile
         k_ok = ks < k_end
-        x_cols = ks
-        if ORDERED:
-            x_cols = tl.load(input_order_ptr + ks, mask=k_ok, other=0)
-        x = tl.load(x_ptr + x_cols, mask=k_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + _input_channels(ks, k_ok, input_order_ptr, ORDERED), mask=k_ok,
+                    other=0.0).to(tl.float32)
         acc += tl.sum(x[:, :, None] * w, axis=1)
     _write_tile(tl.sum(acc, axis=0)[None, :], tl.arange(0, 1), cols, 1, N, out_ptr,
                 partials_ptr, counters_ptr + pid_n, split, num_splits)
