@@ -30,7 +30,7 @@ run: install $(MODEL)/config.json
 
 test: install-test
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q tests
+	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest -q tests
 
 lint: install-test
 	$(BIN)/ruff check src tests

@@ -4,9 +4,12 @@ left out, and the plain-torch path runs instead; `KVSERVE_CPU_KERNELS=0` leaves 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -19,15 +22,29 @@ def build(name: str, sources: list[Path], what: str) -> ModuleType | None:
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
         logger.info("loading the %s (compiled on first use, a minute or two)", what)
-        return load(name=name, sources=[str(s) for s in sources],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        build_directory = Path(_get_build_directory(name, verbose=False))
+        with _exclusive(build_directory):
+            return load(name=name, sources=[str(s) for s in sources],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"], build_directory=str(build_directory),
+                        verbose=False)
     except Exception as e:  # noqa: BLE001 (any build failure means: use the torch path)
         logger.warning("kvserve: %s unavailable (%s); using plain torch", what, e)
         return None
+
+
+@contextlib.contextmanager
+def _exclusive(build_directory: Path) -> Iterator[None]:
+    """One process at a time builds or loads, under a lock the system drops when its holder
+    dies. torch's own lock is a file that a process killed mid-build leaves behind, and
+    every later build waits for it forever; under ours, any such file is stale."""
+    with open(build_directory / "kvserve.flock", "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        (build_directory / "lock").unlink(missing_ok=True)
+        yield
 
 
 @functools.cache
