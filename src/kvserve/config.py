@@ -342,6 +342,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA name -> PEFT folder
     max_loras: int = 8  # adapters loaded at once
+    # Schedule step N+1 while the device runs step N (see EngineCore). None: on where it
+    # pays and runs, a single CUDA device.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -367,6 +370,16 @@ class EngineConfig:
                              "cache may span")
         if self.speculative is not None:
             self._check_speculative(self.speculative)
+        self._resolve_async_scheduling()
+
+    def _resolve_async_scheduling(self) -> None:
+        blocker = ("tensor_parallel_size > 1" if self.tensor_parallel_size > 1
+                   else "speculative decoding" if self.speculative is not None
+                   else "a streaming_window" if self.cache.streaming_window else None)
+        if self.async_scheduling is None:
+            self.async_scheduling = blocker is None and self.device.startswith("cuda")
+        elif self.async_scheduling and blocker is not None:
+            raise ValueError(f"async_scheduling does not run with {blocker}")
 
     def _check_speculative(self, spec: SpeculativeConfig) -> None:
         if self.cache.streaming_window:
@@ -405,7 +418,8 @@ class EngineConfig:
                speculative_model: str | None = None, num_speculative_tokens: int = 4,
                prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
                lora_modules: dict[str, str] | None = None, max_loras: int = 8,
-               blend_recompute_ratio: float = 0.15) -> EngineConfig:
+               blend_recompute_ratio: float = 0.15,
+               async_scheduling: bool | None = None) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
             model=ModelConfig.from_pretrained(model, dtype, device),
@@ -433,6 +447,7 @@ class EngineConfig:
                                             device),
             lora_modules=dict(lora_modules or {}),
             max_loras=max_loras,
+            async_scheduling=async_scheduling,
         )
 
     @property

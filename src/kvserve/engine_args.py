@@ -76,6 +76,10 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                          "one GPU each)")),
     ("--enforce-eager", dict(action="store_true",
                              help="CUDA: run every step eagerly, never replaying CUDA graphs")),
+    ("--async-scheduling", dict(action=argparse.BooleanOptionalAction, default=None,
+                                help="schedule each step while the device runs the one "
+                                     "before (default: on for one CUDA device, off on the "
+                                     "CPU, where steps do not overlap the host)")),
     ("--speculative-model", dict(default=None,
                                  help="speculative decoding: each decode step verifies drafted "
                                       "tokens, from prompt lookup (ngram) or a small model "
@@ -131,7 +135,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     for flag, options in ENGINE_ARGS:
         value = getattr(args, _dest(flag))
         if options.get("action") is argparse.BooleanOptionalAction:
-            flags.append(flag if value else f"--no-{flag.removeprefix('--')}")
+            if value is not None:
+                flags.append(flag if value else f"--no-{flag.removeprefix('--')}")
         elif options.get("action") == "store_true":
             flags += [flag] if value else []
         elif flag == "--lora-modules":

@@ -58,6 +58,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens a step still in flight samples (async scheduling): the next step computes them
+    # before their ids reach the host, from the device's copy.
+    num_pending_tokens: int = 0
     num_evicted_tokens: int = 0  # leading window tokens dropped from a streaming cache
     num_preemptions: int = 0
     stop_reason: str | int | None = None
@@ -109,6 +112,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Its tokens once the step in flight has sampled: the tokens the scheduler plans for."""
+        return self.num_tokens + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache.manager import KVCacheManager
-from kvserve.core.scheduler.output import StepShape, TokenLogprobs
+from kvserve.core.scheduler.output import SchedulerOutput, StepShape, TokenLogprobs
 from kvserve.core.scheduler.preemption import PreemptionCosts
 from kvserve.core.scheduler.scheduler import Scheduler
 from kvserve.request import Request
 from kvserve.worker.executor import TensorParallelExecutor
 from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.pending_output import PendingOutput
 
 
 @dataclass(slots=True)
@@ -28,6 +29,13 @@ class CoreStep:
 
 
 class EngineCore:
+    """Async scheduling (`config.async_scheduling`): while the device runs step N, the host
+    schedules and launches step N+1, then takes in N's output, so the device never waits for
+    the host between steps. Step N+1 computes the tokens N samples from N's output on the
+    device; a request that N finishes wastes its row of N+1, which is dropped. A step whose
+    requests need their previous tokens on the host to sample (see
+    `Sampler.samples_on_device`) is taken in before the next is scheduled, as without."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = (ModelRunner(config) if config.tensor_parallel_size == 1
@@ -44,6 +52,8 @@ class EngineCore:
         # The last step had nothing to compute or copy: until a request is added, aborted
         # or moved, the next would not either.
         self.idle = False
+        self._in_flight: _Launched | None = None
+        self._last_end = 0.0  # perf_counter when the last output was taken in
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -52,12 +62,45 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> CoreStep:
-        """Runs one batch."""
+        """Takes in one step's output, launching the next first when it can."""
+        fresh = self._in_flight is None
+        launched = self._in_flight or self._launch()
+        self._in_flight = None
+        if not launched.output.done:
+            self._in_flight = self._launch()
+        step = self._take_in(launched)
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            self._take_in(self._in_flight)  # all it computes was for requests now finished
+            self._in_flight = None
+        if not self.scheduler.has_unfinished_requests():
+            self.kv_cache.check_drained()
+        # A step scheduled before the last output was taken in says nothing of what the
+        # scheduler would find now.
+        self.idle = (fresh and self._in_flight is None and launched.sched.is_empty
+                     and not launched.sched.transfers)
+        return step
+
+    def settle(self) -> CoreStep | None:
+        """Takes in the step in flight, if any, so that requests, their KV and the runner
+        agree (before a request migrates, say)."""
+        if self._in_flight is None:
+            return None
+        launched, self._in_flight = self._in_flight, None
+        return self._take_in(launched)
+
+    def _launch(self) -> _Launched:
         sched = self.scheduler.schedule()
-        self.idle = sched.is_empty and not sched.transfers
         start = time.perf_counter()
-        result = self.runner.execute_model(sched)
-        seconds = time.perf_counter() - start
+        return _Launched(sched, self.runner.launch(sched), start)
+
+    def _take_in(self, launched: _Launched) -> CoreStep:
+        sched = launched.sched
+        result = launched.output.result()
+        # The device's time for the step: from its launch, or from when the device finished
+        # the step before, if later (launches queue behind it).
+        end = time.perf_counter()
+        seconds = end - max(launched.start, self._last_end)
+        self._last_end = end
         self.execute_seconds += seconds
         self.scheduler.costs.observe_step(sched.num_scheduled_tokens, seconds)
         self.scheduler.drafts.observe_step(sched, seconds - result.draft_seconds)
@@ -65,7 +108,12 @@ class EngineCore:
                                                result.num_draft_steps)
         updated = self.scheduler.update_from_output(sched, result)
         by_id = dict(zip(result.request_ids, result.logprobs, strict=True))
-        if not self.scheduler.has_unfinished_requests():
-            self.kv_cache.check_drained()
         return CoreStep(updated, [by_id[r.request_id] for r in updated], result.prompt_logprobs,
                         sched.shape)
+
+
+@dataclass(slots=True)
+class _Launched:
+    sched: SchedulerOutput
+    output: PendingOutput
+    start: float  # perf_counter at launch

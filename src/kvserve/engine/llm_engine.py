@@ -11,7 +11,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler.output import StepShape, TokenLogprobs
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.engine_core import CoreStep, EngineCore
 from kvserve.engine.input_processor import (
     CompletionState,
     InputProcessor,
@@ -50,6 +50,7 @@ class LLMEngine:
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[ParentRequest, CompletionState]] = {}
         self.step_seconds = 0.0
+        self._settled: list[RequestOutput] = []  # of a step taken in early, not yet returned
         # Each step's work and seconds while tracing (see `trace_steps`), for fitting a
         # simulator's step cost to the engine as it serves.
         self._step_trace: list[tuple[StepShape, float]] | None = None
@@ -144,6 +145,7 @@ class LLMEngine:
         `full_only`, only the full ones, which no step writes again; none in a streaming
         window, which moves them as it slides). None when the request cannot migrate: one of
         its unfinished completions is not running."""
+        self._settle()
         parent = self._parents.get(request_id)
         if parent is None:
             return None
@@ -233,7 +235,7 @@ class LLMEngine:
             self.core.scheduler.attach_request(request, None if tail is None else sent + tail)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return bool(self._settled) or self.core.has_unfinished_requests()
 
     def stats(self) -> EngineStats:
         scheduler, kv = self.core.scheduler, self.core.kv_cache
@@ -260,8 +262,27 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the updated state of every request that changed."""
         start = time.perf_counter()
+        outputs, self._settled = self._settled, []
         step = self.core.step()
+        outputs += self._outputs(step)
+        seconds = time.perf_counter() - start
+        self.step_seconds += seconds
+        if self._step_trace is not None and step.shape.num_tokens:
+            self._step_trace.append((step.shape, seconds))
+        return outputs
+
+    def _settle(self) -> None:
+        """Takes in the step in flight under async scheduling; its outputs come with the
+        next `step()`."""
+        step = self.core.settle()
+        if step is not None:
+            self._settled += self._outputs(step)
+
+    def _outputs(self, step: CoreStep) -> list[RequestOutput]:
+        """Detokenizes a step's new tokens and applies stop strings."""
         for request_id, (position, entries) in step.prompt_logprobs.items():
+            if request_id not in self._child_to_parent:
+                continue  # aborted while its step was in flight
             parent = self._child_to_parent[request_id][0]
             scored = parent.prompt_logprobs
             if scored is not None:  # n > 1 completions score the same prompt alike
@@ -296,10 +317,6 @@ class LLMEngine:
                 for seq in parent.sequences:
                     self._child_to_parent.pop(seq.request.request_id, None)
             outputs.append(out)
-        seconds = time.perf_counter() - start
-        self.step_seconds += seconds
-        if self._step_trace is not None and step.shape.num_tokens:
-            self._step_trace.append((step.shape, seconds))
         return outputs
 
     def _logprob_dict(self, sampled: int, lp: TokenLogprobs) -> dict[int, Logprob]:

@@ -21,6 +21,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.worker.pending_output import PendingOutput
 from kvserve.worker.tensor_parallel import free_port, init_tensor_parallel
 
 # Where the KV heads lie in `ModelRunner.read_kv_blocks` output.
@@ -107,6 +108,10 @@ class TensorParallelExecutor:
         outputs = self._call("execute_model", sched)
         failed = dict.fromkeys(h for output in outputs for h in output.failed_promotions)
         return replace(outputs[0], failed_promotions=list(failed))
+
+    def launch(self, sched: SchedulerOutput) -> PendingOutput:
+        """The step run to the end: the ranks' ids come back through pipes."""
+        return PendingOutput(self.execute_model(sched))
 
     def swap_seconds_per_block(self) -> float:
         return max(self._call("swap_seconds_per_block"))

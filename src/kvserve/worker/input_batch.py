@@ -21,8 +21,17 @@ import numpy as np
 import torch
 
 from kvserve.attention.backend import AttentionMetadata, PrefillChunk
-from kvserve.core.scheduler.output import ScheduledRequest
+from kvserve.core.scheduler.output import PENDING_TOKEN, ScheduledRequest
 from kvserve.worker.blend import BlendedPrompt
+
+
+@dataclass(slots=True, frozen=True)
+class SampledIds:
+    """A step's sampled tokens as the device holds them: one per sampling request, in the
+    order of `request_ids`."""
+
+    request_ids: list[str]
+    token_ids: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -48,11 +57,13 @@ class StagedTensor:
         self.device = torch.zeros(shape, dtype=torch.int64, device=device) if on_cuda \
             else staging
 
-    def upload(self, rows: int, cols: int | None = None) -> torch.Tensor:
-        """Copies the leading `rows` (x `cols`) block to the device; returns its device view."""
+    def upload(self, rows: int, cols: int | None = None, first: int = 0) -> torch.Tensor:
+        """Copies rows `first` to `rows` (x `cols`) to the device; returns the device view
+        of the leading `rows`."""
         index = (slice(rows),) if cols is None else (slice(rows), slice(cols))
         if self.device is not self.staging:
-            self.device[index].copy_(self.staging[index], non_blocking=True)
+            copied = (slice(first, rows), *index[1:])
+            self.device[copied].copy_(self.staging[copied], non_blocking=True)
         return self.device[index]
 
 
@@ -70,6 +81,9 @@ class InputBuffers:
         self.query_start_loc = StagedTensor((max_num_seqs + 1,), dev)
         self.seq_lens = StagedTensor((max_num_seqs,), dev)
         self.sample_rows = StagedTensor((max_num_seqs,), dev)
+        # Rows whose token the previous step samples, and where its output holds it.
+        self.pending_rows = StagedTensor((max_num_seqs,), dev)
+        self.pending_sources = StagedTensor((max_num_seqs,), dev)
         # Zeros at first, later stale entries of earlier steps: always valid block ids.
         self.block_tables = StagedTensor((max_num_seqs, max_blocks_per_seq), dev)
         # Marks where the device stream took the last uploads: host staging is rewritten only
@@ -84,7 +98,9 @@ class InputBuffers:
         if self.uploaded is not None:
             self.uploaded.record()
 
-    def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
+    def prepare(self, scheduled: list[ScheduledRequest],
+                previous: SampledIds | None = None) -> ModelInputs:
+        """`previous`: the output of the step in flight, which holds the `PENDING_TOKEN`s."""
         self._wait_for_uploads()
         decodes = [s for s in scheduled if len(s.token_ids) == 1]
         drafted = [s for s in scheduled if s.num_draft_tokens]
@@ -136,8 +152,12 @@ class InputBuffers:
             sliding_window=self.sliding_window,
             decode_rows_share_sequences=bool(drafted),
         )
+        input_ids = self.input_ids.upload(num_tokens)
+        pending = np.flatnonzero(self.input_ids.host[:num_tokens] == PENDING_TOKEN)
+        if len(pending):
+            self._fill_pending(input_ids, pending, ordered, previous)
         inputs = ModelInputs(
-            input_ids=self.input_ids.upload(num_tokens),
+            input_ids=input_ids,
             positions=self.positions.upload(num_tokens),
             attn_metadata=meta,
             sample_rows=self.sample_rows.upload(num_samples),
@@ -150,13 +170,26 @@ class InputBuffers:
         self._mark_uploads()
         return inputs
 
+    def _fill_pending(self, input_ids: torch.Tensor, rows: np.ndarray,
+                      ordered: list[ScheduledRequest], previous: SampledIds | None) -> None:
+        """Copies, on the device, each pending token from the previous step's output into
+        its row: the ids never visit the host."""
+        assert previous is not None, "a pending token without the step that samples it"
+        source_of = {request_id: i for i, request_id in enumerate(previous.request_ids)}
+        # Pending tokens are decodes, whose rows come first: row i is ordered[i].
+        self.pending_rows.host[:len(rows)] = rows
+        self.pending_sources.host[:len(rows)] = [source_of[ordered[r].request_id]
+                                                 for r in rows]
+        input_ids.index_copy_(0, self.pending_rows.upload(len(rows)),
+                              previous.token_ids[self.pending_sources.upload(len(rows))])
+
     def padded_decode(self, num_seqs: int, batch_size: int) -> ModelInputs:
         """The inputs of a decode-only step whose first `num_seqs` rows `prepare()` has
         filled, padded to `batch_size` rows that write no KV (slot -1) and attend to nothing
         (length 0). The views cover fixed addresses and whole block-table rows, and claim the
-        longest possible context for shapes: what a captured graph replays over. The rows it
-        writes are not among those `prepare()` is still uploading (its query starts are the
-        same 0, 1, 2, ...)."""
+        longest possible context for shapes: what a captured graph replays over. Only the
+        padding rows are uploaded: `prepare()` uploaded (and filled, for pending tokens) the
+        others, and its query starts are the same 0, 1, 2, ...."""
         pad = slice(num_seqs, batch_size)
         self.input_ids.host[pad] = 0
         self.positions.host[pad] = 0
@@ -164,17 +197,18 @@ class InputBuffers:
         self.seq_lens.host[pad] = 0
         self.query_start_loc.host[:batch_size + 1] = np.arange(batch_size + 1)
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping.upload(batch_size),
+            slot_mapping=self.slot_mapping.upload(batch_size, first=num_seqs),
             query_start_loc=self.query_start_loc.upload(batch_size + 1),
-            seq_lens=self.seq_lens.upload(batch_size),
+            seq_lens=self.seq_lens.upload(batch_size, first=num_seqs),
             block_tables=self.block_tables.device[:batch_size],
             num_decodes=batch_size,
             seq_lens_host=np.full(batch_size, self.max_seq_len),
             prefills=[],
             sliding_window=self.sliding_window,
         )
-        inputs = ModelInputs(input_ids=self.input_ids.upload(batch_size),
-                             positions=self.positions.upload(batch_size), attn_metadata=meta,
+        inputs = ModelInputs(input_ids=self.input_ids.upload(batch_size, first=num_seqs),
+                             positions=self.positions.upload(batch_size, first=num_seqs),
+                             attn_metadata=meta,
                              sample_rows=self.sample_rows.device[:0], sample_requests=[],
                              scheduled=[], query_start_host=np.arange(batch_size + 1))
         self._mark_uploads()

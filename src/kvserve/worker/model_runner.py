@@ -33,8 +33,9 @@ from kvserve.worker.disk_kv import DiskKVStore, model_identity
 from kvserve.worker.draft_model import DraftModel
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.host_kv import HostKVCache
-from kvserve.worker.input_batch import InputBuffers, ModelInputs
+from kvserve.worker.input_batch import InputBuffers, ModelInputs, SampledIds
 from kvserve.worker.kv_pool import allocate_kv_pool
+from kvserve.worker.pending_output import PendingOutput
 from kvserve.worker.prompt_logprobs import prompt_logprobs
 from kvserve.worker.sampler import Sampler, SamplingState
 from kvserve.worker.speculative import Drafter, can_draft
@@ -84,9 +85,17 @@ class ModelRunner:
         # Request id -> the distributions its pending drafts were drawn from (draft model,
         # requests that sample), until the step that verifies them.
         self.draft_probs: dict[str, torch.Tensor] = {}
+        self.in_flight: PendingOutput | None = None  # the last step, if it sampled on device
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(sched).result()
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, sched: SchedulerOutput) -> PendingOutput:
+        """Runs the step; with async scheduling its sampled ids stay on the device when no
+        request needs them on the host to sample (`Sampler.samples_on_device`), and the
+        next step may be launched before they come back."""
+        previous, self.in_flight = self.in_flight, None
         for request_id in sched.finished_request_ids:
             self.states.pop(request_id, None)
             self.lora_slots.pop(request_id, None)
@@ -103,8 +112,9 @@ class ModelRunner:
                 self.lora_slots[new.request_id] = self.loras.slots[new.lora_name]
         failed = self._transfer(sched.transfers) if sched.transfers else []
         if sched.is_empty:
-            return ModelRunnerOutput([], [], failed_promotions=failed)
-        inputs = self.inputs.prepare(sched.scheduled)
+            return PendingOutput(ModelRunnerOutput([], [], failed_promotions=failed))
+        inputs = self.inputs.prepare(sched.scheduled,
+                                     previous.sampled if previous is not None else None)
         lora = self._lora_batch(inputs)
         hidden = None if lora is not None else self._fast_decode(inputs)
         if hidden is None:
@@ -117,11 +127,20 @@ class ModelRunner:
                 hidden = blend.restore(hidden)
         scored = prompt_logprobs(self.model, hidden, inputs, self.states)
         if not inputs.sample_requests:
-            return ModelRunnerOutput([], [], prompt_logprobs=scored, failed_promotions=failed)
+            return PendingOutput(ModelRunnerOutput([], [], prompt_logprobs=scored,
+                                                   failed_promotions=failed))
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
         requests = inputs.sample_requests
         request_ids = [s.request_id for s in requests]
         states = [self.states[i] for i in request_ids]
+        if self.config.async_scheduling and all(map(Sampler.samples_on_device, states)):
+            self.in_flight = PendingOutput(
+                ModelRunnerOutput(request_ids, [], failed_promotions=failed,
+                                  logprobs=[None] * len(requests), prompt_logprobs=scored),
+                SampledIds(request_ids, self.sampler.token_ids(logits, states)), states)
+            return self.in_flight
+        if previous is not None:
+            previous.result()  # its tokens join the states this step samples from
         new_tokens, logprobs = self._sample(logits, requests, states)
         for state, token_ids in zip(states, new_tokens, strict=True):
             state.output_token_ids += token_ids
@@ -147,7 +166,7 @@ class ModelRunner:
                 output.draft_seconds = time.perf_counter() - start
                 output.draft_step_seconds = proposal.decode_seconds
                 output.num_draft_steps = proposal.num_decode_steps
-        return output
+        return PendingOutput(output)
 
     def _sample(self, logits: torch.Tensor, requests: list[ScheduledRequest],
                 states: list[SamplingState]

@@ -74,6 +74,15 @@ class Sampler:
         if constrained:
             self.grammars.mask_disallowed(logits, constrained,
                                           [states[r].matcher for r in constrained])
+        sampled = self.token_ids(logits, states).tolist()
+        if constrained:
+            self.grammars.advance([states[r].matcher for r in constrained],
+                                  [sampled[r] for r in constrained])
+        return SamplerOutput(sampled, _gather_logprobs(logprobs, sampled, states))
+
+    def token_ids(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Each row's next token, left on the device: min_tokens, penalties, then greedy or
+        random choice (no grammar, no logprobs; `__call__` adds those)."""
         for row, st in enumerate(states):
             if len(st.output_token_ids) < st.params.min_tokens and st.stop_ids:
                 logits[row, st.stop_ids] = float("-inf")
@@ -83,11 +92,18 @@ class Sampler:
         if random_rows:
             token_ids[random_rows] = self._sample(logits[random_rows],
                                                   [states[r] for r in random_rows])
-        sampled = token_ids.tolist()
-        if constrained:
-            self.grammars.advance([states[r].matcher for r in constrained],
-                                  [sampled[r] for r in constrained])
-        return SamplerOutput(sampled, _gather_logprobs(logprobs, sampled, states))
+        return token_ids
+
+    @staticmethod
+    def samples_on_device(st: SamplingState) -> bool:
+        """Whether the request's next token needs nothing from the host that its last
+        sampled tokens change (grammar, penalties, min_tokens, logprobs): a step may then
+        sample it before the previous step's token reached the host."""
+        p = st.params
+        return (st.matcher is None and p.logprobs is None
+                and len(st.output_token_ids) >= p.min_tokens  # the host's count lags
+                and p.repetition_penalty == 1.0 and not p.presence_penalty
+                and not p.frequency_penalty)
 
     def _raw_logprobs(self, logits: torch.Tensor, states: list[SamplingState]
                       ) -> torch.Tensor | None:

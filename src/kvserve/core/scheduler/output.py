@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from kvserve.sampling_params import SamplingParams
 
+PENDING_TOKEN = -1
+
 
 @dataclass(slots=True, frozen=True)
 class NewRequestData:
@@ -33,7 +35,9 @@ class ScheduledRequest:
     `num_evicted_tokens`: its tokens go that many positions lower, in the cache and for the
     rotary embedding. A blended prompt (CacheBlend) comes whole, with `reused_spans`: the
     [start, end) token ranges whose KV was copied in from chunks computed on their own; the
-    runner recomputes only some of those tokens in context."""
+    runner recomputes only some of those tokens in context. Under async scheduling a token
+    the step in flight samples is `PENDING_TOKEN` here: the runner takes it from that
+    step's output on the device."""
 
     request_id: str
     token_ids: list[int]

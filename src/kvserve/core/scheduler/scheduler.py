@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache.manager import CachedPrefix, KVCacheManager, SegmentKV
 from kvserve.core.scheduler.output import (
+    PENDING_TOKEN,
     ModelRunnerOutput,
     NewRequestData,
     ScheduledRequest,
@@ -122,9 +123,12 @@ class Scheduler:
         for request in candidates:
             if request.status != RequestStatus.RUNNING or budget == 0:
                 continue
-            if self.config.prefill_only and request.num_output_tokens:
+            if self.config.prefill_only and (request.num_output_tokens
+                                             or request.num_pending_tokens):
                 continue  # prefilled: held until it moves to a decode replica
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._ends_in_flight(request):
+                continue
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             num_new = self.kv_cache.slide_window(request, num_new)
             lookahead = self._num_lookahead(request, request.num_computed_tokens, num_new)
             num_drafts = self._num_drafts(request, budget - num_new)
@@ -147,6 +151,13 @@ class Scheduler:
                 self._lookahead[request.request_id] = lookahead
                 budget -= num_new
         return budget
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether the token the step in flight samples for it is its last by length."""
+        if not request.num_pending_tokens:
+            return False
+        return (request.num_output_tokens + request.num_pending_tokens >= request.max_tokens
+                or request.num_tokens_with_pending >= self.config.max_model_len)
 
     def _num_lookahead(self, request: Request, start: int, num_new: int) -> int:
         """With a draft model, the tokens it should draft after this step's chunk (of
@@ -184,6 +195,8 @@ class Scheduler:
         pending = self._blocks_completed_by(chunks) if self.waiting else set()
         while self.waiting:
             request = self.waiting.peek()
+            if request.num_pending_tokens:  # preempted while a step samples for it
+                break
             if budget == 0:
                 budget += self._defer_prefills_for(request, chunks)
                 if budget == 0:
@@ -368,19 +381,22 @@ class Scheduler:
         runner says which were accepted."""
         start = request.num_computed_tokens
         known = min(num_new, request.num_tokens - start)
-        drafts = request.spec_token_ids[:num_new - known]
+        pending = min(num_new - known, request.num_pending_tokens)
+        drafts = request.spec_token_ids[:num_new - known - pending]
         end = start + known
         reused = tuple((max(s.start, start) - start, min(s.start + s.num_tokens, end) - start)
                        for s in self._segments.get(request.request_id, ())
                        if s.start < end and s.start + s.num_tokens > start)
+        sample = end + pending == request.num_tokens_with_pending
         request.num_computed_tokens += num_new
+        request.num_pending_tokens += sample
         self.policy.on_scheduled(request, num_new)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, start + known) + drafts,
+            token_ids=request.token_ids_slice(start, end) + [PENDING_TOKEN] * pending + drafts,
             num_computed_tokens=start,
             block_ids=list(self.kv_cache.get_block_ids(request.request_id)),
-            sample=start + known == request.num_tokens,
+            sample=sample,
             num_evicted_tokens=request.num_evicted_tokens,
             num_draft_tokens=len(drafts),
             num_lookahead_tokens=self._lookahead.get(request.request_id, 0),
@@ -426,6 +442,7 @@ class Scheduler:
             request = self.requests.get(scheduled_request.request_id)
             if request is None:
                 continue
+            request.num_pending_tokens -= scheduled_request.sample
             num_drafts = scheduled_request.num_draft_tokens
             if num_drafts and request.request_id in sampled:
                 accepted = len(sampled[request.request_id]) - 1
@@ -470,10 +487,12 @@ class Scheduler:
     def detach_request(self, request_id: str) -> Request | None:
         """Takes a running request out of this engine unfinished, to go on in another
         (migration): its blocks return to the pool and the runner drops its state. Call it
-        after copying its KV out. None when it is not running here."""
+        after copying its KV out. None when it is not running here. A token that a step in
+        flight samples for it is not its own: take that step in first to keep it."""
         request = self.requests.get(request_id)
         if request is None or request.status != RequestStatus.RUNNING:
             return None
+        request.num_pending_tokens = 0
         self.running.remove(request)
         self.kv_cache.free(request)
         self.policy.on_finished(request)
@@ -519,4 +538,4 @@ class Scheduler:
 
 def _has_prompt_left(request: Request) -> bool:
     """More than one token to compute: the request is (re)filling its prompt, not decoding."""
-    return request.num_tokens - request.num_computed_tokens > 1
+    return request.num_tokens_with_pending - request.num_computed_tokens > 1
