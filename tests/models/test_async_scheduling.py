@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
@@ -52,6 +53,20 @@ def test_greedy_matches_transformers(llama_dir, setting):
     assert pending[0] > 0
     if setting.startswith("preemption"):
         assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_greedy_matches_transformers_on_cuda(llama_dir, enforce_eager):
+    """The pending tokens cross from step to step on the device, into graph replays too."""
+    llm = LLM(str(llama_dir), device="cuda", dtype="float32", max_num_batched_tokens=64,
+              async_scheduling=True, enforce_eager=enforce_eager)
+    pending = count_pending_tokens(llm.engine)
+    prompts = random_prompts(PROMPT_LENS, seed=1)
+    for prompt, tokens in zip(prompts, run_greedy(llm, prompts), strict=True):
+        assert tokens == hf_greedy(llama_dir, tuple(prompt), MAX_TOKENS)
+    assert pending[0] > 0
 
 
 def generate(path: Path, params: list[SamplingParams], prompts: list[list[int]],
