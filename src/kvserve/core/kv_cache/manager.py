@@ -189,10 +189,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         table = self.block_tables.get(request.request_id)
-        if table is None:
-            return
-        hashes = self.block_hashes(request)
         start = self._num_cached.get(request.request_id, 0)
+        if table is None or request.num_computed_tokens // self.block_size <= start:
+            return  # most steps of a decode fill no block
+        hashes = self.block_hashes(request)
         end = min(request.num_computed_tokens // self.block_size, len(hashes))
         for index in range(start, end):
             self.pool.cache(table[index], hashes[index])

@@ -384,9 +384,10 @@ class Scheduler:
         pending = min(num_new - known, request.num_pending_tokens)
         drafts = request.spec_token_ids[:num_new - known - pending]
         end = start + known
-        reused = tuple((max(s.start, start) - start, min(s.start + s.num_tokens, end) - start)
-                       for s in self._segments.get(request.request_id, ())
-                       if s.start < end and s.start + s.num_tokens > start)
+        segments = self._segments.get(request.request_id)
+        reused = () if segments is None else tuple(
+            (max(s.start, start) - start, min(s.start + s.num_tokens, end) - start)
+            for s in segments if s.start < end and s.start + s.num_tokens > start)
         sample = end + pending == request.num_tokens_with_pending
         request.num_computed_tokens += num_new
         request.num_pending_tokens += sample
@@ -457,7 +458,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            self.drafts.observe(request, token_ids)
+            if request.spec_token_ids:
+                self.drafts.observe(request, token_ids)
             for token_id in token_ids:
                 request.output_token_ids.append(token_id)
                 status = check_stop(request, max_len)
