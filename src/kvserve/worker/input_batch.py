@@ -153,9 +153,8 @@ class InputBuffers:
             decode_rows_share_sequences=bool(drafted),
         )
         input_ids = self.input_ids.upload(num_tokens)
-        pending = np.flatnonzero(self.input_ids.host[:num_tokens] == PENDING_TOKEN)
-        if len(pending):
-            self._fill_pending(input_ids, pending, ordered, previous)
+        if previous is not None:
+            self._fill_pending(input_ids, ordered, previous)
         inputs = ModelInputs(
             input_ids=input_ids,
             positions=self.positions.upload(num_tokens),
@@ -170,11 +169,13 @@ class InputBuffers:
         self._mark_uploads()
         return inputs
 
-    def _fill_pending(self, input_ids: torch.Tensor, rows: np.ndarray,
-                      ordered: list[ScheduledRequest], previous: SampledIds | None) -> None:
+    def _fill_pending(self, input_ids: torch.Tensor, ordered: list[ScheduledRequest],
+                      previous: SampledIds) -> None:
         """Copies, on the device, each pending token from the previous step's output into
         its row: the ids never visit the host."""
-        assert previous is not None, "a pending token without the step that samples it"
+        rows = np.flatnonzero(self.input_ids.host[:len(input_ids)] == PENDING_TOKEN)
+        if not len(rows):
+            return
         source_of = {request_id: i for i, request_id in enumerate(previous.request_ids)}
         # Pending tokens are decodes, whose rows come first: row i is ordered[i].
         self.pending_rows.host[:len(rows)] = rows
