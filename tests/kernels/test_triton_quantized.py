@@ -61,7 +61,7 @@ def test_every_tile_the_gpu_may_pick_is_right(group_size, monkeypatch):
     w, _ = layer()
     q = rtn(w, 4, group_size, True)
     for rows, tuned, configs, fitting in (
-            (1, triton_gemm._tuned_gemv, triton_gemm.GEMV_CONFIGS, 3 if group_size == 32 else 6),
+            (1, triton_gemm._tuned_gemv, triton_gemm.GEMV_CONFIGS, 6 if group_size == 32 else 12),
             (33, triton_gemm._tuned_gemm, triton_gemm.TILE_CONFIGS, 4 if group_size == 32 else 8)):
         tiles = triton_gemm._fitting_tiles(configs, on_gpu)
         assert len(tiles) == fitting
@@ -69,6 +69,8 @@ def test_every_tile_the_gpu_may_pick_is_right(group_size, monkeypatch):
             assert group_size % tile.kwargs["BLOCK_K"] == 0
             monkeypatch.setattr(tuned, "configs", [tile])
             check([q], rows, torch.float32)
+            assert triton_gemm.chosen_tile(rows).startswith(
+                f"N{tile.kwargs['BLOCK_N']} K{tile.kwargs['BLOCK_K']} w{tile.num_warps} ")
 
 
 @pytest.mark.parametrize("num_programs", [1, 64])  # one split, and as many as the input allows
@@ -76,7 +78,8 @@ def test_act_order_weights_gather_their_inputs(num_programs):
     w, hessian = layer()
     q = gptq(w, hessian, 4, 64, sym=True, act_order=True)
     assert not torch.equal(q.g_idx, torch.arange(IN) // 64)
-    check([q], 3, torch.float32, num_programs)
+    for rows in (1, 3):  # the GEMV and the GEMM
+        check([q], rows, torch.float32, num_programs)
 
 
 @pytest.mark.parametrize("bits,outlier_fraction", [(3, 0.01), (4, 0.0)])

@@ -8,7 +8,8 @@ the same bytes dequantized into the blocked GEMM's tiles; CUDA: the Triton W4A16
 GEMMs) is timed on the same random weight, RTN quantized, with its speed-up over dense and its
 time over its own floor: its weight bytes at the copy bandwidth measured in the same run.
 On CUDA the calls replay from a CUDA graph, as in a decode step, over enough copies of the
-weight that none is read from the L2 cache (`device.device_seconds`).
+weight that none is read from the L2 cache (`device.device_seconds`). A Triton kernel's row
+names the tile its autotuner picked for that shape.
 """
 
 from __future__ import annotations
@@ -91,6 +92,10 @@ def run(args: argparse.Namespace) -> None:
                              "kernel": name, "ms": round(seconds * 1e3, 3),
                              "speed-up vs dense": round(dense_seconds / seconds, 2),
                              "time / own floor": round(seconds * bandwidth / num_bytes, 2)})
+                if "Triton" in name:
+                    from kvserve.quantization.triton_gemm import chosen_tile
+
+                    rows[-1]["tile"] = chosen_tile(batch)
             print_table(rows[-len(kernels):])
     print_table(rows, title=(
         f"weight-only quantized GEMMs, {args.device}, activations {dtype}, llama3-8b shapes, "

@@ -44,18 +44,41 @@ MIN_BLOCK_K = 32  # a group must hold whole tiles of the input dimension
 
 
 @triton.jit
-def _unpacked_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
-    """The integers of input channels k0 ... k0 + BLOCK_K - 1 (none from k_end on) as
-    [BLOCK_K / PER_WORD, PER_WORD, BN]: each packed word is loaded once and unpacked in
-    registers; word row w holds input channels w * PER_WORD ... w * PER_WORD + PER_WORD - 1."""
+def _word_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """The packed words of input channels k0 ... k0 + BLOCK_K - 1 (none from k_end on) as
+    [BLOCK_K / PER_WORD, BN]: word row w holds channels w * PER_WORD ... w * PER_WORD +
+    PER_WORD - 1."""
     PER_WORD: tl.constexpr = 32 // BITS
     word_rows = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-    words = tl.load(words_ptr + word_rows[:, None] * N + cols[None, :],
-                    mask=(word_rows < tl.cdiv(k_end, PER_WORD))[:, None] & col_ok[None, :],
-                    other=0)
-    shifts = tl.arange(0, PER_WORD) * BITS
+    return tl.load(words_ptr + word_rows[:, None] * N + cols[None, :],
+                   mask=(word_rows < tl.cdiv(k_end, PER_WORD))[:, None] & col_ok[None, :],
+                   other=0)
+
+
+@triton.jit
+def _unpacked_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """The integers of a word tile as [BLOCK_K / PER_WORD, PER_WORD, BN], each word loaded
+    once and unpacked in registers."""
+    words = _word_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS, BLOCK_K)
+    shifts = tl.arange(0, 32 // BITS) * BITS
     return (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _scaled_integers(words, high, j: tl.constexpr, BITS: tl.constexpr):
+    """Value j of each word, times 2^(BITS * (j % HALF)), as an exact float32: masked in place
+    in the low 16 bits of the word (or of `high`, the word shifted down by 16), it becomes
+    the mantissa of 2^23 + value by or-ing in 2^23's exponent, and 2^23 is taken away. One
+    logic op (a LOP3) and one add per value, where shifting it down, masking it and
+    converting it take three or more."""
+    HALF: tl.constexpr = 16 // BITS
+    if j < HALF:
+        field = words & (((1 << BITS) - 1) << (BITS * (j % HALF)))
+    else:
+        field = high & (((1 << BITS) - 1) << (BITS * (j % HALF)))
+    return (field | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -141,10 +164,19 @@ def _weight_only_gemv_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
                              table_ptr, out_ptr, partials_ptr, counters_ptr,
                              N, K, GROUP_SIZE: tl.constexpr,
                              BITS: tl.constexpr, LUT: tl.constexpr, ORDERED: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             STAGES: tl.constexpr):
     """One row of x (decode at batch 1) on the CUDA cores, in float32: the weights are used
     in the registers they are unpacked in, where a tensor-core operand would first go
-    through shared memory, one 16-bit store per weight."""
+    through shared memory, one 16-bit store per weight.
+
+    Every tensor has the word tile's shape [BLOCK_K / PER_WORD, BN]: value j of each word
+    is taken out with constant masks, one position at a time, so nothing is reshaped or
+    reduced in the loop. Integers are summed against x as they are, and the group's scale
+    and zero are applied once per tile: sum x * (q - zero) * scale = scale * (sum x * q -
+    zero * sum x). Per weight that leaves a logic op, an add and a multiply-add. The loop
+    is software-pipelined (`tl.range` stages: without a dot, Triton pipelines a loop's
+    loads only when asked), so the next tiles' words are in flight while one is summed."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     num_splits = tl.num_programs(1)
     k_per_split = tl.cdiv(tl.cdiv(K, num_splits), BLOCK_K) * BLOCK_K
@@ -152,20 +184,38 @@ def _weight_only_gemv_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
     col_ok = cols < N
     PER_WORD: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PER_WORD
-    # the input channel of each unpacked value: [WORDS, PER_WORD]
-    k_in_tile = tl.arange(0, WORDS)[:, None] * PER_WORD + tl.arange(0, PER_WORD)[None, :]
+    HALF: tl.constexpr = 16 // BITS
     acc = tl.zeros([WORDS, BLOCK_N], tl.float32)
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        q = _unpacked_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS, BLOCK_K)
-        w = _dequantized(q, cols[None, None, :], col_ok[None, None, :], k0, scales_ptr,
-                         zeros_ptr, table_ptr, N, GROUP_SIZE, BITS, LUT)
-        ks = k0 + k_in_tile
-        k_ok = ks < k_end
-        x = tl.load(x_ptr + _input_channels(ks, k_ok, input_order_ptr, ORDERED), mask=k_ok,
-                    other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, :, None] * w, axis=1)
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
+        words = _word_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS, BLOCK_K)
+        high = words >> 16
+        tile = tl.zeros([WORDS, BLOCK_N], tl.float32)
+        x_sum = tl.zeros([WORDS], tl.float32)
+        for j in tl.static_range(PER_WORD):
+            ks = k0 + tl.arange(0, WORDS) * PER_WORD + j
+            k_ok = ks < k_end
+            x = tl.load(x_ptr + _input_channels(ks, k_ok, input_order_ptr, ORDERED),
+                        mask=k_ok, other=0.0).to(tl.float32)
+            if LUT:
+                q = (words >> (BITS * j)) & ((1 << BITS) - 1)
+                tile += x[:, None] * _dequantized(q, cols[None, :], col_ok[None, :], k0,
+                                                  scales_ptr, zeros_ptr, table_ptr, N,
+                                                  GROUP_SIZE, BITS, LUT)
+            else:
+                x_sum += x
+                x_scaled = x * (1.0 / (1 << (BITS * (j % HALF))))  # exact: a power of two
+                tile += x_scaled[:, None] * _scaled_integers(words, high, j, BITS)
+        if LUT:
+            acc += tile
+        else:
+            group = k0 // GROUP_SIZE  # the whole tile lies in one group
+            scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0
+                            ).to(tl.float32)
+            zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0
+                           ).to(tl.float32)
+            acc += scale[None, :] * (tile - zero[None, :] * x_sum[:, None])
     _write_tile(tl.sum(acc, axis=0)[None, :], tl.arange(0, 1), cols, 1, N, out_ptr,
                 partials_ptr, counters_ptr + pid_n, split, num_splits)
 
@@ -179,7 +229,9 @@ def _configs(block_ns: tuple[int, ...], shapes: tuple[tuple[int, int], ...]
 
 
 TILE_CONFIGS = _configs((64, 128), ((4, 3), (8, 4)))
-GEMV_CONFIGS = _configs((64, 128, 256), ((4, 3),))
+# The GEMV's loop has no dot: Triton pipelines it only at the stages the loop is given.
+GEMV_CONFIGS = [triton.Config({**c.kwargs, "STAGES": c.num_stages}, num_warps=c.num_warps)
+                for c in _configs((64, 128, 256), ((4, 3), (8, 3)))]
 
 
 def _fitting_tiles(configs: list[triton.Config], named_args: dict, **_: object
@@ -205,6 +257,16 @@ def _tuned(kernel: triton.JITFunction, configs: list[triton.Config], key: list[s
 
 _tuned_gemm = _tuned(_weight_only_gemm_kernel, TILE_CONFIGS, ["BLOCK_M"])
 _tuned_gemv = _tuned(_weight_only_gemv_kernel, GEMV_CONFIGS, [])
+
+
+def chosen_tile(rows: int) -> str:
+    """The tile the autotuner picked at the last call with `rows` rows (GEMV or GEMM), as
+    `kvserve bench quantized` reports it."""
+    tile = getattr(_tuned_gemv if rows == 1 else _tuned_gemm, "best_config", None)
+    if tile is None:
+        return ""
+    return (f"N{tile.kwargs['BLOCK_N']} K{tile.kwargs['BLOCK_K']} "
+            f"w{tile.num_warps} s{tile.kwargs.get('STAGES', tile.num_stages)}")
 
 
 def _num_splits(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int,
