@@ -21,8 +21,10 @@ def test_a_freed_step_temporary_is_reused_without_page_faults():
     assert retain_freed_memory()
     _faults_filling_a_fresh_tensor()  # grows the heap once
     # A small allocation between two fills can take the freed block's first bytes, and the
-    # heap then grows once more; a fill after that reuses freed memory.
-    assert min(_faults_filling_a_fresh_tensor() for _ in range(3)) < _PAGES // 8
+    # heap then grows once more; a fill after that reuses freed memory. A heap that earlier
+    # tests left fragmented takes a few more fills to get there (four after the attention
+    # tests, one when run alone).
+    assert min(_faults_filling_a_fresh_tensor() for _ in range(8)) < _PAGES // 8
 
 
 def _thp_mode() -> str:
