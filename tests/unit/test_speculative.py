@@ -78,7 +78,7 @@ def test_policy_fits_the_step_cost_of_decode_rows():
     for rows in (1, 2, 3, 5) * 4:
         step = SchedulerOutput([ScheduledRequest("r", [0] * rows, 10, [0], True,
                                                  num_draft_tokens=rows - 1)])
-        policy.observe_step(step, 0.010 + 0.005 * rows)
+        policy.observe_step(step.shape, 0.010 + 0.005 * rows)
     fixed, per_row = policy.step_cost()
     assert per_row / fixed == pytest.approx(0.5)
     # Rows this dear need a high acceptance to pay.
@@ -208,7 +208,7 @@ def test_draft_model_steps_are_proposed_only_where_they_pay():
     for rows in (1, 2) * 4:  # decode steps of 10 ms plus 1 ms a row
         step = SchedulerOutput([ScheduledRequest("r", [0] * rows, 10, [0], True,
                                                  num_draft_tokens=rows - 1)])
-        policy.observe_step(step, 0.010 + 0.001 * rows)
+        policy.observe_step(step.shape, 0.010 + 0.001 * rows)
     request = request_with([], hits=19, trials=20)
     request.output_token_ids = [0]
     policy.observe_drafting(0.002, 1)  # a cheap draft model: all four drafts

@@ -102,14 +102,15 @@ class EngineCore:
         seconds = end - max(launched.start, self._last_end)
         self._last_end = end
         self.execute_seconds += seconds
-        self.scheduler.costs.observe_step(sched.num_scheduled_tokens, seconds)
-        self.scheduler.drafts.observe_step(sched, seconds - result.draft_seconds)
+        shape = sched.shape
+        self.scheduler.costs.observe_step(shape.num_tokens, seconds)
+        self.scheduler.drafts.observe_step(shape, seconds - result.draft_seconds)
         self.scheduler.drafts.observe_drafting(result.draft_step_seconds,
                                                result.num_draft_steps)
         updated = self.scheduler.update_from_output(sched, result)
         by_id = dict(zip(result.request_ids, result.logprobs, strict=True))
         return CoreStep(updated, [by_id[r.request_id] for r in updated], result.prompt_logprobs,
-                        sched.shape)
+                        shape)
 
 
 @dataclass(slots=True)

@@ -151,7 +151,9 @@ class KVCacheManager:
         tokens, after the `prefix` blocks of a newly admitted request (which then count as
         computed; those in the host tier are loaded into fresh blocks). Returns False,
         changing nothing, when the pool lacks free blocks."""
-        cached = prefix.blocks if prefix is not None else []
+        if prefix is None or not prefix.blocks:
+            return self._grow(request, num_new_tokens)
+        cached = prefix.blocks
         held = [b for b in cached if b is not None]
         table = self.block_tables.get(request.request_id, [])
         num_tokens = (request.num_cached_tokens + len(cached) * self.block_size
@@ -161,22 +163,35 @@ class KVCacheManager:
         if needed + revived > self.pool.num_free_blocks:
             return False
         table = self.block_tables.setdefault(request.request_id, table)
-        if prefix is not None and cached:
-            self.pool.touch(held)
-            self._num_cached[request.request_id] = (cached.index(None) if None in cached
-                                                    else len(cached))
-            tiers = self.tiers
-            pinned = [tiers.pin(h) for b, h in zip(cached, prefix.hashes, strict=True)
-                      if b is None] if tiers is not None else []
-            fresh = self.pool.allocate(needed, after=held[-1] if held else None)
-            for block_id in cached:
-                table.append(block_id if block_id is not None else fresh.pop(0))
-            for host_block, index in zip(pinned, [i for i, b in enumerate(cached) if b is None],
-                                         strict=True):
-                tiers.load(host_block, table[index])
-            table.extend(fresh)
-        elif needed > 0:
-            table.extend(self.pool.allocate(needed, after=table[-1] if table else None))
+        self.pool.touch(held)
+        self._num_cached[request.request_id] = (cached.index(None) if None in cached
+                                                else len(cached))
+        tiers = self.tiers
+        pinned = [tiers.pin(h) for b, h in zip(cached, prefix.hashes, strict=True)
+                  if b is None] if tiers is not None else []
+        fresh = self.pool.allocate(needed, after=held[-1] if held else None)
+        for block_id in cached:
+            table.append(block_id if block_id is not None else fresh.pop(0))
+        for host_block, index in zip(pinned, [i for i, b in enumerate(cached) if b is None],
+                                     strict=True):
+            tiers.load(host_block, table[index])
+        table.extend(fresh)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
+        return True
+
+    def _grow(self, request: Request, num_new_tokens: int) -> bool:
+        """`allocate_slots` without a cached prefix: the call every running request makes
+        every step, which most steps of a decode answer from the block it already has."""
+        table = self.block_tables.get(request.request_id)
+        num_tokens = request.num_computed_tokens - request.num_evicted_tokens + num_new_tokens
+        needed = -(-num_tokens // self.block_size) - (len(table) if table else 0)
+        if needed > self.pool.num_free_blocks:
+            return False
+        if table is None:
+            table = self.block_tables[request.request_id] = []
+        if needed <= 0:
+            return True
+        table.extend(self.pool.allocate(needed, after=table[-1] if table else None))
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return True
 

@@ -34,6 +34,7 @@ class SchedulingPolicy:
 
     name = "fcfs"
     preempts_for_waiting = False
+    ranks = False  # whether `rank` ever tells requests apart (sorting by it is then needed)
 
     def lane(self, request: Request) -> Hashable:
         return None
@@ -58,6 +59,7 @@ class SchedulingPolicy:
 
 class PriorityPolicy(SchedulingPolicy):
     name = "priority"
+    ranks = True
     preempts_for_waiting = True
 
     def __init__(self, starvation_seconds: float = DEFAULT_STARVATION_SECONDS) -> None:
@@ -80,6 +82,7 @@ class PriorityPolicy(SchedulingPolicy):
 
 class FairPolicy(SchedulingPolicy):
     name = "fair"
+    ranks = True
     preempts_for_waiting = True
 
     def __init__(self, budget: int) -> None:

@@ -95,10 +95,16 @@ class Scheduler:
         self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
         chunks: dict[str, int] = {}
-        now = time.monotonic()
-        decodes_first = sorted(self.running,
-                               key=lambda r: (_has_prompt_left(r), self.policy.rank(r, now)))
-        self._num_decoding = sum(not _has_prompt_left(r) for r in self.running)
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for request in self.running:
+            (prefilling if _has_prompt_left(request) else decoding).append(request)
+        if self.policy.ranks:
+            now = time.monotonic()
+            decoding.sort(key=lambda r: self.policy.rank(r, now))
+            prefilling.sort(key=lambda r: self.policy.rank(r, now))
+        decodes_first = decoding + prefilling
+        self._num_decoding = len(decoding)
         self._lookahead: dict[str, int] = {}
         if self.config.policy == "prefill_first":
             # Whole prompts in a step of their own whenever any can run; decodes wait.
@@ -380,7 +386,8 @@ class Scheduler:
         """Counts the chunk as computed; a decode's drafts (which end its chunk) until the
         runner says which were accepted."""
         start = request.num_computed_tokens
-        known = min(num_new, request.num_tokens - start)
+        num_tokens = request.num_tokens
+        known = min(num_new, num_tokens - start)
         pending = min(num_new - known, request.num_pending_tokens)
         drafts = request.spec_token_ids[:num_new - known - pending]
         end = start + known
@@ -388,7 +395,7 @@ class Scheduler:
         reused = () if segments is None else tuple(
             (max(s.start, start) - start, min(s.start + s.num_tokens, end) - start)
             for s in segments if s.start < end and s.start + s.num_tokens > start)
-        sample = end + pending == request.num_tokens_with_pending
+        sample = end + pending == num_tokens + request.num_pending_tokens
         request.num_computed_tokens += num_new
         request.num_pending_tokens += sample
         self.policy.on_scheduled(request, num_new)

@@ -21,7 +21,7 @@ probing every 16 tokens cost 2 % of a 78M model's decode time on a 2-core CPU).
 
 from __future__ import annotations
 
-from kvserve.core.scheduler.output import SchedulerOutput
+from kvserve.core.scheduler.output import StepShape
 from kvserve.request import Request, num_kept_drafts
 
 _DECAY = 0.95  # per draft scored: a request's acceptance follows its last ~20 drafts
@@ -40,8 +40,7 @@ class DraftPolicy:
         self._hits = self._trials = 0.0  # engine-wide
         self.draft_step_seconds = 0.0  # a draft model's decode step, once measured
 
-    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
-        shape = sched.shape
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
         if shape.num_prefill_tokens or not shape.num_decodes:
             return
         rows = shape.num_decodes
