@@ -4,12 +4,13 @@ it runs in Triton's interpreter, in float32 (the interpreter gets bfloat16 dots 
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from kvserve.quantization import triton_gemm  # noqa: E402
 from kvserve.quantization.gptq import gptq, rtn  # noqa: E402
@@ -34,12 +35,15 @@ def check(shards, rows: int, dtype: torch.dtype, num_programs: int = 8) -> None:
     x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
     weight = torch.cat([s.dequantize() for s in shards])
     want = x.to(dtype).float() @ weight.to(dtype).float().t()
-    got = kernel.matmul(x.to(DEVICE, dtype)).float().cpu()
-    assert got.shape == want.shape
-    assert not split_counters(torch.device(DEVICE)).any()  # split-K re-armed its counters
-    assert torch.equal(kernel.matmul(x.to(DEVICE, dtype)).float().cpu(), got)
-    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    assert (got - want).abs().max() <= tolerance * want.abs().max()
+    # Up to GEMV_MAX_ROWS rows either kernel may run: the faster on CUDA, the GEMV here.
+    for gemv in (None, False) if 1 < rows <= triton_gemm.GEMV_MAX_ROWS else (None,):
+        run = dataclasses.replace(kernel, gemv=gemv)
+        got = run.matmul(x.to(DEVICE, dtype)).float().cpu()
+        assert got.shape == want.shape
+        assert not split_counters(torch.device(DEVICE)).any()  # split-K re-armed counters
+        assert torch.equal(run.matmul(x.to(DEVICE, dtype)).float().cpu(), got)
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        assert (got - want).abs().max() <= tolerance * want.abs().max()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -55,22 +59,38 @@ def test_integer_weights_match_their_dequantized_matmul(dtype, rows, bits, group
 
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_every_tile_the_gpu_may_pick_is_right(group_size, monkeypatch):
-    """On CUDA the autotuner picks among the tiles that fit a group; the interpreter runs
-    only the first, so each is run here alone: in the GEMV (one row) and the GEMM."""
+    """On CUDA the autotuner picks among the tiles that fit a group (and, in the GEMV, its
+    registers); the interpreter runs only the first, so each is run here alone: in the GEMV
+    for one row and for five (eight, padded), and in the tensor-core kernel."""
     on_gpu = {"GROUP_SIZE": group_size, "x_ptr": SimpleNamespace(is_cuda=True)}
     w, _ = layer()
     q = rtn(w, 4, group_size, True)
-    for rows, tuned, configs, fitting in (
-            (1, triton_gemm._tuned_gemv, triton_gemm.GEMV_CONFIGS, 6 if group_size == 32 else 12),
-            (33, triton_gemm._tuned_gemm, triton_gemm.TILE_CONFIGS, 4 if group_size == 32 else 8)):
-        tiles = triton_gemm._fitting_tiles(configs, on_gpu)
+    kernel = pack_for_triton([q], torch.float32, torch.device(DEVICE), 8)
+    for rows, gemv, fitting in ((1, True, 6 if group_size == 32 else 12),
+                                (5, True, 5 if group_size == 32 else 4),
+                                (33, False, 4 if group_size == 32 else 8)):
+        tuned = triton_gemm._tuned_gemv if gemv else triton_gemm._tuned_gemm
+        configs = triton_gemm.GEMV_CONFIGS if gemv else triton_gemm.TILE_CONFIGS
+        block_m = triton.next_power_of_2(rows) if gemv else 64
+        tiles = triton_gemm._fitting_tiles(configs, on_gpu, BITS=4, BLOCK_M=block_m)
         assert len(tiles) == fitting
+        x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
+        want = x @ q.dequantize().t()
         for tile in tiles:
             assert group_size % tile.kwargs["BLOCK_K"] == 0
             monkeypatch.setattr(tuned, "configs", [tile])
-            check([q], rows, torch.float32)
-            assert triton_gemm.chosen_tile(rows).startswith(
+            got = dataclasses.replace(kernel, gemv=gemv).matmul(x.to(DEVICE)).cpu()
+            assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+            assert triton_gemm.chosen_tile(gemv).startswith(
                 f"N{tile.kwargs['BLOCK_N']} K{tile.kwargs['BLOCK_K']} w{tile.num_warps} ")
+
+
+def test_the_gemv_takes_a_few_rows_only():
+    w, _ = layer()
+    kernel = pack_for_triton([rtn(w, 4, 32, True)], torch.float32, torch.device(DEVICE), 8)
+    rows = triton_gemm.GEMV_MAX_ROWS + 1
+    with pytest.raises(ValueError, match=f"at most {rows - 1} rows, got {rows}"):
+        dataclasses.replace(kernel, gemv=True).matmul(torch.randn(rows, IN).to(DEVICE))
 
 
 @pytest.mark.parametrize("num_programs", [1, 64])  # one split, and as many as the input allows

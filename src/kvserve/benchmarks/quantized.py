@@ -8,8 +8,8 @@ the same bytes dequantized into the blocked GEMM's tiles; CUDA: the Triton W4A16
 GEMMs) is timed on the same random weight, RTN quantized, with its speed-up over dense and its
 time over its own floor: its weight bytes at the copy bandwidth measured in the same run.
 On CUDA the calls replay from a CUDA graph, as in a decode step, over enough copies of the
-weight that none is read from the L2 cache (`device.device_seconds`). A Triton kernel's row
-names the tile its autotuner picked for that shape.
+weight that none is read from the L2 cache (`device.device_seconds`). Triton's two kernels are
+timed apart, the GEMV up to the rows it takes; each row names the tile its autotuner picked.
 """
 
 from __future__ import annotations
@@ -55,10 +55,12 @@ def _kernels(weight: torch.Tensor, args: argparse.Namespace, dtype: torch.dtype
             from kvserve.quantization.triton_gemm import pack_for_triton
 
             device = torch.device(args.device)
-            candidates = [pack_for_triton([q], dtype, device, num_programs(device))]
-        else:
-            candidates = cpu_candidates([q]).packed()
-        for kernel in candidates:
+            triton = pack_for_triton([q], dtype, device, num_programs(device))
+            for gemv, kind in ((True, "Triton GEMV"), (False, "Triton tensor cores")):
+                kernel = dataclasses.replace(triton, gemv=gemv)
+                kernels[f"{name} ({kind})"] = (kernel.matmul, kernel.num_bytes)
+            continue
+        for kernel in cpu_candidates([q]).packed():
             if kernel is not None:
                 kernels[f"{name} ({type(kernel).__name__})"] = (kernel.matmul, kernel.num_bytes)
             if isinstance(kernel, WxA8Weight) and amx_int8_runs(kernel):
@@ -83,7 +85,12 @@ def run(args: argparse.Namespace) -> None:
         for batch in args.batches:
             x = torch.randn(batch, in_features, generator=gen).to(args.device, dtype)
             dense_seconds = 0.0
+            first_row = len(rows)
             for name, (matmul, num_bytes) in kernels.items():
+                if "Triton" in name:  # CUDA only, where Triton is installed
+                    from kvserve.quantization.triton_gemm import GEMV_MAX_ROWS, chosen_tile
+                    if "GEMV" in name and batch > GEMV_MAX_ROWS:
+                        continue
                 calls = [functools.partial(m, x)
                          for m in past_cache_copies(matmul, num_bytes, args.device)]
                 seconds = device_seconds(calls, args.device, args.repeats)
@@ -93,10 +100,8 @@ def run(args: argparse.Namespace) -> None:
                              "speed-up vs dense": round(dense_seconds / seconds, 2),
                              "time / own floor": round(seconds * bandwidth / num_bytes, 2)})
                 if "Triton" in name:
-                    from kvserve.quantization.triton_gemm import chosen_tile
-
-                    rows[-1]["tile"] = chosen_tile(batch)
-            print_table(rows[-len(kernels):])
+                    rows[-1]["tile"] = chosen_tile(gemv="GEMV" in name)
+            print_table(rows[first_row:])
     print_table(rows, title=(
         f"weight-only quantized GEMMs, {args.device}, activations {dtype}, llama3-8b shapes, "
         f"medians of {args.repeats}; floor = the kernel's weight bytes at "

@@ -162,51 +162,55 @@ def _weight_only_gemm_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
 @triton.jit
 def _weight_only_gemv_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zeros_ptr,
                              table_ptr, out_ptr, partials_ptr, counters_ptr,
-                             N, K, GROUP_SIZE: tl.constexpr,
+                             M, N, K, GROUP_SIZE: tl.constexpr,
                              BITS: tl.constexpr, LUT: tl.constexpr, ORDERED: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             STAGES: tl.constexpr):
-    """One row of x (decode at batch 1) on the CUDA cores, in float32: the weights are used
-    in the registers they are unpacked in, where a tensor-core operand would first go
-    through shared memory, one 16-bit store per weight.
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """A few rows of x (decode) on the CUDA cores, in float32: the weights are used in the
+    registers they are unpacked in, where a tensor-core operand would first go through
+    shared memory, one 16-bit store per weight.
 
-    Every tensor has the word tile's shape [BLOCK_K / PER_WORD, BN]: value j of each word
-    is taken out with constant masks, one position at a time, so nothing is reshaped or
-    reduced in the loop. Integers are summed against x as they are, and the group's scale
-    and zero are applied once per tile: sum x * (q - zero) * scale = scale * (sum x * q -
-    zero * sum x). Per weight that leaves a logic op, an add and a multiply-add. The loop
-    is software-pipelined (`tl.range` stages: without a dot, Triton pipelines a loop's
-    loads only when asked), so the next tiles' words are in flight while one is summed."""
+    Every tensor has the word tile's shape [BLOCK_K / PER_WORD, BN] (times the rows): value
+    j of each word is taken out with constant masks, one position at a time, so nothing is
+    reshaped or reduced in the loop. Integers are summed against x as they are, and the
+    group's scale and zero are applied once per tile: sum x * (q - zero) * scale = scale *
+    (sum x * q - zero * sum x). Per weight that leaves a logic op and an add, then a
+    multiply-add per row. The loop is software-pipelined (`tl.range` stages: without a dot,
+    Triton pipelines a loop's loads only when asked), so the next tiles' words are in
+    flight while one is summed."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     num_splits = tl.num_programs(1)
     k_per_split = tl.cdiv(tl.cdiv(K, num_splits), BLOCK_K) * BLOCK_K
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     PER_WORD: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PER_WORD
     HALF: tl.constexpr = 16 // BITS
-    acc = tl.zeros([WORDS, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, WORDS, BLOCK_N], tl.float32)
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
         words = _word_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS, BLOCK_K)
         high = words >> 16
-        tile = tl.zeros([WORDS, BLOCK_N], tl.float32)
-        x_sum = tl.zeros([WORDS], tl.float32)
+        tile = tl.zeros([BLOCK_M, WORDS, BLOCK_N], tl.float32)
+        x_sum = tl.zeros([BLOCK_M, WORDS], tl.float32)
         for j in tl.static_range(PER_WORD):
             ks = k0 + tl.arange(0, WORDS) * PER_WORD + j
             k_ok = ks < k_end
-            x = tl.load(x_ptr + _input_channels(ks, k_ok, input_order_ptr, ORDERED),
-                        mask=k_ok, other=0.0).to(tl.float32)
+            x_cols = _input_channels(ks, k_ok, input_order_ptr, ORDERED)
+            x = tl.load(x_ptr + rows[:, None] * K + x_cols[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             if LUT:
                 q = (words >> (BITS * j)) & ((1 << BITS) - 1)
-                tile += x[:, None] * _dequantized(q, cols[None, :], col_ok[None, :], k0,
-                                                  scales_ptr, zeros_ptr, table_ptr, N,
-                                                  GROUP_SIZE, BITS, LUT)
+                w = _dequantized(q, cols[None, :], col_ok[None, :], k0, scales_ptr,
+                                 zeros_ptr, table_ptr, N, GROUP_SIZE, BITS, LUT)
+                tile += x[:, :, None] * w[None, :, :]
             else:
                 x_sum += x
                 x_scaled = x * (1.0 / (1 << (BITS * (j % HALF))))  # exact: a power of two
-                tile += x_scaled[:, None] * _scaled_integers(words, high, j, BITS)
+                tile += x_scaled[:, :, None] * _scaled_integers(words, high, j, BITS)[None]
         if LUT:
             acc += tile
         else:
@@ -215,9 +219,9 @@ def _weight_only_gemv_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
                             ).to(tl.float32)
             zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0
                            ).to(tl.float32)
-            acc += scale[None, :] * (tile - zero[None, :] * x_sum[:, None])
-    _write_tile(tl.sum(acc, axis=0)[None, :], tl.arange(0, 1), cols, 1, N, out_ptr,
-                partials_ptr, counters_ptr + pid_n, split, num_splits)
+            acc += scale[None, None, :] * (tile - zero[None, None, :] * x_sum[:, :, None])
+    _write_tile(tl.sum(acc, axis=1), rows, cols, M, N, out_ptr, partials_ptr,
+                counters_ptr + pid_n, split, num_splits)
 
 
 def _configs(block_ns: tuple[int, ...], shapes: tuple[tuple[int, int], ...]
@@ -234,35 +238,47 @@ GEMV_CONFIGS = [triton.Config({**c.kwargs, "STAGES": c.num_stages}, num_warps=c.
                 for c in _configs((64, 128, 256), ((4, 3), (8, 3)))]
 
 
-def _fitting_tiles(configs: list[triton.Config], named_args: dict, **_: object
+def _fitting_tiles(configs: list[triton.Config], named_args: dict, **kwargs: object
                    ) -> list[triton.Config]:
-    """Tiles of the two largest input widths that lie in one group of input channels;
-    under the interpreter, which has nothing to time, only the first of the largest."""
-    widths = sorted({c.kwargs["BLOCK_K"] for c in configs
-                     if named_args["GROUP_SIZE"] % c.kwargs["BLOCK_K"] == 0})[-2:]
-    fitting = sorted((c for c in configs if c.kwargs["BLOCK_K"] in widths),
+    """Tiles of the two largest input widths that lie in one group of input channels (and,
+    for the GEMV, whose accumulator over its rows stays within 32 floats a thread); under
+    the interpreter, which has nothing to time, only the first of the largest."""
+    def fits(c: triton.Config) -> bool:
+        if named_args["GROUP_SIZE"] % c.kwargs["BLOCK_K"]:
+            return False
+        if "STAGES" not in c.kwargs:  # the tensor-core tile: its accumulator is [BM, BN]
+            return True
+        words = c.kwargs["BLOCK_K"] * kwargs["BITS"] // 32
+        return kwargs["BLOCK_M"] * words * c.kwargs["BLOCK_N"] <= 32 * 32 * c.num_warps
+
+    widths = sorted({c.kwargs["BLOCK_K"] for c in configs if fits(c)})[-2:]
+    fitting = sorted((c for c in configs if fits(c) and c.kwargs["BLOCK_K"] in widths),
                      key=lambda c: -c.kwargs["BLOCK_K"])
     return fitting if named_args["x_ptr"].is_cuda else fitting[:1]
 
 
-def _tuned(kernel: triton.JITFunction, configs: list[triton.Config], key: list[str]
+def _tuned(kernel: triton.JITFunction, configs: list[triton.Config]
            ) -> triton.runtime.Autotuner:
     return triton.autotune(
-        configs, key=["N", "K", "GROUP_SIZE", "BITS", "LUT", "ORDERED", *key],
+        configs, key=["N", "K", "GROUP_SIZE", "BITS", "LUT", "ORDERED", "BLOCK_M"],
         prune_configs_by={"early_config_prune": _fitting_tiles},
         do_bench=lambda call, quantiles: triton.testing.do_bench(call, warmup=5, rep=25,
                                                                  quantiles=quantiles),
     )(kernel)
 
 
-_tuned_gemm = _tuned(_weight_only_gemm_kernel, TILE_CONFIGS, ["BLOCK_M"])
-_tuned_gemv = _tuned(_weight_only_gemv_kernel, GEMV_CONFIGS, [])
+_tuned_gemm = _tuned(_weight_only_gemm_kernel, TILE_CONFIGS)
+_tuned_gemv = _tuned(_weight_only_gemv_kernel, GEMV_CONFIGS)
+GEMV_MAX_ROWS = 8  # each row costs the GEMV a multiply-add per weight: beyond, tensor cores
+# The faster kernel for up to GEMV_MAX_ROWS rows, timed at a layer shape's first call with
+# that many rows (rounded up to a power of two): (layer kind and shape, rows) -> GEMV?
+_gemv_timed_faster: dict[tuple, bool] = {}
 
 
-def chosen_tile(rows: int) -> str:
-    """The tile the autotuner picked at the last call with `rows` rows (GEMV or GEMM), as
-    `kvserve bench quantized` reports it."""
-    tile = getattr(_tuned_gemv if rows == 1 else _tuned_gemm, "best_config", None)
+def chosen_tile(gemv: bool) -> str:
+    """The tile the autotuner picked at the last call of the GEMV or the tensor-core kernel,
+    as `kvserve bench quantized` reports it."""
+    tile = getattr(_tuned_gemv if gemv else _tuned_gemm, "best_config", None)
     if tile is None:
         return ""
     return (f"N{tile.kwargs['BLOCK_N']} K{tile.kwargs['BLOCK_K']} "
@@ -289,6 +305,10 @@ class TritonQuantizedWeight:
     outliers: torch.Tensor | None  # [out, in] sparse CSR float32
     input_order: torch.Tensor | None  # act-order: the input channels sorted by group
     num_programs: int  # split-K aims to start this many programs
+    # The CUDA-core kernel (True, up to GEMV_MAX_ROWS rows) or the tensor-core one (False)
+    # for every call; None: one row takes the GEMV, and up to GEMV_MAX_ROWS the one
+    # measured faster on this layer.
+    gemv: bool | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -302,10 +322,41 @@ class TritonQuantizedWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
+        gemv = self.gemv
+        if gemv is None:
+            gemv = self._gemv_is_faster(rows)
+        elif gemv and len(rows) > GEMV_MAX_ROWS:
+            raise ValueError(f"the GEMV takes at most {GEMV_MAX_ROWS} rows, got {len(rows)}")
+        result = self._launch(rows, gemv)
+        if self.outliers is not None:
+            result = result + torch.sparse.mm(self.outliers, rows.t().float()).t().to(x.dtype)
+        return result.reshape(*x.shape[:-1], result.shape[1])
+
+    def _gemv_is_faster(self, rows: torch.Tensor) -> bool:
+        """Under the interpreter, the GEMV up to GEMV_MAX_ROWS rows; on CUDA, whichever of
+        the two kernels the first call with as many rows times faster (a call inside a CUDA
+        graph capture, which cannot time, takes the tensor cores)."""
+        m = len(rows)
+        if m == 1 or m > GEMV_MAX_ROWS:
+            return m == 1
+        if not rows.is_cuda:
+            return True
+        key = (self.words.shape, self.bits, self.group_size, self.table is not None,
+               self.input_order is not None, triton.next_power_of_2(m), rows.dtype,
+               rows.device)
+        if key not in _gemv_timed_faster:
+            if torch.cuda.is_current_stream_capturing():
+                return False
+            gemv, tensor_cores = (triton.testing.do_bench(
+                lambda g=g: self._launch(rows, g), warmup=5, rep=25) for g in (True, False))
+            _gemv_timed_faster[key] = gemv <= tensor_cores
+        return _gemv_timed_faster[key]
+
+    def _launch(self, rows: torch.Tensor, gemv: bool) -> torch.Tensor:
         m, k = rows.shape
         n = self.words.shape[1]
-        gemv = m == 1  # on an H100 the GEMV lost to the tensor cores from 4 rows up
-        block_m = 1 if gemv else 16 if m <= 16 else 32 if m <= 32 else 64
+        block_m = (triton.next_power_of_2(m) if gemv
+                   else 16 if m <= 16 else 32 if m <= 32 else 64)
         tuned = _tuned_gemv if gemv else _tuned_gemm
 
         def splits(block_n: int, block_k: int) -> int:
@@ -317,24 +368,22 @@ class TritonQuantizedWeight:
 
         most_splits = max(splits(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"])
                           for c in tuned.configs)  # room for any tile
-        result = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        result = torch.empty(m, n, device=rows.device, dtype=rows.dtype)
         partials = result if most_splits == 1 else torch.empty(
-            most_splits, m, n, device=x.device, dtype=torch.float32)
+            most_splits, m, n, device=rows.device, dtype=torch.float32)
         lut = self.table is not None
         ordered = self.input_order is not None
         pointers = (rows, self.input_order if ordered else self.words, self.words,
                     self.scales if not lut else self.table, self.zeros if not lut else self.table,
                     self.table if lut else self.words, result, partials,
-                    split_counters(x.device))
-        kind = {"BITS": self.bits, "LUT": lut, "ORDERED": ordered}
+                    split_counters(rows.device))
+        kind = {"BITS": self.bits, "LUT": lut, "ORDERED": ordered, "BLOCK_M": block_m}
         if gemv:
-            tuned[grid](*pointers, n, k, self.group_size, **kind)
+            tuned[grid](*pointers, m, n, k, self.group_size, **kind)
         else:
             tuned[grid](*pointers, m, n, k, self.group_size, **kind,
-                        PRECISION=dot_precision(x.dtype), BLOCK_M=block_m)
-        if self.outliers is not None:
-            result = result + torch.sparse.mm(self.outliers, rows.t().float()).t().to(x.dtype)
-        return result.reshape(*x.shape[:-1], n)
+                        PRECISION=dot_precision(rows.dtype))
+        return result
 
 
 def pack_for_triton(shards: list[QuantizedWeight] | list[LutWeight], dtype: torch.dtype,
