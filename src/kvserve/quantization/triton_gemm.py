@@ -1,14 +1,17 @@
 """Weight-only quantized GEMM in Triton for CUDA: the MARLIN idea of streaming packed integer
 weights and dequantizing them in registers, next to the multiply.
 
-Two kernels share the unpacking, dequantizing and split-K epilogue:
-- one row (decode at batch 1), a GEMV on the CUDA cores in float32: the weights are used
-  in the registers they are unpacked in;
-- more rows, tiles on the tensor cores, whose weight operand is staged in shared memory.
+Two kernels share the unpacking, the group scaling and the split-K epilogue:
+- a few rows (decode), a GEMV on the CUDA cores in float32: the weights are used in the
+  registers they are unpacked in. One row always takes it; up to GEMV_MAX_ROWS rows,
+  whichever kernel a layer's first call with as many rows times faster;
+- any number of rows, tiles on the tensor cores, whose weight operand is staged in shared
+  memory.
 
 Both serve two weight kinds, which differ only in how a tile is dequantized:
 - integers with a scale and zero per group of input channels (GPTQ, AWQ; W4A16, W8A16):
-  w = (q - zero[group]) * scale[group];
+  w = (q - zero[group]) * scale[group], applied to a tile's sums of x * q rather than to
+  each weight (`_group_scaled`);
 - indices into a per-output-channel lookup table (SqueezeLLM): w = table[row, q], plus the
   sparse outliers, added by a sparse matmul.
 
@@ -67,18 +70,17 @@ def _unpacked_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS: tl.constexpr,
 
 
 @triton.jit
-def _scaled_integers(words, high, j: tl.constexpr, BITS: tl.constexpr):
-    """Value j of each word, times 2^(BITS * (j % HALF)), as an exact float32: masked in place
-    in the low 16 bits of the word (or of `high`, the word shifted down by 16), it becomes
-    the mantissa of 2^23 + value by or-ing in 2^23's exponent, and 2^23 is taken away. One
-    logic op (a LOP3) and one add per value, where shifting it down, masking it and
-    converting it take three or more."""
-    HALF: tl.constexpr = 16 // BITS
-    if j < HALF:
-        field = words & (((1 << BITS) - 1) << (BITS * (j % HALF)))
-    else:
-        field = high & (((1 << BITS) - 1) << (BITS * (j % HALF)))
-    return (field | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _integers(src, position, BITS: tl.constexpr):
+    """Value `position` (a tensor that broadcasts against `src`) of the low 16 bits of each
+    word in `src`, as an exact float32. Masked in place, it becomes the low mantissa bits of
+    a float whose exponent gives the value's lowest bit a weight of one, 2^(23 - BITS *
+    position) + value, and that power of two is subtracted: one logic op (a LOP3: the mask
+    and the exponent together) and one add per value, where shifting it down, masking it
+    and converting it take three or more."""
+    exponent = (127 + 23 - BITS * position) << 23  # the bits of 2^(23 - BITS * position)
+    field = src & (((1 << BITS) - 1) << (BITS * position))
+    return ((field | exponent).to(tl.float32, bitcast=True)
+            - exponent.to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -91,20 +93,21 @@ def _input_channels(ks, k_ok, input_order_ptr, ORDERED: tl.constexpr):
 
 
 @triton.jit
-def _dequantized(q, cols, col_ok, k0, scales_ptr, zeros_ptr, table_ptr, N,
-                 GROUP_SIZE: tl.constexpr, BITS: tl.constexpr, LUT: tl.constexpr):
-    """The float32 weights of integers `q` ([..., BN], columns `cols`) at input offset k0.
-    Integers become 1 + q / 2^BITS by writing them into a float's mantissa (exact, and no
-    int-to-float conversion, which issues at a quarter of the rate of integer ops), then
-    one fused multiply-add per weight applies the group's scale and zero."""
-    if LUT:
-        return tl.load(table_ptr + cols * (1 << BITS) + q, mask=col_ok, other=0.0
-                       ).to(tl.float32)
+def _table_values(q, cols, col_ok, table_ptr, BITS: tl.constexpr):
+    """The float32 weights of lookup-table indices `q` ([..., BN], columns `cols`)."""
+    return tl.load(table_ptr + cols * (1 << BITS) + q, mask=col_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _group_scaled(sums, x_sums, k0, cols, col_ok, scales_ptr, zeros_ptr, N,
+                  GROUP_SIZE: tl.constexpr):
+    """A tile's sums of x * q ([..., BN]) as sums of x * w, w = (q - zero) * scale with the
+    scale and zero of the tile's group: scale * (sum x * q - zero * sum x), given sum x
+    (`x_sums`, broadcasting against `sums`). Applied once per tile, not per weight."""
     group = k0 // GROUP_SIZE  # the whole tile lies in one group
     scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
     zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-    unit = ((q << (23 - BITS)) | 0x3F800000).to(tl.float32, bitcast=True)
-    return unit * (scale * (1 << BITS)) - (zero + (1 << BITS)) * scale
+    return scale * (sums - zero * x_sums)
 
 
 @triton.jit
@@ -134,7 +137,9 @@ def _weight_only_gemm_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
                              PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr):
-    """Rows of x on the tensor cores: each weight tile is dequantized once per BLOCK_M rows."""
+    """Rows of x on the tensor cores: each weight tile is unpacked once per BLOCK_M rows.
+    Integers go into the multiply as they are (exact in bfloat16 and float16) and their
+    group's scale and zero are applied to each tile's sums (`_group_scaled`)."""
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
     k_per_split = tl.cdiv(tl.cdiv(K, num_splits), BLOCK_K) * BLOCK_K
@@ -150,11 +155,19 @@ def _weight_only_gemm_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
         x_cols = _input_channels(ks, k_ok, input_order_ptr, ORDERED)
         x = tl.load(x_ptr + rows[:, None] * K + x_cols[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        q = tl.reshape(_unpacked_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS, BLOCK_K),
-                       [BLOCK_K, BLOCK_N])
-        w = _dequantized(q, cols[None, :], col_ok[None, :], k0, scales_ptr, zeros_ptr,
-                         table_ptr, N, GROUP_SIZE, BITS, LUT)
-        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+        if LUT:
+            q = tl.reshape(_unpacked_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS,
+                                          BLOCK_K), [BLOCK_K, BLOCK_N])
+            w = _table_values(q, cols[None, :], col_ok[None, :], table_ptr, BITS)
+            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+        else:  # integers (exact in 16-bit floats too) on the tensor cores, scaled per tile
+            words = _word_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS, BLOCK_K)
+            j = tl.arange(0, 32 // BITS)[None, :, None]
+            src = words[:, None, :] >> ((j // (16 // BITS)) * 16)
+            q = tl.reshape(_integers(src, j % (16 // BITS), BITS), [BLOCK_K, BLOCK_N])
+            sums = tl.dot(x, q.to(x.dtype), input_precision=PRECISION)
+            acc += _group_scaled(sums, tl.sum(x.to(tl.float32), axis=1)[:, None], k0, cols,
+                                 col_ok, scales_ptr, zeros_ptr, N, GROUP_SIZE)
     _write_tile(acc, rows, cols, M, N, out_ptr, partials_ptr,
                 counters_ptr + pid_m * tl.num_programs(1) + pid_n, split, num_splits)
 
@@ -173,11 +186,10 @@ def _weight_only_gemv_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
     Every tensor has the word tile's shape [BLOCK_K / PER_WORD, BN] (times the rows): value
     j of each word is taken out with constant masks, one position at a time, so nothing is
     reshaped or reduced in the loop. Integers are summed against x as they are, and the
-    group's scale and zero are applied once per tile: sum x * (q - zero) * scale = scale *
-    (sum x * q - zero * sum x). Per weight that leaves a logic op and an add, then a
-    multiply-add per row. The loop is software-pipelined (`tl.range` stages: without a dot,
-    Triton pipelines a loop's loads only when asked), so the next tiles' words are in
-    flight while one is summed."""
+    group's scale and zero are applied once per tile (`_group_scaled`). Per weight that
+    leaves a logic op and an add (`_integers`), then a multiply-add per row. The loop is
+    software-pipelined (`tl.range` stages: without a dot, Triton pipelines a loop's loads
+    only when asked), so the next tiles' words are in flight while one is summed."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     num_splits = tl.num_programs(1)
     k_per_split = tl.cdiv(tl.cdiv(K, num_splits), BLOCK_K) * BLOCK_K
@@ -204,22 +216,20 @@ def _weight_only_gemv_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             if LUT:
                 q = (words >> (BITS * j)) & ((1 << BITS) - 1)
-                w = _dequantized(q, cols[None, :], col_ok[None, :], k0, scales_ptr,
-                                 zeros_ptr, table_ptr, N, GROUP_SIZE, BITS, LUT)
-                tile += x[:, :, None] * w[None, :, :]
+                w = _table_values(q, cols[None, :], col_ok[None, :], table_ptr, BITS)
             else:
                 x_sum += x
-                x_scaled = x * (1.0 / (1 << (BITS * (j % HALF))))  # exact: a power of two
-                tile += x_scaled[:, :, None] * _scaled_integers(words, high, j, BITS)[None]
+                position = tl.full([1, 1], j % HALF, tl.int32)
+                if j < HALF:
+                    w = _integers(words, position, BITS)
+                else:
+                    w = _integers(high, position, BITS)
+            tile += x[:, :, None] * w[None, :, :]
         if LUT:
             acc += tile
         else:
-            group = k0 // GROUP_SIZE  # the whole tile lies in one group
-            scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0
-                            ).to(tl.float32)
-            zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0
-                           ).to(tl.float32)
-            acc += scale[None, None, :] * (tile - zero[None, None, :] * x_sum[:, :, None])
+            acc += _group_scaled(tile, x_sum[:, :, None], k0, cols, col_ok, scales_ptr,
+                                 zeros_ptr, N, GROUP_SIZE)
     _write_tile(tl.sum(acc, axis=1), rows, cols, M, N, out_ptr, partials_ptr,
                 counters_ptr + pid_n, split, num_splits)
 
