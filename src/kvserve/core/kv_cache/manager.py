@@ -183,8 +183,8 @@ class KVCacheManager:
         """`allocate_slots` without a cached prefix: the call every running request makes
         every step, which most steps of a decode answer from the block it already has."""
         table = self.block_tables.get(request.request_id)
-        num_tokens = request.num_computed_tokens - request.num_evicted_tokens + num_new_tokens
-        needed = -(-num_tokens // self.block_size) - (len(table) if table else 0)
+        num_tokens = request.num_cached_tokens + num_new_tokens
+        needed = self.num_blocks_for(num_tokens) - (len(table) if table else 0)
         if needed > self.pool.num_free_blocks:
             return False
         if table is None:
