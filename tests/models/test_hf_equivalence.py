@@ -294,3 +294,26 @@ def test_greedy_matches_transformers_on_cuda(model_dirs):
     prompts = random_prompts(PROMPT_LENS, seed=1)
     for prompt, tokens in zip(prompts, run_greedy(llm, prompts), strict=True):
         assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS)
+
+
+def test_offline_requests_report_only_once_finished(model_dirs):
+    """`LLM.generate`'s requests build no output before they end (vLLM's FINAL_ONLY); a
+    request beside them still gets one every step, and both match transformers."""
+    path = model_dirs["llama"]
+    engine = LLM(str(path)).engine
+    prompts = random_prompts([5, 40], seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for request_id, prompt in zip(("streamed", "offline"), prompts, strict=True):
+        parent, max_tokens = engine.inputs.prepare_request({"prompt_token_ids": prompt}, params,
+                                                           request_id)
+        parent.final_only = request_id == "offline"
+        engine.add_validated(parent, params, max_tokens)
+    seen: dict[str, list] = {"streamed": [], "offline": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert [out.finished for out in seen["offline"]] == [True]
+    assert len(seen["streamed"]) == MAX_TOKENS and seen["streamed"][-1].finished
+    for request_id, prompt in zip(("streamed", "offline"), prompts, strict=True):
+        assert seen[request_id][-1].outputs[0].token_ids == hf_greedy(path, tuple(prompt),
+                                                                      MAX_TOKENS)

@@ -61,6 +61,9 @@ class ParentRequest:
     first_token_time: float | None = None
     # One entry per prompt token (None for the first, which nothing predicts), when asked for.
     prompt_logprobs: PromptLogprobs | None = None
+    # Its caller takes only the finished output (offline `LLM.generate`, like vLLM's
+    # FINAL_ONLY): no RequestOutput is built for it before then.
+    final_only: bool = False
 
     def to_output(self) -> RequestOutput:
         outputs = [s.output for s in self.sequences]

@@ -311,6 +311,8 @@ class LLMEngine:
                 if seq.request.is_finished and seq.output.finish_reason is None:
                     seq.output.finish_reason = seq.request.status.finish_reason
                     seq.output.stop_reason = seq.request.stop_reason
+            if parent.final_only and not all(s.output.finished for s in parent.sequences):
+                continue
             out = parent.to_output()
             if out.finished:
                 del self._parents[parent.request_id]

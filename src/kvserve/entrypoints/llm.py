@@ -92,6 +92,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             parent, max_tokens = self.engine.inputs.prepare_request(
                 prompt, p, field_name=f"prompts[{i}]")
+            parent.final_only = True
             checked.append((parent, p, max_tokens))
         return checked
 
