@@ -257,6 +257,53 @@ def test_8bit_kernels_match_the_dequantized_weight(sym, rows):
     assert [type(k) for k in grouped] == ([WxA8Weight] if cpu_kernels() else [])
 
 
+def _wxa8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """What the W4A8/W8A8 kernel computes, in float64: each row's activations rounded to int8
+    per group (scale max|x| / 127), times the integers q [out, in] less their group's zero,
+    times its scale."""
+    rows, groups = x.shape[0], x.shape[1] // group
+    x_groups = x.reshape(rows, groups, group)
+    amax = x_groups.abs().amax(-1, keepdim=True)
+    levels = (x_groups * (127 / amax)).round()
+    x_int8 = (levels * (amax / 127)).double().reshape(rows, -1)
+    weight = (q.double() - zeros.double().repeat_interleave(group, 1)) * \
+        scales.double().repeat_interleave(group, 1)
+    return x_int8 @ weight.t()
+
+
+def _wxa8_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """wxa8.cpp's layout: per 64 channels, 4 bits as 32 bytes (channel j in the low nibble of
+    byte j, channel j + 32 in its high one); 8 bits as they are."""
+    if bits == 8:
+        return q.to(torch.uint8).contiguous()
+    blocks = q.to(torch.uint8).reshape(q.shape[0], -1, 2, 32)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_wxa8_kernel_computes_its_integer_products_exactly(bits):
+    """Groups of 1 to 8 blocks of 64 channels (the AVX2 path sums up to 4 blocks in int16
+    lanes), group counts around its 8 at a time, 1 to 5 rows (4 per pass), and the largest
+    products every lane can hold: weights at their maximum, activations all at 127."""
+    gemm = cpu_kernels()
+    if gemm is None:
+        pytest.skip("no CPU kernels")
+    torch.manual_seed(0)
+    top = (1 << bits) - 1
+    for group, groups in ((64, 9), (128, 8), (128, 17), (192, 3), (256, 1), (512, 2)):
+        k, n = group * groups, 24
+        scales, zeros = torch.rand(n, groups) + 0.5, torch.randint(0, top + 1, (n, groups))
+        for q, x in ((torch.randint(0, top + 1, (n, k)), torch.randn(5, k)),
+                     (torch.full((n, k), top), torch.ones(5, k))):
+            for rows in (1, 2, 3, 4, 5):
+                got = gemm.wxa8_matmul(x[:rows].contiguous(), _wxa8_pack(q, bits), scales,
+                                       zeros.float(), group, bits)
+                want = _wxa8_reference(x[:rows], q, scales, zeros.float(), group)
+                assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), \
+                    (group, groups, rows)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_dequantizing_gemm_gives_the_dense_gemms_bits(dtype, bits):
