@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvserve.cpu_cache import flush_cpu_caches
 from kvserve.layers.linear import Linear
 
 
@@ -35,10 +36,15 @@ def device_seconds(calls: Sequence[Callable[[], object]], device: str | torch.de
     """Median seconds per call of `calls`, run back to back as the device runs them. On CUDA
     they are captured in one CUDA graph and replayed, as decode steps are, so a kernel's time
     is the GPU's and not the host's launch cost (a Triton launch costs the host more than a
-    small kernel costs the GPU); elsewhere each call is timed alone."""
+    small kernel costs the GPU); elsewhere each call is timed alone, with the caches emptied
+    before it, so it reads its operands from memory as a decode step does."""
     if torch.device(device).type != "cuda":
         calls[0]()  # first-use costs
-        return statistics.median(timed(calls[i % len(calls)], device) for i in range(repeats))
+        seconds = []
+        for i in range(repeats):
+            flush_cpu_caches()
+            seconds.append(timed(calls[i % len(calls)], device))
+        return statistics.median(seconds)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):  # compile, autotune and allocate before the capture
@@ -64,7 +70,7 @@ def copies_past_cache(num_bytes: int, device: str | torch.device) -> int:
     """How many copies of a call's `num_bytes` of operands to cycle through on CUDA so that
     each call reads them from memory, as a decode step does, and not from the L2 cache the
     call before it filled: together four times the L2. One elsewhere: a CPU call is timed
-    alone, each time as the engine would run it."""
+    alone, after the caches are emptied (`device_seconds`)."""
     if torch.device(device).type != "cuda":
         return 1
     l2 = torch.cuda.get_device_properties(device).L2_cache_size

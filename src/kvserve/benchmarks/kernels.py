@@ -5,7 +5,8 @@ bytes at the copy bandwidth measured in the same run. Each kernel the device has
 the same random paged cache: on CUDA the Triton split-K kernel with the exact softmax merge
 and with FlashDecoding++'s unified maximum, on CPU the C++ kernel; everywhere the plain-torch
 reference, which gathers the blocks first. On CUDA the calls replay from a CUDA graph, as in a
-decode step, over enough copies of the cache that none is read from the L2 cache.
+decode step, over enough copies of the cache that none is read from the L2 cache; on CPU each
+call follows a read that empties the caches.
 """
 
 from __future__ import annotations

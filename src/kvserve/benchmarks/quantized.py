@@ -8,7 +8,8 @@ the same bytes dequantized into the blocked GEMM's tiles; CUDA: the Triton W4A16
 GEMMs) is timed on the same random weight, RTN quantized, with its speed-up over dense and its
 time over its own floor: its weight bytes at the copy bandwidth measured in the same run.
 On CUDA the calls replay from a CUDA graph, as in a decode step, over enough copies of the
-weight that none is read from the L2 cache (`device.device_seconds`). Triton's two kernels are
+weight that none is read from the L2 cache; on CPU each call follows a read that empties the
+caches (`device.device_seconds`). Triton's two kernels are
 timed apart, the GEMV up to the rows it takes; each row names the tile its autotuner picked.
 """
 
