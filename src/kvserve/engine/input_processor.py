@@ -65,11 +65,15 @@ class ParentRequest:
     # FINAL_ONLY): no RequestOutput is built for it before then.
     final_only: bool = False
 
+    @property
+    def finished(self) -> bool:
+        return all(s.output.finished for s in self.sequences)
+
     def to_output(self) -> RequestOutput:
         outputs = [s.output for s in self.sequences]
         scheduled = [s.request.scheduled_time for s in self.sequences]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs,
-                             finished=all(o.finished for o in outputs),
+                             finished=self.finished,
                              prompt_logprobs=self.prompt_logprobs,
                              first_scheduled_time=min((t for t in scheduled if t is not None),
                                                       default=None),

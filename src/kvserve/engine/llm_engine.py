@@ -311,7 +311,7 @@ class LLMEngine:
                 if seq.request.is_finished and seq.output.finish_reason is None:
                     seq.output.finish_reason = seq.request.status.finish_reason
                     seq.output.stop_reason = seq.request.stop_reason
-            if parent.final_only and not all(s.output.finished for s in parent.sequences):
+            if parent.final_only and not parent.finished:
                 continue
             out = parent.to_output()
             if out.finished:
