@@ -17,6 +17,7 @@ from kvserve.quantization.cpu_kernels import (
     amx_int8_runs,
     cpu_candidates,
     dequantized_gemm_runs,
+    wxa8_packed,
 )
 from kvserve.quantization.gptq import gptq, rtn, sorted_by_group
 from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
@@ -272,15 +273,6 @@ def _wxa8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     return x_int8 @ weight.t()
 
 
-def _wxa8_pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """wxa8.cpp's layout: per 64 channels, 4 bits as 32 bytes (channel j in the low nibble of
-    byte j, channel j + 32 in its high one); 8 bits as they are."""
-    if bits == 8:
-        return q.to(torch.uint8).contiguous()
-    blocks = q.to(torch.uint8).reshape(q.shape[0], -1, 2, 32)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 def test_wxa8_kernel_computes_its_integer_products_exactly(bits):
     """Groups of 1 to 8 blocks of 64 channels (the AVX2 path sums up to 4 blocks in int16
@@ -297,7 +289,7 @@ def test_wxa8_kernel_computes_its_integer_products_exactly(bits):
         for q, x in ((torch.randint(0, top + 1, (n, k)), torch.randn(5, k)),
                      (torch.full((n, k), top), torch.ones(5, k))):
             for rows in (1, 2, 3, 4, 5):
-                got = gemm.wxa8_matmul(x[:rows].contiguous(), _wxa8_pack(q, bits), scales,
+                got = gemm.wxa8_matmul(x[:rows].contiguous(), wxa8_packed(q, bits), scales,
                                        zeros.float(), group, bits)
                 want = _wxa8_reference(x[:rows], q, scales, zeros.float(), group)
                 assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), \

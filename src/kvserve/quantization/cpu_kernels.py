@@ -113,6 +113,17 @@ class WxA8Weight:
 IntegerWeight = Int4Weight | Int8Weight | WxA8Weight
 
 
+def wxa8_packed(intweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """The integers [out, in] in wxa8.cpp's layout: per 64 input channels, 4 bits as 32 bytes
+    (channel j in the low nibble of byte j, channel j + 32 in its high one); 8 bits as they
+    are."""
+    packed = intweight.to(torch.uint8)
+    if bits == 4:
+        blocks = packed.reshape(packed.shape[0], -1, 2, 32)
+        packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(packed.shape[0], -1)
+    return packed.contiguous()
+
+
 @dataclass(frozen=True)
 class CpuCandidates:
     """The CPU kernels able to run a layer. Each packs the layer for itself only when called
@@ -155,11 +166,7 @@ def cpu_candidates(shards: list[QuantizedWeight]) -> CpuCandidates:
         packers[Int8Weight] = int8
     if group_size % 64 == 0 and cpu_kernels() is not None:
         def wxa8() -> WxA8Weight:
-            packed = intweight.to(torch.uint8)
-            if bits == 4:
-                blocks = packed.reshape(out_features, -1, 2, 32)
-                packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out_features, -1)
-            return WxA8Weight(packed.contiguous(), scales.t().contiguous(),
+            return WxA8Weight(wxa8_packed(intweight, bits), scales.t().contiguous(),
                               zeros.t().contiguous(), group_size, bits, order)
         packers[WxA8Weight] = wxa8
     return CpuCandidates((out_features, bits, group_size, order is not None),
