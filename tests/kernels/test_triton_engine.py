@@ -34,10 +34,13 @@ def test_greedy_matches_transformers_on_triton_attention(model_dirs, triton_ever
     runner = llm.engine.core.runner
     assert isinstance(runner.model.layers[0].self_attn.backend, TritonPagedAttention)
     assert runner.graphs is not None  # decode steps take the padded graph path (eagerly here)
+    # Each step costs the interpreter about as much as a chunk, so the runs stop early: at 12
+    # tokens the shorter prompts' decodes still cross into a new block. Greedy outputs of fewer
+    # tokens are the first tokens of transformers' (cached) longer ones.
     prompts = random_prompts([5, 40, 97], seed=4)
     expected = [hf_greedy(path, tuple(p), MAX_TOKENS) for p in prompts]
-    assert run_greedy(llm, prompts) == expected
-    assert run_greedy(llm, prompts) == expected
+    assert run_greedy(llm, prompts, max_tokens=12) == [e[:12] for e in expected]
+    assert run_greedy(llm, prompts, max_tokens=3) == [e[:3] for e in expected]
     assert llm.get_stats().prefix_cache_hits > 0
 
 
@@ -98,9 +101,10 @@ def test_blended_prompts_on_triton_attention(model_dirs, triton_everywhere):
     path = model_dirs["llama"]
     llm = LLM(str(path), device=DEVICE, dtype="float32", blend_recompute_ratio=1.0)
     a, b, question = random_prompts([40, 23, 9], seed=8)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    max_tokens = 4  # decodes over the blended KV; the interpreter makes each one costly
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for segments in ([a, b, question], [b, a, question]):
         out = llm.generate({"segments": segments}, params, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == hf_greedy(path, tuple(sum(segments, [])),
-                                                     MAX_TOKENS)
+                                                     max_tokens)
     assert llm.get_stats().blend_chunk_hit_tokens == len(a) + len(b)
