@@ -216,7 +216,7 @@ def test_streaming_eval_and_bench_keep_the_cache_bounded(llama_dir, tmp_path, ca
     import json
 
     out = tmp_path / "streaming.json"
-    run = kvserve("eval", "streaming", str(llama_dir), "--num-tokens", "600",
+    run = kvserve("eval", "streaming", str(llama_dir), "--num-tokens", "400",
                   "--window-tokens", "128", "--json", str(out))
     assert run.returncode == 0, run.stderr
     rows = {row["config"]: row for row in json.loads(out.read_text())["rows"]}
