@@ -26,6 +26,7 @@ _DTYPES = {
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+DEFAULT_KV_CACHE_MEMORY = 2 * GiB  # at most, where kv_cache_memory is not given
 SCHEDULER_POLICIES = ("chunked", "prefill_first")
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
@@ -218,7 +219,7 @@ def _eos_ids(raw: dict[str, Any], folder: Path) -> tuple[int, ...]:
 @dataclass
 class CacheConfig:
     block_size: int = 16
-    kv_cache_memory: int = 2 * GiB
+    kv_cache_memory: int | None = None  # None: EngineConfig.num_kv_blocks picks the size
     enable_prefix_caching: bool = True
     swap_space: int = 4 * GiB  # host memory that holds the KV of requests preempted by swap
     kv_offload_host: int = 0  # host memory for prefix-cache blocks evicted from the pool
@@ -236,7 +237,7 @@ class CacheConfig:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two in [1, 128], "
                              f"got {self.block_size}")
-        if self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         for name in ("swap_space", "kv_offload_host", "kv_offload_disk"):
             if getattr(self, name) < 0:
@@ -407,7 +408,7 @@ class EngineConfig:
     @classmethod
     def create(cls, model: str, dtype: str = "auto", max_num_batched_tokens: int = 2048,
                max_num_seqs: int = 128, block_size: int = 16,
-               kv_cache_memory: int = 2 * GiB, max_model_len: int | None = None,
+               kv_cache_memory: int | None = None, max_model_len: int | None = None,
                seed: int = 0, device: str = "cpu", scheduler_policy: str = "chunked",
                enable_prefix_caching: bool = True, enforce_eager: bool = False,
                scheduling_policy: str = "fcfs", preemption_mode: str = "auto",
@@ -499,7 +500,16 @@ class EngineConfig:
 
     @property
     def num_kv_blocks(self) -> int:
+        """kv_cache_memory's worth of blocks; where it is not given, DEFAULT_KV_CACHE_MEMORY's,
+        but never more than max_num_seqs requests of max_model_len tokens fill at once: a
+        small model's pool is then megabytes, which a start zero-fills in milliseconds where
+        2 GiB took 0.3-1.8 s."""
         per_block = self.pool_bytes_per_block
+        if self.cache.kv_cache_memory is None:
+            per_request = -(-(self.scheduler.max_model_len + self.scheduler.draft_lookahead)
+                            // self.cache.block_size)
+            return min(DEFAULT_KV_CACHE_MEMORY // per_block,
+                       self.scheduler.max_num_seqs * per_request)
         num_blocks = self.cache.kv_cache_memory // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory ({self.cache.kv_cache_memory} bytes) must hold at "

@@ -31,7 +31,9 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                       help="token budget of one step")),
     ("--max-num-seqs", dict(type=int, default=128, help="most sequences running at once")),
     ("--block-size", dict(type=int, default=16, help="tokens per KV block")),
-    ("--kv-cache-memory", dict(type=float, default=2.0, help="KV cache size in GiB (default 2)")),
+    ("--kv-cache-memory", dict(type=float, default=None,
+                               help="KV cache size in GiB (default: 2, or what --max-num-seqs "
+                                    "requests of --max-model-len tokens fill, if less)")),
     ("--max-model-len", dict(type=int, default=None, help="context limit per request")),
     ("--seed", dict(type=int, default=0)),
     ("--device", dict(default="cpu", help="cpu, cuda or cuda:N")),
@@ -121,7 +123,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model: str = "required") ->
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The parsed flags as `LLM(...)` / `EngineConfig.create` keywords."""
     kwargs = {_dest(flag): getattr(args, _dest(flag)) for flag, _ in ENGINE_ARGS}
-    kwargs["kv_cache_memory"] = int(args.kv_cache_memory * GiB)
+    if args.kv_cache_memory is not None:
+        kwargs["kv_cache_memory"] = int(args.kv_cache_memory * GiB)
     kwargs["swap_space"] = int(args.swap_space * GiB)
     kwargs["kv_offload_host"] = int(kwargs.pop("kv_offload_host_gib") * GiB)
     kwargs["kv_offload_disk"] = int(kwargs.pop("kv_offload_disk_gib") * GiB)

@@ -4,11 +4,12 @@ benchmarks start."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
 
-from kvserve.config import GiB, resolve_dtype
+from kvserve.config import EngineConfig, GiB, resolve_dtype
 from kvserve.engine_args import add_engine_args, engine_flags, engine_kwargs
 
 
@@ -63,3 +64,18 @@ def test_bench_serve_hands_every_engine_flag_to_its_servers():
                         ("--kv-cache-memory", "8.0"), ("--max-num-seqs", "256"),
                         ("--max-num-batched-tokens", "256")):
         assert flags[flags.index(flag) + 1] == value
+
+
+def test_the_default_pool_is_what_the_running_requests_can_fill_up_to_2_gib(tmp_path, model_dirs):
+    tiny = model_dirs["llama"]  # 1,024 positions; 16-token blocks
+    assert EngineConfig.create(tiny, max_num_seqs=3).num_kv_blocks == 3 * 64
+    assert EngineConfig.create(tiny, max_num_seqs=3, max_model_len=100).num_kv_blocks == 3 * 7
+    given = EngineConfig.create(tiny, max_num_seqs=3, kv_cache_memory=GiB)
+    assert given.num_kv_blocks == GiB // given.pool_bytes_per_block  # a given size is kept
+    # Llama-3-8B's shapes: 128 requests of 131,072 tokens would fill far more than 2 GiB.
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "max_position_embeddings": 131072}))
+    big = EngineConfig.create(tmp_path, dtype="float32")
+    assert big.num_kv_blocks == 2 * GiB // big.pool_bytes_per_block == 512
