@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 
 import pytest
 import torch
 
+from kvserve import LLM
 from kvserve.config import EngineConfig, GiB, resolve_dtype
 from kvserve.engine_args import add_engine_args, engine_flags, engine_kwargs
 
@@ -66,9 +68,14 @@ def test_bench_serve_hands_every_engine_flag_to_its_servers():
         assert flags[flags.index(flag) + 1] == value
 
 
-def test_the_default_pool_is_what_the_running_requests_can_fill_up_to_2_gib(tmp_path, model_dirs):
+def test_the_default_pool_is_what_the_running_requests_can_fill_up_to_2_gib(tmp_path, model_dirs,
+                                                                            caplog):
     tiny = model_dirs["llama"]  # 1,024 positions; 16-token blocks
     assert EngineConfig.create(tiny, max_num_seqs=3).num_kv_blocks == 3 * 64
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        LLM(str(tiny), max_num_seqs=3)
+    assert "KV cache: 3072 tokens in 192 blocks" in caplog.text
+    assert "3.00x requests of 1024 tokens (max_model_len) at once" in caplog.text
     assert EngineConfig.create(tiny, max_num_seqs=3, max_model_len=100).num_kv_blocks == 3 * 7
     given = EngineConfig.create(tiny, max_num_seqs=3, kv_cache_memory=GiB)
     assert given.num_kv_blocks == GiB // given.pool_bytes_per_block  # a given size is kept

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -14,6 +15,8 @@ from kvserve.request import Request
 from kvserve.worker.executor import TensorParallelExecutor
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.pending_output import PendingOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -46,6 +49,7 @@ class EngineCore:
             config.sink_blocks, config.cache.streaming_window)
         if self.kv_cache.tiers is not None:
             self.kv_cache.tiers.add_disk_blocks(self.runner.disk_blocks())
+        log_kv_pool(config, self.runner.num_blocks)
         costs = PreemptionCosts(self.runner.swap_seconds_per_block())
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, costs)
         self.execute_seconds = 0.0  # in the model runner, which waits for the device
@@ -118,3 +122,13 @@ class _Launched:
     sched: SchedulerOutput
     output: PendingOutput
     start: float  # perf_counter at launch
+
+
+def log_kv_pool(config: EngineConfig, num_blocks: int) -> None:
+    """The pool's size, which kv_cache_memory or its default sets (see
+    `EngineConfig.num_kv_blocks`), in tokens and in requests of max_model_len at once."""
+    tokens, longest = num_blocks * config.cache.block_size, config.scheduler.max_model_len
+    logger.info("KV cache: %d tokens in %d blocks (%.1f MiB%s), %.2fx requests of %d tokens "
+                "(max_model_len) at once", tokens, num_blocks,
+                num_blocks * config.pool_bytes_per_block / 2**20,
+                " per rank" if config.tensor_parallel_size > 1 else "", tokens / longest, longest)
