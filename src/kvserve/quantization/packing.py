@@ -14,6 +14,8 @@ both pack along the output dimension, eight 4-bit values per word in the order 0
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # logical value i sits in nibble AWQ_ORDER.index(i)
@@ -62,11 +64,14 @@ def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_streams(words: torch.Tensor, bits: int) -> torch.Tensor:
     """[m, w] int32, each row one little-endian bit stream -> [m, w * 32 / bits] uint8."""
     m, w = words.shape
-    if 32 % bits == 0:  # whole values per word: shift them out, never a bit per element
-        per_word = 32 // bits
-        shifts = torch.arange(per_word, dtype=torch.int32, device=words.device) * bits
-        values = (words.unsqueeze(-1) >> shifts) & (2**bits - 1)
-        return values.reshape(m, w * per_word).to(torch.uint8)
+    if 8 % bits == 0:  # whole values per byte: shift them out of the stream's bytes, in uint8
+        # (from int32 words, with an int32 per value, a 4-bit LM head unpacked 3.5x slower)
+        stream = words.contiguous().view(torch.uint8).view(m, w, 4)
+        if sys.byteorder == "big":
+            stream = stream.flip(-1)
+        shifts = torch.arange(8 // bits, dtype=torch.uint8, device=words.device) * bits
+        values = (stream.unsqueeze(-1) >> shifts) & (2**bits - 1)
+        return values.reshape(m, w * 32 // bits)
     unsigned = words.long() & 0xFFFFFFFF
     stream = (unsigned.unsqueeze(-1) >> torch.arange(32, device=words.device)) & 1
     stream = stream.reshape(m, -1, bits)
