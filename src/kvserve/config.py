@@ -505,13 +505,14 @@ class EngineConfig:
         small model's pool is then megabytes, which a start zero-fills in milliseconds where
         2 GiB took 0.3-1.8 s."""
         per_block = self.pool_bytes_per_block
-        if self.cache.kv_cache_memory is None:
+        given = self.cache.kv_cache_memory
+        memory = DEFAULT_KV_CACHE_MEMORY if given is None else given
+        num_blocks = memory // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory ({memory} bytes) must hold at least one block "
+                             f"of {per_block} bytes")
+        if given is None:
             per_request = -(-(self.scheduler.max_model_len + self.scheduler.draft_lookahead)
                             // self.cache.block_size)
-            return min(DEFAULT_KV_CACHE_MEMORY // per_block,
-                       self.scheduler.max_num_seqs * per_request)
-        num_blocks = self.cache.kv_cache_memory // per_block
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory ({self.cache.kv_cache_memory} bytes) must hold at "
-                             f"least one block of {per_block} bytes")
+            num_blocks = min(num_blocks, self.scheduler.max_num_seqs * per_request)
         return int(num_blocks)
