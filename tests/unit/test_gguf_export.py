@@ -1,5 +1,6 @@
-"""GGUF export for llama.cpp: every tensor under its GGUF name in the requested dtype, q/k
-rows in llama.cpp's adjacent-pair rotary order, and the vocabulary padded to the model's."""
+"""GGUF export for llama.cpp: every tensor under its GGUF name in the requested dtype (a
+quantized checkpoint's layers in Q4_0 or Q8_0), q/k rows in llama.cpp's adjacent-pair rotary
+order, and the vocabulary padded to the model's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.layers.rotary import to_interleaved
 from kvserve.models.loader import iter_checkpoint
+from kvserve.quantization.hub_format import dequantize_checkpoint
+from kvserve.quantization.quantize import quantize_model
 from kvserve.tools.gguf_export import cached_gguf, export_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -53,6 +56,34 @@ def test_a_conversion_is_cached(llama_dir: Path, tmp_path: Path) -> None:
 def test_other_dtypes_are_refused(llama_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="dtype"):
         export_gguf(llama_dir, torch.float16, tmp_path / "x.gguf")
+
+
+@pytest.mark.parametrize(("bits", "ggml_type"), [(4, "Q4_0"), (8, "Q8_0")])
+def test_a_quantized_checkpoint_is_written_in_llama_cpps_type_of_its_width(
+        llama_dir: Path, tmp_path: Path, bits: int, ggml_type: str) -> None:
+    model = quantize_model(llama_dir, tmp_path / "q", "rtn", bits, group_size=32)
+    path = cached_gguf(model, torch.bfloat16, tmp_path)
+    assert ggml_type in path.name
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    cfg = ModelConfig.from_pretrained(model, "float32")
+    checkpoint = dict(dequantize_checkpoint(iter_checkpoint(model), cfg.quantization))
+    q = tensors["blk.0.attn_q.weight"]
+    assert q.tensor_type == gguf.GGMLQuantizationType[ggml_type]
+    expected = to_interleaved(checkpoint["model.layers.0.self_attn.q_proj.weight"],
+                              cfg.head_dim).numpy()
+    assert np.array_equal(np.array(q.data).reshape(-1), gguf.quants.quantize(
+        expected, gguf.GGMLQuantizationType[ggml_type]).reshape(-1))
+    # The float tensors keep the requested dtype.
+    assert tensors["token_embd.weight"].tensor_type == gguf.GGMLQuantizationType.BF16
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+
+
+def test_a_width_llama_cpp_has_no_like_type_for_is_refused(llama_dir: Path, tmp_path: Path
+                                                           ) -> None:
+    model = quantize_model(llama_dir, tmp_path / "q", "rtn", 3, group_size=32)
+    with pytest.raises(ValueError, match="not 3-bit gptq"):
+        cached_gguf(model, torch.float32, tmp_path)
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob("*.partial"))
 
 
 def test_llama_cpp_scores_the_next_token_as_kvserve_does(llama_dir: Path, tmp_path: Path

