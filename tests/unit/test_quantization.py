@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -276,19 +277,22 @@ def _wxa8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
 @pytest.mark.parametrize("bits", [4, 8])
 def test_wxa8_kernel_computes_its_integer_products_exactly(bits):
     """Groups of 1 to 8 blocks of 64 channels (the AVX2 path sums up to 4 blocks in int16
-    lanes), group counts around its 8 at a time, 1 to 5 rows (4 per pass), and the largest
-    products every lane can hold: weights at their maximum, activations all at 127."""
+    lanes), group counts around its 8 at a time, 1 to 5 rows (4 per pass), the many-row
+    GEMM's 16 rows and more (in tiles of 4 rows x 64 outputs: 80 outputs leave a 16-output
+    tile, 24 outputs keep the per-row kernel), and the largest products every lane can hold:
+    weights at their maximum, activations all at 127."""
     gemm = cpu_kernels()
     if gemm is None:
         pytest.skip("no CPU kernels")
     torch.manual_seed(0)
     top = (1 << bits) - 1
-    for group, groups in ((64, 9), (128, 8), (128, 17), (192, 3), (256, 1), (512, 2)):
-        k, n = group * groups, 24
+    for (group, groups), n in itertools.product(
+            ((64, 9), (128, 8), (128, 17), (192, 3), (256, 1), (512, 2)), (24, 80)):
+        k = group * groups
         scales, zeros = torch.rand(n, groups) + 0.5, torch.randint(0, top + 1, (n, groups))
-        for q, x in ((torch.randint(0, top + 1, (n, k)), torch.randn(5, k)),
-                     (torch.full((n, k), top), torch.ones(5, k))):
-            for rows in (1, 2, 3, 4, 5):
+        for q, x in ((torch.randint(0, top + 1, (n, k)), torch.randn(23, k)),
+                     (torch.full((n, k), top), torch.ones(23, k))):
+            for rows in (1, 2, 3, 4, 5, 16, 23):
                 got = gemm.wxa8_matmul(x[:rows].contiguous(), wxa8_packed(q, bits), scales,
                                        zeros.float(), group, bits)
                 want = _wxa8_reference(x[:rows], q, scales, zeros.float(), group)

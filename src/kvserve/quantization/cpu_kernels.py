@@ -8,9 +8,12 @@ and one of ours:
 - W4A8 and W8A8 (`kvserve/csrc/wxa8.cpp`): 4- and 8-bit layers with groups of a multiple of 64
   channels; each row's activations are quantized to int8 per group and the group's integer
   dot products run on VNNI (AVX2's maddubs without it), as llama.cpp's Q4/Q8 x Q8 paths do.
-  Each of a few rows costs VNNI a pass over the weight; where the CPU has AMX (and groups are
-  of a multiple of 128 channels), from a measured number of rows up the same products run on
-  its int8 tiles instead, 16 rows to a tile. From another measured number up, the same bytes
+  Each of a few rows costs VNNI a pass over the weight; from 16 rows up, AVX512-VNNI runs
+  them as a GEMM instead, over the weights transposed chunk by chunk in L1 into the
+  instruction's operand layout (about 3x the dense float32 GEMM's rate at 64-256 rows on a
+  2-core EPYC). Where the CPU has AMX (and groups are of a multiple of 128 channels), from a
+  measured number of rows up the same products run on its int8 tiles instead, 16 rows to a
+  tile. From another measured number up, the same bytes
   are dequantized block by block into the blocked GEMM's tiles (`kvserve/csrc/dequantize.h`,
   where that GEMM is built): its rate, once enough rows share each dequantized block.
 Act-order layers, whose groups are scattered over the input channels, run with the channels
