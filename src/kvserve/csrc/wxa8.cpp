@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -440,6 +441,14 @@ void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scale
 }  // namespace vnni_gemm
 #endif
 
+// fn(std::integral_constant<int, bits>) for a layer of 4 or 8 bits: the kernels' templates
+// take the width at compile time.
+template <typename Fn>
+void with_bits(int64_t bits, Fn fn) {
+  if (bits == 4) fn(std::integral_constant<int, 4>{});
+  else fn(std::integral_constant<int, 8>{});
+}
+
 // x [M, K] float32; packed [N, K * bits / 8] uint8; scales and zeros [N, K / group] float32.
 void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                   const torch::Tensor& zeros, int64_t group, int64_t bits) {
@@ -683,12 +692,11 @@ torch::Tensor wxa8_amx_matmul(torch::Tensor x, torch::Tensor packed, torch::Tens
 #if defined(KVSERVE_AMX) && defined(__AMX_INT8__)
   if (m == 0) return out;
   const QuantizedRows rows = quantize_rows(x, group);
-  if (bits == 4)
-    amx_int8::matmul<4>(rows, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                        zeros.data_ptr<float>(), n, group, out.data_ptr<float>());
-  else
-    amx_int8::matmul<8>(rows, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                        zeros.data_ptr<float>(), n, group, out.data_ptr<float>());
+  with_bits(bits, [&](auto b) {
+    amx_int8::matmul<decltype(b)::value>(rows, packed.data_ptr<uint8_t>(),
+                                         scales.data_ptr<float>(), zeros.data_ptr<float>(), n,
+                                         group, out.data_ptr<float>());
+  });
 #endif
   return out;
 }
@@ -702,12 +710,11 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   auto out = torch::empty({m, n}, torch::kFloat32);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (m >= kGemmRows && n % 16 == 0) {
-    if (bits == 4)
-      vnni_gemm::matmul<4>(rows, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                           zeros.data_ptr<float>(), n, group, out.data_ptr<float>());
-    else
-      vnni_gemm::matmul<8>(rows, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                           zeros.data_ptr<float>(), n, group, out.data_ptr<float>());
+    with_bits(bits, [&](auto b) {
+      vnni_gemm::matmul<decltype(b)::value>(rows, packed.data_ptr<uint8_t>(),
+                                            scales.data_ptr<float>(), zeros.data_ptr<float>(),
+                                            n, group, out.data_ptr<float>());
+    });
     return out;
   }
 #endif
@@ -722,12 +729,10 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const uint8_t* w = wp + o * row_bytes;
-      if (bits == 8)
-        weight_rows<8>(w, xqp, xs, xsum, sp + o * groups, zp + o * groups, m, k, groups,
-                       blocks, op + o, n);
-      else
-        weight_rows<4>(w, xqp, xs, xsum, sp + o * groups, zp + o * groups, m, k, groups,
-                       blocks, op + o, n);
+      with_bits(bits, [&](auto b) {
+        weight_rows<decltype(b)::value>(w, xqp, xs, xsum, sp + o * groups, zp + o * groups, m,
+                                        k, groups, blocks, op + o, n);
+      });
     }
   });
   return out;
