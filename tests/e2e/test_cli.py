@@ -79,7 +79,9 @@ def test_bench_step_times_every_cell_and_names_a_too_small_pool(llama_dir, tmp_p
     saved = json.loads(out.read_text())
     prefill = saved["prefill"]
     assert prefill["prefill tokens"] == 64 and prefill["% of peak"] > 0
-    assert prefill["+ attention GFLOP/s"] > prefill["matmul GFLOP/s"]
+    # The rates are rounded to 0.1 GFLOP/s, which a tiny model's can share.
+    assert prefill["+ attention GFLOP/s"] >= prefill["matmul GFLOP/s"]
+    assert prefill["attention % of FLOPs"] > 0
     rows = saved["rows"]
     assert [(r["decodes"], r["chunk"]) for r in rows] == [
         (1, 0), (1, 8), (1, 24), (3, 0), (3, 8), (3, 24)]
