@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import kvserve.quantization.cpu_kernels as cpu_kernels_module
 from kvserve.cpp_extension import cpu_kernels
 from kvserve.errors import CheckpointError
 from kvserve.quantization.cpu_kernels import (
@@ -395,3 +396,32 @@ def test_layers_no_kernel_fits_stay_dense():
     a, b = (gptq(w, _hessian(torch.randn(256, 128) * s), 4, 32, True, act_order=True)
             for s in (torch.ones(128), torch.linspace(0.1, 2, 128)))
     assert cpu_candidates([a, b]).packed() == []  # shards ordering their inputs differently
+
+
+@pytest.mark.parametrize(("crossover", "timed_rows"), [(64, [256, 1, 2, 4, 8, 16, 32, 64]),
+                                                        (None, [256])])
+def test_a_crossover_is_searched_only_where_the_challenger_wins_at_the_most_rows(
+        monkeypatch, crossover, timed_rows):
+    """The fewest rows from which a kernel beats another, and a kernel slower at the most rows
+    is timed there only (each timing is the per-row cost each fake kernel is given)."""
+    timed = []
+
+    class Kernel:
+        in_features = 64
+
+        def __init__(self, cost):
+            self.cost = cost
+
+        def matmul(self, x):
+            return self.cost(x.shape[0])
+
+    def fake_time(fn, x, runs):
+        if fn.__self__ is challenger:
+            timed.append(x.shape[0])
+        return fn(x)
+
+    challenger = Kernel(lambda rows: 1.0 if crossover and rows >= crossover else 3.0)
+    monkeypatch.setattr(cpu_kernels_module, "_median_time", fake_time)
+    assert cpu_kernels_module._first_faster(challenger, Kernel(lambda rows: 2.0),
+                                            torch.float32) == crossover
+    assert timed == timed_rows
