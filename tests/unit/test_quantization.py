@@ -425,3 +425,22 @@ def test_a_crossover_is_searched_only_where_the_challenger_wins_at_the_most_rows
     assert cpu_kernels_module._first_faster(challenger, Kernel(lambda rows: 2.0),
                                             torch.float32) == crossover
     assert timed == timed_rows
+
+
+@pytest.mark.parametrize("gemm_runs", [True, False])
+def test_w4a8_within_its_one_row_slack_is_chosen_where_its_vnni_gemm_serves_many_rows(
+        monkeypatch, gemm_runs):
+    """PyTorch's int4 kernel, 1.2x as fast on one row (stubbed timings), has no fast path for
+    many rows: W4A8 is kept where its VNNI GEMM runs them, and loses where nothing does."""
+    if cpu_kernels() is None or not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        pytest.skip("no W4A8 or no int4 kernel in this build")
+    candidates = cpu_candidates([rtn(torch.randn(64, 256), 4, 128, sym=False)])
+    assert set(candidates.packers) == {Int4Weight, WxA8Weight}
+    one_row = {Int4Weight: 1.0, WxA8Weight: 1.2}
+    monkeypatch.setattr(cpu_kernels_module, "_decisions", {})
+    monkeypatch.setattr(cpu_kernels_module, "_median_time",
+                        lambda fn, x, runs=15: one_row[type(fn.__self__)])
+    monkeypatch.setattr(cpu_kernels_module, "row_crossovers", lambda kernel, dtype: kernel)
+    monkeypatch.setattr(cpu_kernels_module, "vnni_gemm_runs", lambda kernel: gemm_runs)
+    chosen = cpu_kernels_module.fastest(candidates, None, 256, torch.float32)
+    assert isinstance(chosen, WxA8Weight if gemm_runs else Int4Weight)

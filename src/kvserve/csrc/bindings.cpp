@@ -48,6 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("wxa8_amx_matmul", &kvserve::wxa8_amx_matmul, release,
         "wxa8_matmul on AMX's int8 tiles");
   m.def("wxa8_amx_runs", &kvserve::wxa8_amx_runs, "whether wxa8_amx_matmul runs this shape");
+  m.def("wxa8_gemm_runs", &kvserve::wxa8_gemm_runs,
+        "whether wxa8_matmul runs these rows as its VNNI GEMM");
   m.def("wxa8_linear", &kvserve::wxa8_linear, release,
         "a W4A8/W8A8 layer: wxa8_matmul, wxa8_amx_matmul from amx_from rows up, or "
         "dequantized_linear from dequantized_from rows up");

@@ -674,6 +674,14 @@ void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scale
 
 namespace kvserve {
 
+bool wxa8_gemm_runs(int64_t rows, int64_t n) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return rows >= kGemmRows && n % 16 == 0;
+#else
+  return false;
+#endif
+}
+
 bool wxa8_amx_runs(int64_t k, int64_t n, int64_t group) {
 #if defined(KVSERVE_AMX) && defined(__AMX_INT8__)
   return group % amx_int8::kUnit == 0 && k % group == 0 && n % 16 == 0 && amx::ready();
@@ -709,7 +717,7 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const QuantizedRows rows = quantize_rows(x, group);
   auto out = torch::empty({m, n}, torch::kFloat32);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (m >= kGemmRows && n % 16 == 0) {
+  if (wxa8_gemm_runs(m, n)) {
     with_bits(bits, [&](auto b) {
       vnni_gemm::matmul<decltype(b)::value>(rows, packed.data_ptr<uint8_t>(),
                                             scales.data_ptr<float>(), zeros.data_ptr<float>(),

@@ -180,9 +180,9 @@ def cpu_candidates(shards: list[QuantizedWeight]) -> CpuCandidates:
 # GEMM), and its amx_from and dequantized_from.
 _decisions: dict[tuple[object, ...], tuple[int, int | None, int | None]] = {}
 # How much slower on one row W4A8/W8A8 may be than the fastest kernel and still be chosen,
-# where its AMX tiles or dequantizing GEMM serve many rows: the others have no fast path for
-# them (torch's int4 took 28x one row's time for 64 rows of a 2,048 x 128,256 LM head, 1.07x as
-# fast as W4A8 on one row; W4A8 through the dequantizing GEMM 3.5x).
+# where its VNNI GEMM, AMX tiles or dequantizing GEMM serve many rows: the others have no fast
+# path for them (torch's int4 took 28x one row's time for 64 rows of a 2,048 x 128,256 LM
+# head, 1.07x as fast as W4A8 on one row; W4A8 through the dequantizing GEMM 3.5x).
 ONE_ROW_SLACK = 1.25
 
 
@@ -191,9 +191,9 @@ def fastest(candidates: CpuCandidates,
             in_features: int, dtype: torch.dtype) -> IntegerWeight | None:
     """The candidate fastest on one row of this shape, or None where the dense matmul `dense`
     builds (if given; called only to time it) beats them all; measured once per shape, the
-    median of a few runs each. W4A8/W8A8, where its AMX tiles or dequantizing GEMM are faster
-    from some row count up, is preferred to a kernel at most ONE_ROW_SLACK faster on one row,
-    and switches to them from those row counts."""
+    median of a few runs each. W4A8/W8A8, where it runs many rows as a VNNI GEMM or its AMX
+    tiles or dequantizing GEMM are faster from some row count up, is preferred to a kernel at
+    most ONE_ROW_SLACK faster on one row, and switches to the latter from those row counts."""
     kinds = list(candidates.packers)
     key = (in_features, dense is None, dtype, candidates.layout, *kinds)
     if key not in _decisions:
@@ -209,7 +209,8 @@ def fastest(candidates: CpuCandidates,
                 and times[wxa8] <= ONE_ROW_SLACK * times[index]):
             routed = row_crossovers(packed[wxa8], dtype)
             amx_from, dequantized_from = routed.amx_from, routed.dequantized_from
-            if amx_from is not None or dequantized_from is not None:
+            if (amx_from is not None or dequantized_from is not None
+                    or vnni_gemm_runs(routed)):
                 index = wxa8
         _decisions[key] = index, amx_from, dequantized_from
     index, amx_from, dequantized_from = _decisions[key]
@@ -229,6 +230,12 @@ def dequantized_gemm_runs(in_features: int, dtype: torch.dtype) -> bool:
     gemm = cpu_kernels()
     return gemm is not None and gemm.dequantized_linear_supports(
         torch.empty(1, in_features, dtype=dtype))
+
+
+def vnni_gemm_runs(kernel: WxA8Weight) -> bool:
+    """Whether this CPU build runs the W4A8/W8A8 layer's many rows as its VNNI GEMM."""
+    gemm = cpu_kernels()
+    return gemm is not None and gemm.wxa8_gemm_runs(CROSSOVER_ROWS[-1], kernel.packed.shape[0])
 
 
 def amx_int8_runs(kernel: WxA8Weight) -> bool:
