@@ -164,15 +164,15 @@ def prefill_against_gemm_peak(runner: ModelRunner, kv_cache: KVCacheManager,
     steps.run(0, tokens)
     seconds = statistics.median(steps.run(0, tokens) for _ in range(args.repeats))
     weights = matmul_params(runner.model.layers)
-    attention = causal_attention_flops(runner.config.model, tokens)
-    flops = 2 * weights * tokens / seconds
+    matmul, attention = 2 * weights * tokens, causal_attention_flops(runner.config.model, tokens)
+    flops = matmul / seconds
     with_attention = flops + attention / seconds
     peak = gemm_peak(runner.device, runner.config.model.dtype)
     row = {"prefill tokens": tokens, "step ms": round(seconds * 1e3, 1),
            "tok/s": round(tokens / seconds, 1), "matmul GFLOP/s": round(flops / 1e9, 1),
            "GEMM peak GFLOP/s": round(peak / 1e9, 1), "% of peak": round(100 * flops / peak, 1),
            "+ attention GFLOP/s": round(with_attention / 1e9, 1),
-           "attention % of FLOPs": round(100 * attention / (2 * weights * tokens + attention), 1),
+           "attention % of FLOPs": round(100 * attention / (matmul + attention), 1),
            "% of peak with attention": round(100 * with_attention / peak, 1)}
     print_table([row], title=(
         f"prefill from an empty cache, {runner.config.model.dtype}: its matmul FLOPs (2 x "
