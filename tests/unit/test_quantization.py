@@ -268,7 +268,9 @@ def _wxa8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     rows, groups = x.shape[0], x.shape[1] // group
     x_groups = x.reshape(rows, groups, group)
     amax = x_groups.abs().amax(-1, keepdim=True)
-    levels = (x_groups * (127 / amax)).round()
+    # The kernel's float32 127 / amax, rounded once: torch's own float32 division by a tensor
+    # can be an ulp off it, which moves a level that lands near a half.
+    levels = (x_groups * (127 / amax.double()).float()).round()
     x_int8 = (levels * (amax / 127)).double().reshape(rows, -1)
     weight = (q.double() - zeros.double().repeat_interleave(group, 1)) * \
         scales.double().repeat_interleave(group, 1)
