@@ -1,26 +1,33 @@
 """Builds the project's C++ CPU kernels on first use (cached under ~/.cache/torch_extensions),
 for the machine's own instruction set. A kernel that fails to build is reported once and
-left out, and the plain-torch path runs instead; `KVSERVE_CPU_KERNELS=0` leaves all out."""
+left out, and the plain-torch path runs instead; `KVSERVE_CPU_KERNELS=0` leaves all out.
+`KVSERVE_CPU_CFLAGS` adds compiler flags, e.g. `-mno-avx512f -mno-avxvnni -mno-amx-tile` to
+run the kernels an AVX2-only CPU gets (with `ATEN_CPU_CAPABILITY=avx2` and
+`ONEDNN_MAX_CPU_ISA=AVX2` for torch's own)."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import functools
+import hashlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
+CSRC = Path(__file__).parent / "csrc"
 
 
-def build(name: str, sources: list[Path], what: str) -> ModuleType | None:
+def build(name: str, sources: list[Path], what: str,
+          extra_cflags: Sequence[str] = ()) -> ModuleType | None:
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return None
+    if extra_cflags:  # a build of its own, beside the machine's
+        name += "_" + hashlib.sha1(" ".join(extra_cflags).encode()).hexdigest()[:8]
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
@@ -28,7 +35,7 @@ def build(name: str, sources: list[Path], what: str) -> ModuleType | None:
         build_directory = Path(_get_build_directory(name, verbose=False))
         with _exclusive(build_directory):
             return load(name=name, sources=[str(s) for s in sources],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
                         extra_ldflags=["-fopenmp"], build_directory=str(build_directory),
                         verbose=False)
     except Exception as e:  # noqa: BLE001 (any build failure means: use the torch path)
@@ -51,4 +58,5 @@ def _exclusive(build_directory: Path) -> Iterator[None]:
 def cpu_kernels() -> ModuleType | None:
     """The kernels of `csrc/` (norms, activation, GEMM, paged decode attention, the Llama
     decode stack) as one module, or None where they do not build."""
-    return build("kvserve_cpu", sorted(_CSRC.glob("*.cpp")), "CPU kernels")
+    return build("kvserve_cpu", sorted(CSRC.glob("*.cpp")), "CPU kernels",
+                 os.environ.get("KVSERVE_CPU_CFLAGS", "").split())

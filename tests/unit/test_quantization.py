@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
 
 import kvserve.quantization.cpu_kernels as cpu_kernels_module
-from kvserve.cpp_extension import cpu_kernels
+from kvserve.cpp_extension import CSRC, build, cpu_kernels
 from kvserve.errors import CheckpointError
 from kvserve.quantization.cpu_kernels import (
     Int4Weight,
@@ -279,23 +280,49 @@ def _wxa8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_wxa8_kernel_computes_its_integer_products_exactly(bits):
-    """Groups of 1 to 8 blocks of 64 channels (the AVX2 path sums up to 4 blocks in int16
-    lanes), group counts around its 8 at a time, 1 to 5 rows (4 per pass), the many-row
-    GEMM's 16 rows and more (in tiles of 4 rows x 64 outputs: 80 outputs leave a 16-output
-    tile, 24 outputs keep the per-row kernel), and the largest products every lane can hold:
-    weights at their maximum, activations all at 127."""
+    """See _check_wxa8_products: on this CPU's own build of the kernels."""
     gemm = cpu_kernels()
     if gemm is None:
         pytest.skip("no CPU kernels")
+    _check_wxa8_products(gemm, bits)
+
+
+@pytest.fixture(scope="module")
+def avx2_kernels() -> ModuleType:
+    """The CPU kernels built as for a CPU with AVX2 and nothing newer (no AVX-512, AVX-VNNI or
+    AMX), whose code paths this CPU's own build leaves out."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512" or cpu_kernels() is None:
+        pytest.skip("this CPU's own build is the AVX2 one, or there is none")
+    built = build("kvserve_cpu", sorted(CSRC.glob("*.cpp")), "AVX2 CPU kernels",
+                  ["-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile"])
+    assert built is not None
+    return built
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [4, 8])
+def test_wxa8_kernel_computes_its_integer_products_exactly_on_avx2(avx2_kernels, bits):
+    assert avx2_kernels.wxa8_gemm_runs(32, 8) and not avx2_kernels.wxa8_gemm_runs(31, 8)
+    _check_wxa8_products(avx2_kernels, bits)
+
+
+def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
+    """Groups of 1 to 8 blocks of 64 channels (the AVX2 per-row path sums up to 4 blocks in
+    int16 lanes), group counts around its 8 at a time, 1 to 5 rows (4 per pass), the many-row
+    GEMM's 16 (AVX512-VNNI) or 32 (AVX2) rows and more (VNNI: tiles of 4 rows x 64 outputs, 80
+    outputs leave a 16-output tile and 24 keep the per-row kernel; AVX2: tiles of 2 rows x 32
+    outputs, 80 outputs leave a 16-output tile and 24 are one of 24), and the largest products
+    every lane can hold: weights at their maximum, activations all at 127 (AVX2's int16 lanes
+    sum 8 channel quads of 4-bit values, or of 8-bit values' nibbles, before widening)."""
     torch.manual_seed(0)
     top = (1 << bits) - 1
     for (group, groups), n in itertools.product(
             ((64, 9), (128, 8), (128, 17), (192, 3), (256, 1), (512, 2)), (24, 80)):
         k = group * groups
         scales, zeros = torch.rand(n, groups) + 0.5, torch.randint(0, top + 1, (n, groups))
-        for q, x in ((torch.randint(0, top + 1, (n, k)), torch.randn(23, k)),
-                     (torch.full((n, k), top), torch.ones(23, k))):
-            for rows in (1, 2, 3, 4, 5, 16, 23):
+        for q, x in ((torch.randint(0, top + 1, (n, k)), torch.randn(35, k)),
+                     (torch.full((n, k), top), torch.ones(35, k))):
+            for rows in (1, 2, 3, 4, 5, 16, 23, 32, 35):
                 got = gemm.wxa8_matmul(x[:rows].contiguous(), wxa8_packed(q, bits), scales,
                                        zeros.float(), group, bits)
                 want = _wxa8_reference(x[:rows], q, scales, zeros.float(), group)
@@ -430,10 +457,10 @@ def test_a_crossover_is_searched_only_where_the_challenger_wins_at_the_most_rows
 
 
 @pytest.mark.parametrize("gemm_runs", [True, False])
-def test_w4a8_within_its_one_row_slack_is_chosen_where_its_vnni_gemm_serves_many_rows(
+def test_w4a8_within_its_one_row_slack_is_chosen_where_its_integer_gemm_serves_many_rows(
         monkeypatch, gemm_runs):
     """PyTorch's int4 kernel, 1.2x as fast on one row (stubbed timings), has no fast path for
-    many rows: W4A8 is kept where its VNNI GEMM runs them, and loses where nothing does."""
+    many rows: W4A8 is kept where its integer GEMM runs them, and loses where nothing does."""
     if cpu_kernels() is None or not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
         pytest.skip("no W4A8 or no int4 kernel in this build")
     candidates = cpu_candidates([rtn(torch.randn(64, 256), 4, 128, sym=False)])
@@ -443,6 +470,6 @@ def test_w4a8_within_its_one_row_slack_is_chosen_where_its_vnni_gemm_serves_many
     monkeypatch.setattr(cpu_kernels_module, "_median_time",
                         lambda fn, x, runs=15: one_row[type(fn.__self__)])
     monkeypatch.setattr(cpu_kernels_module, "row_crossovers", lambda kernel, dtype: kernel)
-    monkeypatch.setattr(cpu_kernels_module, "vnni_gemm_runs", lambda kernel: gemm_runs)
+    monkeypatch.setattr(cpu_kernels_module, "integer_gemm_runs", lambda kernel: gemm_runs)
     chosen = cpu_kernels_module.fastest(candidates, None, 256, torch.float32)
     assert isinstance(chosen, WxA8Weight if gemm_runs else Int4Weight)

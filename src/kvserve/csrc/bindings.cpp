@@ -49,11 +49,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "wxa8_matmul on AMX's int8 tiles");
   m.def("wxa8_amx_runs", &kvserve::wxa8_amx_runs, "whether wxa8_amx_matmul runs this shape");
   m.def("wxa8_gemm_runs", &kvserve::wxa8_gemm_runs,
-        "whether wxa8_matmul runs these rows as its VNNI GEMM");
+        "whether wxa8_matmul runs these rows as its GEMM");
   m.def("wxa8_linear", &kvserve::wxa8_linear, release,
         "a W4A8/W8A8 layer: wxa8_matmul, wxa8_amx_matmul from amx_from rows up, or "
         "dequantized_linear from dequantized_from rows up");
-  py::class_<LinearWeights>(m, "LinearWeights")
+  // Module-local classes: a second build of these kernels (for another instruction set) can
+  // load into the same process.
+  py::class_<LinearWeights>(m, "LinearWeights", py::module_local())
       .def(py::init([](torch::Tensor packed) { return LinearWeights{packed}; }),
            py::arg("packed"))
       .def(py::init([](torch::Tensor weight, int64_t bits, torch::Tensor scales,
@@ -65,14 +67,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("weight"), py::arg("bits"), py::arg("scales"), py::arg("zeros"),
            py::arg("input_order"), py::arg("group"), py::arg("amx_from"),
            py::arg("dequantized_from"));
-  py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights")
+  py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", py::module_local())
       .def(py::init<torch::Tensor, LinearWeights, LinearWeights, torch::Tensor, LinearWeights,
                     LinearWeights, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
                     c10::optional<torch::Tensor>>(),
            py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"),
            py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias") = py::none(),
            py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none());
-  py::class_<LlamaDecodeStack>(m, "LlamaDecodeStack")
+  py::class_<LlamaDecodeStack>(m, "LlamaDecodeStack", py::module_local())
       .def(py::init<std::vector<DecoderLayerWeights>, torch::Tensor, int64_t, int64_t, int64_t,
                     int64_t, double, double>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),

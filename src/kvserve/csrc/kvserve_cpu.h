@@ -32,7 +32,7 @@ torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qw
 // wxa8.cpp: x [m, k] float32 times a W4A8/W8A8 weight, activations quantized to int8 per group.
 torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           torch::Tensor zeros, int64_t group, int64_t bits);
-// Whether wxa8_matmul runs `rows` rows of an n-output layer as its VNNI GEMM (AVX512-VNNI).
+// Whether wxa8_matmul runs `rows` rows of an n-output layer as its GEMM (AVX512-VNNI or AVX2).
 bool wxa8_gemm_runs(int64_t rows, int64_t n);
 // wxa8_matmul on AMX's int8 tiles (wxa8_amx_runs: built, granted, and a shape it takes).
 bool wxa8_amx_runs(int64_t k, int64_t n, int64_t group);

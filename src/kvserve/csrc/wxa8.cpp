@@ -1,8 +1,9 @@
-// 4- or 8-bit weight x 8-bit activation matmul for CPU decode: the activations of each row are
-// quantized to int8 per weight group on the fly, and each group's integer dot product runs on
-// VNNI (AVX512-VNNI: 64 multiply-adds per instruction) or, without it, AVX2's maddubs; where
-// the CPU has AMX, 16 rows at a time on its int8 tiles (wxa8_amx_matmul), which costs a few
-// rows no more than one. A group contributes
+// 4- or 8-bit weight x 8-bit activation matmul for CPU decode and prefill: the activations of
+// each row are quantized to int8 per weight group on the fly, and each group's integer dot
+// product runs on VNNI (AVX512-VNNI: 64 multiply-adds per instruction) or, without it, AVX2's
+// maddubs, a few rows per pass over the weights, or many as a GEMM (gemm below); where the CPU
+// has AMX, 16 rows at a time on its int8 tiles (wxa8_amx_matmul), which costs a few rows no
+// more than one. A group contributes
 // x_scale * (w_scale * dot(q, xq) - w_scale * zero * sum(xq)) to the output.
 //
 // Weight layout, per block of 64 input channels: 4 bits, 32 bytes where byte j holds channel j
@@ -27,11 +28,6 @@ namespace {
 
 constexpr int64_t kBlock = 64;  // input channels per packed block
 constexpr int64_t kRows = 4;    // activation rows served by one pass over a weight row
-// From this many rows up, VNNI runs them as a GEMM (vnni_gemm below). With fewer, transposing
-// the weights costs more than the per-row kernel's extra passes over them: on a 2-core
-// AVX-512 EPYC, llama3-8b and llama3.2-1b shapes, the GEMM took 0.6-1.6x the per-row kernel's
-// time at 8 rows, 0.3-1.1x at 16 and 0.3-0.65x at 32.
-constexpr int64_t kGemmRows = 16;
 // How far ahead of each block the weights (the outputs' rows lie end to end) are fetched into
 // L1: with the hardware prefetcher alone, one row streamed 4-bit weights at 0.75-0.9x the rate
 // it does with this on a 2-core AVX2 EPYC, and at 0.75-0.85x on a 2-core AVX-512 one (8-bit:
@@ -297,101 +293,248 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t group) {
   return rows;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// Many rows on VNNI: a register tile of ROWS rows x 16 * BLOCKS outputs, where each
-// instruction multiplies 4 channels of 16 outputs by the same 4 channels of one row,
-// broadcast. The weight rows are transposed into that operand layout (16 outputs' channels
+#if defined(__AVX2__)
+// Many rows as a GEMM: a register tile of ROWS rows x BLOCKS blocks of outputs, where each
+// instruction multiplies 4 channels of a block's outputs by the same 4 channels of one row,
+// broadcast. The weight rows are transposed into that operand layout (a block's channels
 // 4j..4j+3 in vector j) once per chunk of channels, in L1, for every row tile to reuse, so a
 // weight byte is widened once per call and each integer sum lasts a whole chunk before it is
 // scaled into the output; the per-row kernel above reloads each weight block for every 4 rows
-// and reduces every output's lanes.
-namespace vnni_gemm {
+// and reduces every output's lanes. Vnni and Avx2 below are the two instruction sets' tiles.
+namespace gemm {
 
-// A register tile: 16 sums, 4 weight vectors and a broadcast. Tiles of 20 or 24 sums, whose
-// loads would feed more multiply-adds, took 1.7x the time: GCC 12 kept their sums in memory.
-constexpr int kMaxBlocks = 4;  // 16-output blocks per register tile
-constexpr int kTileRows = 4;   // rows per register tile
 constexpr int64_t kChunk = 256;  // channels per transposed chunk (a group's, if smaller)
 
-// The chunk [c0, c0 + channels) of 16 * blocks output rows (`row_bytes` apart) as
-// [channels / 4][blocks] vectors, vector (j, b) holding channels c0 + 4j..4j+3 of block b's 16
-// outputs.
-template <int BITS>
-void transpose_chunk(const uint8_t* w, int64_t row_bytes, int blocks, int64_t c0,
-                     int64_t channels, __m512i* out) {
-  for (int b = 0; b < blocks; ++b)
-    for (int64_t c = c0; c < c0 + channels; c += kBlock) {
-      __m512i r[16];
-      for (int o = 0; o < 16; ++o)
-        r[o] = block_weights<BITS>(w + (b * 16 + o) * row_bytes + c * BITS / 8);
-      kvserve::dequantize::transpose(r);
-      for (int j = 0; j < 16; ++j) out[((c - c0) / 4 + j) * blocks + b] = r[j];
-    }
+// Channels 4j..4j+3 of a row, as one 32-bit word to broadcast.
+inline int32_t quad(const int8_t* x) {
+  int32_t four;
+  std::memcpy(&four, x, 4);
+  return four;
 }
 
-// out[r, 16b + lane] += x_scale[r] * scale[b] * sum over the chunk of w * xq, and with
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 16 outputs to a block; `vpdpbusd` sums 4 products into each int32 lane.
+struct Vnni {
+  using Vector = __m512i;
+  static constexpr int kOutputs = 16;
+  // A register tile: 16 sums, 4 weight vectors and a broadcast. Tiles of 20 or 24 sums, whose
+  // loads would feed more multiply-adds, took 1.7x the time: GCC 12 kept their sums in memory.
+  static constexpr int kMaxBlocks = 4;
+  static constexpr int kTileRows = 4;
+  // With fewer rows, transposing the weights costs more than the per-row kernel's extra passes
+  // over them: on a 2-core AVX-512 EPYC, llama3-8b and llama3.2-1b shapes, the GEMM took
+  // 0.6-1.6x the per-row kernel's time at 8 rows, 0.3-1.1x at 16 and 0.3-0.65x at 32.
+  static constexpr int64_t kFromRows = 16;
+  template <int BITS>
+  static constexpr int kPlanes = 1;  // weight vectors per quad of channels
+
+  // The chunk [c0, c0 + channels) of 16 * blocks output rows (`row_bytes` apart) as
+  // [channels / 4][blocks] vectors.
+  template <int BITS>
+  static void transpose_chunk(const uint8_t* w, int64_t row_bytes, int blocks, int64_t c0,
+                              int64_t channels, __m512i* out) {
+    for (int b = 0; b < blocks; ++b)
+      for (int64_t c = c0; c < c0 + channels; c += kBlock) {
+        __m512i r[16];
+        for (int o = 0; o < 16; ++o)
+          r[o] = block_weights<BITS>(w + (b * 16 + o) * row_bytes + c * BITS / 8);
+        kvserve::dequantize::transpose(r);
+        for (int j = 0; j < 16; ++j) out[((c - c0) / 4 + j) * blocks + b] = r[j];
+      }
+  }
+
+  // The tile's integer sums over the chunk's quads `w` (transpose_chunk's layout) and ROWS
+  // rows of xq (`k` apart), lane o of sums[r][b] for output 16b + o.
+  template <int BITS, int ROWS, int BLOCKS>
+  static void sums(const __m512i* w, int64_t quads, const int8_t* xq, int64_t k,
+                   __m512i (&sums)[ROWS][BLOCKS]) {
+    for (int r = 0; r < ROWS; ++r)
+      for (int b = 0; b < BLOCKS; ++b) sums[r][b] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < quads; ++j) {
+      __m512i q[BLOCKS];
+      for (int b = 0; b < BLOCKS; ++b) q[b] = _mm512_load_si512(w + j * BLOCKS + b);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512i x = _mm512_set1_epi32(quad(xq + r * k + 4 * j));
+        // The instruction itself: for the intrinsic, GCC 12 copied each sum to a scratch
+        // register and back around every multiply-add, and loaded the weights once per row
+        // (1.5x the time of this loop).
+        for (int b = 0; b < BLOCKS; ++b)
+          asm("vpdpbusd %2, %1, %0" : "+v"(sums[r][b]) : "v"(q[b]), "v"(x));
+      }
+    }
+  }
+
+  // out[0..16) += the lanes of sums * scale * xs (less scaled_zero * xz, with zero_terms).
+  static void scale_into(float* out, __m512i sums, const float* scale, const float* scaled_zero,
+                         float xs, float xz, bool zero_terms) {
+    __m512 acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_load_ps(scale)),
+                                 _mm512_set1_ps(xs), _mm512_loadu_ps(out));
+    if (zero_terms) acc = _mm512_fnmadd_ps(_mm512_load_ps(scaled_zero), _mm512_set1_ps(xz), acc);
+    _mm512_storeu_ps(out, acc);
+  }
+};
+using Isa = Vnni;
+#else
+// 8 outputs to a block; `vpmaddubsw` sums pairs of products into int16 lanes, which add up
+// over kInt16Quads quads before `vpmaddwd` widens them into the int32 sums. A 4-bit weight
+// times an int8 is at most 15 * 127, so 8 quads' pair sums reach 30,480 at most; an 8-bit
+// weight goes as its two nibbles' planes, the high one's sums worth 16.
+struct Avx2 {
+  using Vector = __m256i;
+  static constexpr int kOutputs = 8;
+  // 8 int16 sums, 4 weight vectors, a broadcast and a product: 14 of the 16 registers. Tiles
+  // of 1 x 4, 2 x 3, 3 x 3 and 4 x 2 took 0.98-1.12x its time at 256 rows on 4-bit weights
+  // (0.94-1.11x on 8-bit ones), measured on AVX2 alone (-mno-avx512f) on a 2-core AVX-512 EPYC.
+  static constexpr int kMaxBlocks = 4;
+  static constexpr int kTileRows = 2;
+  // There, at 16 rows of llama3-8b and llama3.2-1b shapes, the GEMM took 0.79-1.16x the
+  // per-row kernel's time; at 32, 0.68-0.99x; at 256, 0.57-0.75x.
+  static constexpr int64_t kFromRows = 32;
+  template <int BITS>
+  static constexpr int kPlanes = BITS == 8 ? 2 : 1;
+  static constexpr int64_t kInt16Quads = 8;
+
+  // An 8 x 8 matrix of 32-bit elements, one row per register, transposed in place.
+  static void transpose(__m256i (&r)[8]) {
+    __m256i t[8];
+    for (int i = 0; i < 8; i += 2) {  // rows i, i + 1 interleaved, per 128-bit half
+      t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {  // r[i + j]: columns j and 4 + j of rows i..i + 3
+      r[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+      r[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+      r[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+      r[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {
+      t[j] = _mm256_permute2x128_si256(r[j], r[4 + j], 0x20);
+      t[4 + j] = _mm256_permute2x128_si256(r[j], r[4 + j], 0x31);
+    }
+    std::copy(t, t + 8, r);
+  }
+
+  // The chunk [c0, c0 + channels) of 8 * blocks output rows (`row_bytes` apart) as
+  // [plane][channels / 4][blocks] vectors of nibbles.
+  template <int BITS>
+  static void transpose_chunk(const uint8_t* w, int64_t row_bytes, int blocks, int64_t c0,
+                              int64_t channels, __m256i* out) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const int64_t quads = channels / 4;
+    for (int b = 0; b < blocks; ++b)
+      for (int64_t c = c0; c < c0 + channels; c += kBlock)
+        // 4 bits: the low nibbles are channels c..c + 31, the high ones the next 32; 8 bits:
+        // each half of the 64 bytes, low nibbles in plane 0 and high ones in plane 1.
+        for (int part = 0; part < 2; ++part) {
+          __m256i r[kPlanes<BITS>][8];
+          for (int o = 0; o < 8; ++o) {
+            const uint8_t* row = w + (b * 8 + o) * row_bytes + c * BITS / 8;
+            const __m256i v = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(row + (BITS == 8 ? 32 * part : 0)));
+            const __m256i shifted = _mm256_srli_epi16(v, 4);
+            if constexpr (BITS == 8) {
+              r[0][o] = _mm256_and_si256(v, nibble);
+              r[1][o] = _mm256_and_si256(shifted, nibble);
+            } else {
+              r[0][o] = _mm256_and_si256(part ? shifted : v, nibble);
+            }
+          }
+          for (int p = 0; p < kPlanes<BITS>; ++p) {
+            transpose(r[p]);
+            for (int j = 0; j < 8; ++j)
+              out[(p * quads + (c - c0) / 4 + 8 * part + j) * blocks + b] = r[p][j];
+          }
+        }
+  }
+
+  template <int BITS, int ROWS, int BLOCKS>
+  static void sums(const __m256i* w, int64_t quads, const int8_t* xq, int64_t k,
+                   __m256i (&sums)[ROWS][BLOCKS]) {
+    for (int r = 0; r < ROWS; ++r)
+      for (int b = 0; b < BLOCKS; ++b) sums[r][b] = _mm256_setzero_si256();
+    for (int p = 0; p < kPlanes<BITS>; ++p) {
+      const __m256i worth = _mm256_set1_epi16(p == 0 ? 1 : 16);
+      const __m256i* plane = w + p * quads * BLOCKS;
+      for (int64_t j0 = 0; j0 < quads; j0 += kInt16Quads) {
+        __m256i pairs[ROWS][BLOCKS];
+        for (int r = 0; r < ROWS; ++r)
+          for (int b = 0; b < BLOCKS; ++b) pairs[r][b] = _mm256_setzero_si256();
+        for (int64_t j = j0; j < j0 + kInt16Quads; ++j) {
+          __m256i q[BLOCKS];
+          for (int b = 0; b < BLOCKS; ++b) q[b] = _mm256_load_si256(plane + j * BLOCKS + b);
+          for (int r = 0; r < ROWS; ++r) {
+            const __m256i x = _mm256_set1_epi32(quad(xq + r * k + 4 * j));
+            // The instructions themselves: for the intrinsics, GCC 12 moved each sum between
+            // registers around every add and kept one in memory (1.2x the time of this loop).
+            for (int b = 0; b < BLOCKS; ++b) {
+              __m256i product;
+              asm("vpmaddubsw %3, %2, %1\n\tvpaddw %1, %0, %0"
+                  : "+x"(pairs[r][b]), "=&x"(product) : "x"(q[b]), "x"(x));
+            }
+          }
+        }
+        for (int r = 0; r < ROWS; ++r)
+          for (int b = 0; b < BLOCKS; ++b)
+            sums[r][b] = _mm256_add_epi32(sums[r][b], _mm256_madd_epi16(pairs[r][b], worth));
+      }
+    }
+  }
+
+  static void scale_into(float* out, __m256i sums, const float* scale, const float* scaled_zero,
+                         float xs, float xz, bool zero_terms) {
+    __m256 acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_load_ps(scale)),
+                                 _mm256_set1_ps(xs), _mm256_loadu_ps(out));
+    if (zero_terms) acc = _mm256_fnmadd_ps(_mm256_load_ps(scaled_zero), _mm256_set1_ps(xz), acc);
+    _mm256_storeu_ps(out, acc);
+  }
+};
+using Isa = Avx2;
+#endif
+
+// out[r, kOutputs * b + lane] += x_scale[r] * scale[b] * sum over the chunk of w * xq, and with
 // `zero_terms`, -= x_scale[r] * x_sum[r] * (scale * zero)[b]: ROWS rows from xq (rows `k`
 // apart), the chunk's quads `w` (transpose_chunk's layout).
-template <int ROWS, int BLOCKS>
-inline void tile(const __m512i* w, int64_t quads, const int8_t* xq, int64_t k,
+template <int BITS, int ROWS, int BLOCKS>
+inline void tile(const Isa::Vector* w, int64_t quads, const int8_t* xq, int64_t k,
                  const float* x_scale, const float* x_scaled_sum, int64_t groups,
-                 const __m512* scale, const __m512* scaled_zero, bool zero_terms, float* out,
+                 const float* scale, const float* scaled_zero, bool zero_terms, float* out,
                  int64_t n) {
-  __m512i sums[ROWS][BLOCKS];
+  Isa::Vector sums[ROWS][BLOCKS];
+  Isa::sums<BITS, ROWS, BLOCKS>(w, quads, xq, k, sums);
   for (int r = 0; r < ROWS; ++r)
-    for (int b = 0; b < BLOCKS; ++b) sums[r][b] = _mm512_setzero_si512();
-  for (int64_t j = 0; j < quads; ++j) {
-    __m512i q[BLOCKS];
-    for (int b = 0; b < BLOCKS; ++b) q[b] = _mm512_load_si512(w + j * BLOCKS + b);
-    for (int r = 0; r < ROWS; ++r) {
-      int32_t four;
-      std::memcpy(&four, xq + r * k + 4 * j, 4);
-      const __m512i x = _mm512_set1_epi32(four);
-      // The instruction itself: for the intrinsic, GCC 12 copied each sum to a scratch
-      // register and back around every multiply-add, and loaded the weights once per row
-      // (1.5x the time of this loop).
-      for (int b = 0; b < BLOCKS; ++b)
-        asm("vpdpbusd %2, %1, %0" : "+v"(sums[r][b]) : "v"(q[b]), "v"(x));
-    }
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    const __m512 xs = _mm512_set1_ps(x_scale[r * groups]);
-    const __m512 xz = _mm512_set1_ps(x_scaled_sum[r * groups]);
-    for (int b = 0; b < BLOCKS; ++b) {
-      float* o = out + r * n + 16 * b;
-      __m512 acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums[r][b]), scale[b]), xs,
-                                   _mm512_loadu_ps(o));
-      if (zero_terms) acc = _mm512_fnmadd_ps(scaled_zero[b], xz, acc);
-      _mm512_storeu_ps(o, acc);
-    }
-  }
+    for (int b = 0; b < BLOCKS; ++b)
+      Isa::scale_into(out + r * n + Isa::kOutputs * b, sums[r][b], scale + Isa::kOutputs * b,
+                      scaled_zero + Isa::kOutputs * b, x_scale[r * groups],
+                      x_scaled_sum[r * groups], zero_terms);
 }
 
-// tile<rows, blocks> for run-time rows <= ROWS and blocks <= BLOCKS.
-template <int ROWS, int BLOCKS>
-inline void any_tile(int rows, int blocks, const __m512i* w, int64_t quads, const int8_t* xq,
-                     int64_t k, const float* xs, const float* xz, int64_t groups,
-                     const __m512* scale, const __m512* scaled_zero, bool zero_terms,
-                     float* out, int64_t n) {
+// tile<BITS, rows, blocks> for run-time rows <= ROWS and blocks <= BLOCKS.
+template <int BITS, int ROWS, int BLOCKS>
+inline void any_tile(int rows, int blocks, const Isa::Vector* w, int64_t quads,
+                     const int8_t* xq, int64_t k, const float* xs, const float* xz,
+                     int64_t groups, const float* scale, const float* scaled_zero,
+                     bool zero_terms, float* out, int64_t n) {
   if constexpr (ROWS > 1) {
     if (rows < ROWS)
-      return any_tile<ROWS - 1, BLOCKS>(rows, blocks, w, quads, xq, k, xs, xz, groups, scale,
-                                        scaled_zero, zero_terms, out, n);
+      return any_tile<BITS, ROWS - 1, BLOCKS>(rows, blocks, w, quads, xq, k, xs, xz, groups,
+                                              scale, scaled_zero, zero_terms, out, n);
   }
   if constexpr (BLOCKS > 1) {
     if (blocks < BLOCKS)
-      return any_tile<ROWS, BLOCKS - 1>(rows, blocks, w, quads, xq, k, xs, xz, groups, scale,
-                                        scaled_zero, zero_terms, out, n);
+      return any_tile<BITS, ROWS, BLOCKS - 1>(rows, blocks, w, quads, xq, k, xs, xz, groups,
+                                              scale, scaled_zero, zero_terms, out, n);
   }
-  tile<ROWS, BLOCKS>(w, quads, xq, k, xs, xz, groups, scale, scaled_zero, zero_terms, out, n);
+  tile<BITS, ROWS, BLOCKS>(w, quads, xq, k, xs, xz, groups, scale, scaled_zero, zero_terms, out,
+                           n);
 }
 
-// out [m, n] (n a multiple of 16) = the W4A8/W8A8 product of `rows`: threads split the tiles of
-// 16 * kMaxBlocks outputs; each transposes a chunk of their weights, then runs every row tile
-// over it.
+// out [m, n] (n a multiple of kOutputs) = the W4A8/W8A8 product of `rows`: threads split the
+// tiles of kOutputs * kMaxBlocks outputs; each transposes a chunk of their weights, then runs
+// every row tile over it.
 template <int BITS>
 void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scales,
             const float* zeros, int64_t n, int64_t group, float* out) {
+  constexpr int kOutputs = Isa::kOutputs, kMaxBlocks = Isa::kMaxBlocks;
   const int64_t m = rows.q.size(0), k = rows.q.size(1), groups = k / group;
   // A whole number of chunks to a group: 64-channel blocks, at most kChunk channels.
   const int64_t chunk = kBlock * std::gcd(group / kBlock, kChunk / kBlock);
@@ -402,43 +545,37 @@ void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scale
   const float* x_scale = rows.scale.data_ptr<float>();
   const float* x_scaled_sum = scaled_sum_tensor.data_ptr<float>();
   std::fill(out, out + m * n, 0.f);
-  const int64_t tiles = (n / 16 + kMaxBlocks - 1) / kMaxBlocks;
+  const int64_t tiles = (n / kOutputs + kMaxBlocks - 1) / kMaxBlocks;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512i> chunk_weights(chunk / 4 * kMaxBlocks);
+    std::vector<Isa::Vector> chunk_weights(Isa::kPlanes<BITS> * chunk / 4 * kMaxBlocks);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t first = t * kMaxBlocks * 16;
-      const int blocks = static_cast<int>(std::min<int64_t>(kMaxBlocks, (n - first) / 16));
+      const int64_t first = t * kMaxBlocks * kOutputs;
+      const int blocks =
+          static_cast<int>(std::min<int64_t>(kMaxBlocks, (n - first) / kOutputs));
       for (int64_t c0 = 0; c0 < k; c0 += chunk) {
         const int64_t g = c0 / group;
-        transpose_chunk<BITS>(packed + first * row_bytes, row_bytes, blocks, c0, chunk,
-                              chunk_weights.data());
-        __m512 scale[kMaxBlocks], scaled_zero[kMaxBlocks];
-        for (int b = 0; b < blocks; ++b) {
-          alignas(64) float s[16], z[16];
-          for (int o = 0; o < 16; ++o) {
-            const int64_t i = (first + 16 * b + o) * groups + g;
-            s[o] = scales[i];
-            z[o] = scales[i] * zeros[i];
-          }
-          scale[b] = _mm512_load_ps(s);
-          scaled_zero[b] = _mm512_load_ps(z);
+        Isa::transpose_chunk<BITS>(packed + first * row_bytes, row_bytes, blocks, c0, chunk,
+                                   chunk_weights.data());
+        alignas(64) float scale[kMaxBlocks * kOutputs], scaled_zero[kMaxBlocks * kOutputs];
+        for (int o = 0; o < blocks * kOutputs; ++o) {
+          const int64_t i = (first + o) * groups + g;
+          scale[o] = scales[i];
+          scaled_zero[o] = scales[i] * zeros[i];
         }
         const bool zero_terms = c0 % group == 0;  // once per group
-        for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
-          const int r = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
-          const int8_t* x = xq + r0 * k + c0;
-          const float* xs = x_scale + r0 * groups + g;
-          const float* xz = x_scaled_sum + r0 * groups + g;
-          float* o = out + r0 * n + first;
-          any_tile<kTileRows, kMaxBlocks>(r, blocks, chunk_weights.data(), chunk / 4, x, k, xs,
-                                          xz, groups, scale, scaled_zero, zero_terms, o, n);
+        for (int64_t r0 = 0; r0 < m; r0 += Isa::kTileRows) {
+          const int r = static_cast<int>(std::min<int64_t>(Isa::kTileRows, m - r0));
+          any_tile<BITS, Isa::kTileRows, kMaxBlocks>(
+              r, blocks, chunk_weights.data(), chunk / 4, xq + r0 * k + c0, k,
+              x_scale + r0 * groups + g, x_scaled_sum + r0 * groups + g, groups, scale,
+              scaled_zero, zero_terms, out + r0 * n + first, n);
         }
       }
     }
   });
 }
 
-}  // namespace vnni_gemm
+}  // namespace gemm
 #endif
 
 // fn(std::integral_constant<int, bits>) for a layer of 4 or 8 bits: the kernels' templates
@@ -675,8 +812,8 @@ void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scale
 namespace kvserve {
 
 bool wxa8_gemm_runs(int64_t rows, int64_t n) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return rows >= kGemmRows && n % 16 == 0;
+#if defined(__AVX2__)
+  return rows >= gemm::Isa::kFromRows && n % gemm::Isa::kOutputs == 0;
 #else
   return false;
 #endif
@@ -716,12 +853,11 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int64_t groups = k / group;
   const QuantizedRows rows = quantize_rows(x, group);
   auto out = torch::empty({m, n}, torch::kFloat32);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX2__)
   if (wxa8_gemm_runs(m, n)) {
     with_bits(bits, [&](auto b) {
-      vnni_gemm::matmul<decltype(b)::value>(rows, packed.data_ptr<uint8_t>(),
-                                            scales.data_ptr<float>(), zeros.data_ptr<float>(),
-                                            n, group, out.data_ptr<float>());
+      gemm::matmul<decltype(b)::value>(rows, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                                       zeros.data_ptr<float>(), n, group, out.data_ptr<float>());
     });
     return out;
   }

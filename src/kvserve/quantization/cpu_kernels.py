@@ -8,14 +8,15 @@ and one of ours:
 - W4A8 and W8A8 (`kvserve/csrc/wxa8.cpp`): 4- and 8-bit layers with groups of a multiple of 64
   channels; each row's activations are quantized to int8 per group and the group's integer
   dot products run on VNNI (AVX2's maddubs without it), as llama.cpp's Q4/Q8 x Q8 paths do.
-  Each of a few rows costs VNNI a pass over the weight; from 16 rows up, AVX512-VNNI runs
-  them as a GEMM instead, over the weights transposed chunk by chunk in L1 into the
+  Each of a few rows costs a pass over the weight; from 16 rows up on AVX512-VNNI (32 on
+  AVX2) they run as a GEMM instead, over the weights transposed chunk by chunk in L1 into the
   instruction's operand layout (about 3x the dense float32 GEMM's rate at 64-256 rows on a
-  2-core EPYC). Where the CPU has AMX (and groups are of a multiple of 128 channels), from a
-  measured number of rows up the same products run on its int8 tiles instead, 16 rows to a
-  tile. From another measured number up, the same bytes
-  are dequantized block by block into the blocked GEMM's tiles (`kvserve/csrc/dequantize.h`,
-  where that GEMM is built): its rate, once enough rows share each dequantized block.
+  2-core AVX-512 EPYC; on AVX2 alone, 1.5x at 8 bits and 2.1x at 4). Where the CPU has AMX
+  (and groups are of a multiple of 128 channels), from a measured number of rows up the same
+  products run on its int8 tiles instead, 16 rows to a tile. From another measured number up,
+  the same bytes are dequantized block by block into the blocked GEMM's tiles
+  (`kvserve/csrc/dequantize.h`, where that GEMM is built): its rate, once enough rows share
+  each dequantized block.
 Act-order layers, whose groups are scattered over the input channels, run with the channels
 sorted by group and each input gathered into that order.
 
@@ -180,7 +181,7 @@ def cpu_candidates(shards: list[QuantizedWeight]) -> CpuCandidates:
 # GEMM), and its amx_from and dequantized_from.
 _decisions: dict[tuple[object, ...], tuple[int, int | None, int | None]] = {}
 # How much slower on one row W4A8/W8A8 may be than the fastest kernel and still be chosen,
-# where its VNNI GEMM, AMX tiles or dequantizing GEMM serve many rows: the others have no fast
+# where its integer GEMM, AMX tiles or dequantizing GEMM serve many rows: the others have no fast
 # path for them (torch's int4 took 28x one row's time for 64 rows of a 2,048 x 128,256 LM
 # head, 1.07x as fast as W4A8 on one row; W4A8 through the dequantizing GEMM 3.5x).
 ONE_ROW_SLACK = 1.25
@@ -191,7 +192,7 @@ def fastest(candidates: CpuCandidates,
             in_features: int, dtype: torch.dtype) -> IntegerWeight | None:
     """The candidate fastest on one row of this shape, or None where the dense matmul `dense`
     builds (if given; called only to time it) beats them all; measured once per shape, the
-    median of a few runs each. W4A8/W8A8, where it runs many rows as a VNNI GEMM or its AMX
+    median of a few runs each. W4A8/W8A8, where it runs many rows as an integer GEMM or its AMX
     tiles or dequantizing GEMM are faster from some row count up, is preferred to a kernel at
     most ONE_ROW_SLACK faster on one row, and switches to the latter from those row counts."""
     kinds = list(candidates.packers)
@@ -210,7 +211,7 @@ def fastest(candidates: CpuCandidates,
             routed = row_crossovers(packed[wxa8], dtype)
             amx_from, dequantized_from = routed.amx_from, routed.dequantized_from
             if (amx_from is not None or dequantized_from is not None
-                    or vnni_gemm_runs(routed)):
+                    or integer_gemm_runs(routed)):
                 index = wxa8
         _decisions[key] = index, amx_from, dequantized_from
     index, amx_from, dequantized_from = _decisions[key]
@@ -232,8 +233,9 @@ def dequantized_gemm_runs(in_features: int, dtype: torch.dtype) -> bool:
         torch.empty(1, in_features, dtype=dtype))
 
 
-def vnni_gemm_runs(kernel: WxA8Weight) -> bool:
-    """Whether this CPU build runs the W4A8/W8A8 layer's many rows as its VNNI GEMM."""
+def integer_gemm_runs(kernel: WxA8Weight) -> bool:
+    """Whether this CPU build runs the W4A8/W8A8 layer's many rows as its integer GEMM (VNNI
+    or AVX2)."""
     gemm = cpu_kernels()
     return gemm is not None and gemm.wxa8_gemm_runs(CROSSOVER_ROWS[-1], kernel.packed.shape[0])
 
