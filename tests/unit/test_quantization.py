@@ -287,33 +287,48 @@ def test_wxa8_kernel_computes_its_integer_products_exactly(bits):
     _check_wxa8_products(gemm, bits)
 
 
-@pytest.fixture(scope="module")
-def avx2_kernels() -> ModuleType:
-    """The CPU kernels built as for a CPU with AVX2 and nothing newer (no AVX-512, AVX-VNNI or
-    AMX), whose code paths this CPU's own build leaves out."""
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next((set(line.split(":")[1].split()) for line in cpuinfo
+                     if line.startswith("flags")), set())
+
+
+@pytest.fixture(scope="module", params=["avx2", "avx_vnni"])
+def avx2_kernels(request) -> tuple[str, ModuleType]:
+    """The CPU kernels built as for a CPU with AVX2 and nothing newer (no AVX-512 or AMX), with
+    AVX-VNNI or without (named): code paths this CPU's own build leaves out."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512" or cpu_kernels() is None:
         pytest.skip("this CPU's own build is the AVX2 one, or there is none")
-    built = build("kvserve_cpu", sorted(CSRC.glob("*.cpp")), "AVX2 CPU kernels",
-                  ["-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile"])
+    flags = ["-mno-avx512f", "-mno-amx-tile"]
+    if request.param == "avx2":
+        flags.append("-mno-avxvnni")
+    elif "avx_vnni" not in _cpu_flags():
+        pytest.skip("no AVX-VNNI on this CPU")
+    built = build("kvserve_cpu", sorted(CSRC.glob("*.cpp")), f"{request.param} CPU kernels",
+                  flags)
     assert built is not None
-    return built
+    return request.param, built
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", [4, 8])
 def test_wxa8_kernel_computes_its_integer_products_exactly_on_avx2(avx2_kernels, bits):
-    assert avx2_kernels.wxa8_gemm_runs(32, 8) and not avx2_kernels.wxa8_gemm_runs(31, 8)
-    _check_wxa8_products(avx2_kernels, bits)
+    """AVX2's GEMM runs from 32 rows up with maddubs alone, from 16 with AVX-VNNI."""
+    isa, kernels = avx2_kernels
+    first = 16 if isa == "avx_vnni" else 32
+    assert kernels.wxa8_gemm_runs(first, 8) and not kernels.wxa8_gemm_runs(first - 1, 8)
+    _check_wxa8_products(kernels, bits)
 
 
 def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
-    """Groups of 1 to 8 blocks of 64 channels (the AVX2 per-row path sums up to 4 blocks in
-    int16 lanes), group counts around its 8 at a time, 1 to 5 rows (4 per pass), the many-row
-    GEMM's 16 (AVX512-VNNI) or 32 (AVX2) rows and more (VNNI: tiles of 4 rows x 64 outputs, 80
-    outputs leave a 16-output tile and 24 keep the per-row kernel; AVX2: tiles of 2 rows x 32
-    outputs, 80 outputs leave a 16-output tile and 24 are one of 24), and the largest products
-    every lane can hold: weights at their maximum, activations all at 127 (AVX2's int16 lanes
-    sum 8 channel quads of 4-bit values, or of 8-bit values' nibbles, before widening)."""
+    """Groups of 1 to 8 blocks of 64 channels (the AVX2 per-row path without AVX-VNNI sums up
+    to 4 blocks in int16 lanes), group counts around its 8 at a time, 1 to 5 rows (4 per pass),
+    the many-row GEMM's 16 (VNNI, AVX-VNNI) or 32 (AVX2) rows and more (VNNI: tiles of 4 rows x
+    64 outputs, 80 outputs leave a 16-output tile and 24 keep the per-row kernel; AVX2: tiles
+    of 2 rows x 32 outputs, 80 outputs leave a 16-output tile and 24 are one of 24), and the
+    largest products every lane can hold: weights at their maximum, activations all at 127
+    (without AVX-VNNI, AVX2's GEMM sums 8 channel quads of 4-bit values, or of 8-bit values'
+    nibbles, in int16 lanes before widening)."""
     torch.manual_seed(0)
     top = (1 << bits) - 1
     for (group, groups), n in itertools.product(

@@ -1,9 +1,9 @@
 // 4- or 8-bit weight x 8-bit activation matmul for CPU decode and prefill: the activations of
 // each row are quantized to int8 per weight group on the fly, and each group's integer dot
-// product runs on VNNI (AVX512-VNNI: 64 multiply-adds per instruction) or, without it, AVX2's
-// maddubs, a few rows per pass over the weights, or many as a GEMM (gemm below); where the CPU
-// has AMX, 16 rows at a time on its int8 tiles (wxa8_amx_matmul), which costs a few rows no
-// more than one. A group contributes
+// product runs on VNNI (AVX512-VNNI: 64 multiply-adds per instruction; AVX-VNNI: 32) or,
+// without it, AVX2's maddubs, a few rows per pass over the weights, or many as a GEMM (gemm
+// below); where the CPU has AMX, 16 rows at a time on its int8 tiles (wxa8_amx_matmul), which
+// costs a few rows no more than one. A group contributes
 // x_scale * (w_scale * dot(q, xq) - w_scale * zero * sum(xq)) to the output.
 //
 // Weight layout, per block of 64 input channels: 4 bits, 32 bytes where byte j holds channel j
@@ -49,6 +49,7 @@ inline __m512i block_weights(const uint8_t* w) {
   }
 }
 #elif defined(__AVX2__)
+#ifndef __AVXVNNI__
 // Blocks whose u8 x s8 pair sums add up in int16 lanes: a pair of 4-bit values (or nibbles)
 // times int8 is at most 2 * 15 * 127 = 3,810, and each block adds two such sums to a lane, so
 // four blocks stay within 32,767.
@@ -57,18 +58,37 @@ constexpr int64_t kInt16Blocks = 4;
 inline __m256i pair_sums(__m256i q, const int8_t* x) {
   return _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
 }
+#endif
 
 // The integer dot products of one group's blocks, from b0 on, for ROWS rows `k` apart, as 8
-// int32 lanes each; BLOCKS blocks to a group (0: `blocks`, known at run time only). 8-bit
-// weights go as their two nibbles, the high ones' sums worth 16.
+// int32 lanes each; BLOCKS blocks to a group (0: `blocks`, known at run time only). With
+// AVX-VNNI (256-bit `vpdpbusd`: 4 products to an int32 lane), 8-bit weights go whole; with
+// maddubs alone, as their two nibbles, the high ones' sums worth 16.
 template <int BITS, int ROWS, int BLOCKS>
 inline void group_dots(const uint8_t* w, const int8_t* xq, int64_t k, int64_t b0,
                        int64_t blocks, __m256i* dots) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
   const int64_t count = BLOCKS > 0 ? BLOCKS : blocks;
   w += b0 * kBlock * BITS / 8;
   xq += b0 * kBlock;
   for (int r = 0; r < ROWS; ++r) dots[r] = _mm256_setzero_si256();
+#ifdef __AVXVNNI__
+  for (int64_t b = 0; b < count; ++b) {
+    const uint8_t* block = w + b * kBlock * BITS / 8;
+    _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes), _MM_HINT_T0);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+    const __m256i halves[2] = {  // channels 0-31 and 32-63 of the block
+        BITS == 4 ? _mm256_and_si256(v, nibble) : v,
+        BITS == 4 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble)
+                  : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32))};
+    for (int r = 0; r < ROWS; ++r)
+      for (int h = 0; h < 2; ++h)
+        dots[r] = _mm256_dpbusd_avx_epi32(dots[r], halves[h],
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                              xq + r * k + b * kBlock + 32 * h)));
+  }
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t s = 0; s < count; s += kInt16Blocks) {
     __m256i low[ROWS], high[ROWS];
     for (int r = 0; r < ROWS; ++r) low[r] = high[r] = _mm256_setzero_si256();
@@ -106,6 +126,7 @@ inline void group_dots(const uint8_t* w, const int8_t* xq, int64_t k, int64_t b0
                                    _mm256_slli_epi32(_mm256_madd_epi16(high[r], ones), 4));
     }
   }
+#endif
 }
 
 // Lane i: the sum of the 8 lanes of d[i].
@@ -375,23 +396,31 @@ struct Vnni {
 };
 using Isa = Vnni;
 #else
-// 8 outputs to a block; `vpmaddubsw` sums pairs of products into int16 lanes, which add up
-// over kInt16Quads quads before `vpmaddwd` widens them into the int32 sums. A 4-bit weight
-// times an int8 is at most 15 * 127, so 8 quads' pair sums reach 30,480 at most; an 8-bit
-// weight goes as its two nibbles' planes, the high one's sums worth 16.
+// 8 outputs to a block. With AVX-VNNI, its 256-bit `vpdpbusd` as above. Without it,
+// `vpmaddubsw` sums pairs of products into int16 lanes, which add up over kInt16Quads quads
+// before `vpmaddwd` widens them into the int32 sums. A 4-bit weight times an int8 is at most
+// 15 * 127, so 8 quads' pair sums reach 30,480 at most; an 8-bit weight goes as its two
+// nibbles' planes, the high one's sums worth 16.
 struct Avx2 {
   using Vector = __m256i;
   static constexpr int kOutputs = 8;
+#ifdef __AVXVNNI__
+  static constexpr bool kDpbusd = true;  // AVX-VNNI: 4 products to an int32 lane, as VNNI
+#else
+  static constexpr bool kDpbusd = false;
+#endif
   // 8 int16 sums, 4 weight vectors, a broadcast and a product: 14 of the 16 registers. Tiles
   // of 1 x 4, 2 x 3, 3 x 3 and 4 x 2 took 0.98-1.12x its time at 256 rows on 4-bit weights
-  // (0.94-1.11x on 8-bit ones), measured on AVX2 alone (-mno-avx512f) on a 2-core AVX-512 EPYC.
+  // (0.94-1.11x on 8-bit ones), measured on AVX2 alone (-mno-avx512f -mno-avxvnni) on a
+  // 2-core AVX-512 EPYC.
   static constexpr int kMaxBlocks = 4;
   static constexpr int kTileRows = 2;
   // There, at 16 rows of llama3-8b and llama3.2-1b shapes, the GEMM took 0.79-1.16x the
-  // per-row kernel's time; at 32, 0.68-0.99x; at 256, 0.57-0.75x.
-  static constexpr int64_t kFromRows = 32;
+  // per-row kernel's time; at 32, 0.68-0.99x; at 256, 0.57-0.75x. With AVX-VNNI kept
+  // (-mno-avx512f alone), 0.57-1.08x at 16 rows and 0.49-0.92x at 24.
+  static constexpr int64_t kFromRows = kDpbusd ? 16 : 32;
   template <int BITS>
-  static constexpr int kPlanes = BITS == 8 ? 2 : 1;
+  static constexpr int kPlanes = BITS == 8 && !kDpbusd ? 2 : 1;
   static constexpr int64_t kInt16Quads = 8;
 
   // An 8 x 8 matrix of 32-bit elements, one row per register, transposed in place.
@@ -432,9 +461,11 @@ struct Avx2 {
             const __m256i v = _mm256_loadu_si256(
                 reinterpret_cast<const __m256i*>(row + (BITS == 8 ? 32 * part : 0)));
             const __m256i shifted = _mm256_srli_epi16(v, 4);
-            if constexpr (BITS == 8) {
+            if constexpr (BITS == 8 && kPlanes<BITS> == 1) {
+              r[0][o] = v;
+            } else if constexpr (BITS == 8) {
               r[0][o] = _mm256_and_si256(v, nibble);
-              r[1][o] = _mm256_and_si256(shifted, nibble);
+              r[kPlanes<BITS> - 1][o] = _mm256_and_si256(shifted, nibble);
             } else {
               r[0][o] = _mm256_and_si256(part ? shifted : v, nibble);
             }
@@ -452,6 +483,18 @@ struct Avx2 {
                    __m256i (&sums)[ROWS][BLOCKS]) {
     for (int r = 0; r < ROWS; ++r)
       for (int b = 0; b < BLOCKS; ++b) sums[r][b] = _mm256_setzero_si256();
+    if constexpr (kDpbusd) {  // Vnni::sums in 8 lanes, the instruction in its VEX form
+      for (int64_t j = 0; j < quads; ++j) {
+        __m256i q[BLOCKS];
+        for (int b = 0; b < BLOCKS; ++b) q[b] = _mm256_load_si256(w + j * BLOCKS + b);
+        for (int r = 0; r < ROWS; ++r) {
+          const __m256i x = _mm256_set1_epi32(quad(xq + r * k + 4 * j));
+          for (int b = 0; b < BLOCKS; ++b)
+            asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(sums[r][b]) : "x"(q[b]), "x"(x));
+        }
+      }
+      return;
+    }
     for (int p = 0; p < kPlanes<BITS>; ++p) {
       const __m256i worth = _mm256_set1_epi16(p == 0 ? 1 : 16);
       const __m256i* plane = w + p * quads * BLOCKS;

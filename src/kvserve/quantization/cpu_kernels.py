@@ -7,11 +7,12 @@ and one of ours:
   128 and the zero's share, `scale * (zero - 128) * sum(x)`, is subtracted from the output.
 - W4A8 and W8A8 (`kvserve/csrc/wxa8.cpp`): 4- and 8-bit layers with groups of a multiple of 64
   channels; each row's activations are quantized to int8 per group and the group's integer
-  dot products run on VNNI (AVX2's maddubs without it), as llama.cpp's Q4/Q8 x Q8 paths do.
-  Each of a few rows costs a pass over the weight; from 16 rows up on AVX512-VNNI (32 on
-  AVX2) they run as a GEMM instead, over the weights transposed chunk by chunk in L1 into the
-  instruction's operand layout (about 3x the dense float32 GEMM's rate at 64-256 rows on a
-  2-core AVX-512 EPYC; on AVX2 alone, 1.5x at 8 bits and 2.1x at 4). Where the CPU has AMX
+  dot products run on VNNI (AVX-512's or AVX-VNNI's; AVX2's maddubs without either), as
+  llama.cpp's Q4/Q8 x Q8 paths do. Each of a few rows costs a pass over the weight; from 16
+  rows up with VNNI (32 on AVX2 alone) they run as a GEMM instead, over the weights transposed
+  chunk by chunk in L1 into the instruction's operand layout (about 3x the dense float32
+  GEMM's rate at 64-256 rows on a 2-core AVX-512 EPYC; with AVX-VNNI alone, 3-3.5x; with
+  maddubs alone, 1.5x at 8 bits and 2x at 4). Where the CPU has AMX
   (and groups are of a multiple of 128 channels), from a measured number of rows up the same
   products run on its int8 tiles instead, 16 rows to a tile. From another measured number up,
   the same bytes are dequantized block by block into the blocked GEMM's tiles
