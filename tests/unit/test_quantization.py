@@ -321,8 +321,9 @@ def test_wxa8_kernel_computes_its_integer_products_exactly_on_avx2(avx2_kernels,
 
 
 def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
-    """Groups of 1 to 8 blocks of 64 channels (the AVX2 per-row path without AVX-VNNI sums up
-    to 4 blocks in int16 lanes), group counts around its 8 at a time, 1 to 5 rows (4 per pass),
+    """Groups of 1 to 16 blocks of 64 channels (the AVX2 per-row path without AVX-VNNI sums up
+    to 4 blocks in int16 lanes; the GEMM transposes 256 or 512 channels at a time, a group's
+    zero point applied once), group counts around its 8 at a time, 1 to 5 rows (4 per pass),
     the many-row GEMM's 16 (VNNI, AVX-VNNI) or 32 (AVX2) rows and more (VNNI: tiles of 4 rows x
     64 outputs, 80 outputs leave a 16-output tile and 24 keep the per-row kernel; AVX2: tiles
     of 2 rows x 32 outputs, 80 outputs leave a 16-output tile and 24 are one of 24), and the
@@ -332,7 +333,7 @@ def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
     torch.manual_seed(0)
     top = (1 << bits) - 1
     for (group, groups), n in itertools.product(
-            ((64, 9), (128, 8), (128, 17), (192, 3), (256, 1), (512, 2)), (24, 80)):
+            ((64, 9), (128, 8), (128, 17), (192, 3), (256, 1), (512, 2), (1024, 1)), (24, 80)):
         k = group * groups
         scales, zeros = torch.rand(n, groups) + 0.5, torch.randint(0, top + 1, (n, groups))
         for q, x in ((torch.randint(0, top + 1, (n, k)), torch.randn(35, k)),
