@@ -176,13 +176,18 @@ def cpu_has_native_bf16() -> bool:
     forced = os.environ.get("KVSERVE_CPU_BF16")
     if forced is not None:
         return forced == "1"
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags, as /proc/cpuinfo lists them (none where it does not)."""
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
-                  if line.startswith("flags")), [])
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in cpuinfo.splitlines()
+                 if line.startswith("flags")), set())
 
 
 def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:

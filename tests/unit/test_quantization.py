@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kvserve.quantization.cpu_kernels as cpu_kernels_module
+from kvserve.config import cpu_flags
 from kvserve.cpp_extension import CSRC, build, cpu_kernels
 from kvserve.errors import CheckpointError
 from kvserve.quantization.cpu_kernels import (
@@ -287,12 +288,6 @@ def test_wxa8_kernel_computes_its_integer_products_exactly(bits):
     _check_wxa8_products(gemm, bits)
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as cpuinfo:
-        return next((set(line.split(":")[1].split()) for line in cpuinfo
-                     if line.startswith("flags")), set())
-
-
 @pytest.fixture(scope="module", params=["avx2", "avx_vnni"])
 def avx2_kernels(request) -> tuple[str, ModuleType]:
     """The CPU kernels built as for a CPU with AVX2 and nothing newer (no AVX-512 or AMX), with
@@ -302,7 +297,7 @@ def avx2_kernels(request) -> tuple[str, ModuleType]:
     flags = ["-mno-avx512f", "-mno-amx-tile"]
     if request.param == "avx2":
         flags.append("-mno-avxvnni")
-    elif "avx_vnni" not in _cpu_flags():
+    elif "avx_vnni" not in cpu_flags():
         pytest.skip("no AVX-VNNI on this CPU")
     built = build("kvserve_cpu", sorted(CSRC.glob("*.cpp")), f"{request.param} CPU kernels",
                   flags)
