@@ -469,7 +469,7 @@ struct Avx2 {
               r[0][o] = v;
             } else if constexpr (BITS == 8) {
               r[0][o] = _mm256_and_si256(v, nibble);
-              r[kPlanes<BITS> - 1][o] = _mm256_and_si256(shifted, nibble);
+              r[1][o] = _mm256_and_si256(shifted, nibble);
             } else {
               r[0][o] = _mm256_and_si256(part ? shifted : v, nibble);
             }
@@ -497,32 +497,32 @@ struct Avx2 {
             asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(sums[r][b]) : "x"(q[b]), "x"(x));
         }
       }
-      return;
-    }
-    for (int p = 0; p < kPlanes<BITS>; ++p) {
-      const __m256i worth = _mm256_set1_epi16(p == 0 ? 1 : 16);
-      const __m256i* plane = w + p * quads * BLOCKS;
-      for (int64_t j0 = 0; j0 < quads; j0 += kInt16Quads) {
-        __m256i pairs[ROWS][BLOCKS];
-        for (int r = 0; r < ROWS; ++r)
-          for (int b = 0; b < BLOCKS; ++b) pairs[r][b] = _mm256_setzero_si256();
-        for (int64_t j = j0; j < j0 + kInt16Quads; ++j) {
-          __m256i q[BLOCKS];
-          for (int b = 0; b < BLOCKS; ++b) q[b] = _mm256_load_si256(plane + j * BLOCKS + b);
-          for (int r = 0; r < ROWS; ++r) {
-            const __m256i x = _mm256_set1_epi32(quad(xq + r * k + 4 * j));
-            // The instructions themselves: for the intrinsics, GCC 12 moved each sum between
-            // registers around every add and kept one in memory (1.2x the time of this loop).
-            for (int b = 0; b < BLOCKS; ++b) {
-              __m256i product;
-              asm("vpmaddubsw %3, %2, %1\n\tvpaddw %1, %0, %0"
-                  : "+x"(pairs[r][b]), "=&x"(product) : "x"(q[b]), "x"(x));
+    } else {
+      for (int p = 0; p < kPlanes<BITS>; ++p) {
+        const __m256i worth = _mm256_set1_epi16(p == 0 ? 1 : 16);
+        const __m256i* plane = w + p * quads * BLOCKS;
+        for (int64_t j0 = 0; j0 < quads; j0 += kInt16Quads) {
+          __m256i pairs[ROWS][BLOCKS];
+          for (int r = 0; r < ROWS; ++r)
+            for (int b = 0; b < BLOCKS; ++b) pairs[r][b] = _mm256_setzero_si256();
+          for (int64_t j = j0; j < j0 + kInt16Quads; ++j) {
+            __m256i q[BLOCKS];
+            for (int b = 0; b < BLOCKS; ++b) q[b] = _mm256_load_si256(plane + j * BLOCKS + b);
+            for (int r = 0; r < ROWS; ++r) {
+              const __m256i x = _mm256_set1_epi32(quad(xq + r * k + 4 * j));
+              // The instructions themselves: for the intrinsics, GCC 12 moved each sum between
+              // registers around every add and kept one in memory (1.2x the time of this loop).
+              for (int b = 0; b < BLOCKS; ++b) {
+                __m256i product;
+                asm("vpmaddubsw %3, %2, %1\n\tvpaddw %1, %0, %0"
+                    : "+x"(pairs[r][b]), "=&x"(product) : "x"(q[b]), "x"(x));
+              }
             }
           }
+          for (int r = 0; r < ROWS; ++r)
+            for (int b = 0; b < BLOCKS; ++b)
+              sums[r][b] = _mm256_add_epi32(sums[r][b], _mm256_madd_epi16(pairs[r][b], worth));
         }
-        for (int r = 0; r < ROWS; ++r)
-          for (int b = 0; b < BLOCKS; ++b)
-            sums[r][b] = _mm256_add_epi32(sums[r][b], _mm256_madd_epi16(pairs[r][b], worth));
       }
     }
   }
