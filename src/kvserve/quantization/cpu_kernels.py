@@ -12,12 +12,11 @@ and one of ours:
   rows up with VNNI (32 on AVX2 alone) they run as a GEMM instead, over the weights transposed
   chunk by chunk in L1 into the instruction's operand layout (about 3x the dense float32
   GEMM's rate at 64-256 rows on a 2-core AVX-512 EPYC; with AVX-VNNI alone, 3-3.5x; with
-  maddubs alone, 1.5x at 8 bits and 2x at 4). Where the CPU has AMX
-  (and groups are of a multiple of 128 channels), from a measured number of rows up the same
-  products run on its int8 tiles instead, 16 rows to a tile. From another measured number up,
-  the same bytes are dequantized block by block into the blocked GEMM's tiles
-  (`kvserve/csrc/dequantize.h`, where that GEMM is built): its rate, once enough rows share
-  each dequantized block.
+  maddubs alone, 1.5x at 8 bits and 2x at 4). Where the CPU has AMX (and groups are of a
+  multiple of 128 channels), from a measured number of rows up the same products run on its
+  int8 tiles instead, 16 rows to a tile. From another measured number up, the same bytes are
+  dequantized block by block into the blocked GEMM's tiles (`kvserve/csrc/dequantize.h`,
+  where that GEMM is built): its rate, once enough rows share each dequantized block.
 Act-order layers, whose groups are scattered over the input channels, run with the channels
 sorted by group and each input gathered into that order.
 
