@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +15,7 @@ from kvserve.entrypoints.cli import main
 
 
 def kvserve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvserve.entrypoints.cli", *args],
+    return subprocess.run([sys.executable, "-m", "kvserve", *args],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -50,8 +53,28 @@ def test_bad_arguments_give_a_clear_error(tmp_path):
     assert "Traceback" not in run.stderr
 
 
+def test_cuda_suite_checks_its_parts_and_runs_one_on_the_cpu(tmp_path):
+    """The CUDA suite's commands, run on small presets on the CPU (DEVICE=cpu SMALL=1), so
+    that a flag the benchmarks no longer take fails here rather than on a GPU."""
+    script = Path(__file__).parents[2] / "scripts" / "cuda_suite.sh"
+    results = tmp_path / "results"
+    unknown = subprocess.run(["bash", str(script), str(results), "latency", "nope"],
+                             capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 2
+    assert "unknown part 'nope': one of tests quantized latency" in unknown.stderr
+    assert not results.exists()  # refused before anything ran
+    env = {**os.environ, "DEVICE": "cpu", "SMALL": "1", "MODELS": str(tmp_path / "models"),
+           "PYTHON": sys.executable}
+    run = subprocess.run(["bash", str(script), str(results), "latency"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (results / "latency.log").read_text()
+    assert "== latency: ok in" in (results / "summary.txt").read_text()
+    for scheduling in ("no-async-scheduling", "async-scheduling"):
+        rows = json.loads((results / f"latency-{scheduling}.json").read_text())["rows"]
+        assert rows[0]["TPOT ms"] > 0
+
+
 def test_bench_prefix_reports_every_config_and_saves_json(llama_dir, tmp_path):
-    import json
 
     out = tmp_path / "prefix.json"
     run = kvserve("bench", "prefix", "--model", str(llama_dir), "--groups", "2",
@@ -68,7 +91,6 @@ def test_bench_prefix_reports_every_config_and_saves_json(llama_dir, tmp_path):
 
 
 def test_bench_step_times_every_cell_and_names_a_too_small_pool(llama_dir, tmp_path, capsys):
-    import json
 
     out = tmp_path / "step.json"
     run = kvserve("bench", "step", "--model", str(llama_dir), "--decodes", "1", "3",
@@ -95,7 +117,6 @@ def test_bench_step_times_every_cell_and_names_a_too_small_pool(llama_dir, tmp_p
 
 
 def test_bench_kernels_times_every_kernel_against_the_floor(tmp_path, capsys):
-    import json
 
     out = tmp_path / "kernels.json"
     run = kvserve("bench", "kernels", "--num-heads", "4", "--num-kv-heads", "2", "--head-dim",
@@ -111,7 +132,6 @@ def test_bench_kernels_times_every_kernel_against_the_floor(tmp_path, capsys):
 
 
 def test_bench_quantized_times_the_dense_layer_and_every_kernel(tmp_path):
-    import json
 
     out = tmp_path / "quantized.json"
     run = kvserve("bench", "quantized", "--layers", "o", "--batches", "1", "3", "--repeats",
@@ -130,7 +150,6 @@ def test_bench_latency_sets_every_engine_against_the_floor(llama_dir, tmp_path):
     """transformers runs beside kvserve; a peer that is not installed is skipped with the
     command that installs it (where one is installed, it runs and gets its row)."""
     import importlib.util
-    import json
 
     out = tmp_path / "latency.json"
     # TPOT is (a full request - a one-token one) / the tokens after the first: 31 decode
@@ -149,7 +168,6 @@ def test_bench_latency_sets_every_engine_against_the_floor(llama_dir, tmp_path):
 
 
 def test_bench_throughput_runs_both_transformers_modes(llama_dir, tmp_path):
-    import json
 
     out = tmp_path / "throughput.json"
     run = kvserve("bench", "throughput", "--model", str(llama_dir), "--workloads", "a",
@@ -165,7 +183,6 @@ def test_bench_throughput_runs_both_transformers_modes(llama_dir, tmp_path):
 
 
 def test_eval_perplexity_agrees_with_transformers(llama_dir, tmp_path, capsys):
-    import json
 
     out = tmp_path / "ppl.json"
     run = kvserve("eval", "perplexity", str(llama_dir), "--context", "40", "--num-windows",
@@ -179,7 +196,6 @@ def test_eval_perplexity_agrees_with_transformers(llama_dir, tmp_path, capsys):
 
 
 def test_bench_offload_replays_chats_identically_in_every_tier(llama_dir, tmp_path):
-    import json
 
     out = tmp_path / "offload.json"
     run = kvserve("bench", "offload", "--model", str(llama_dir), "--chats", "6", "--turns", "3",
@@ -194,7 +210,6 @@ def test_bench_offload_replays_chats_identically_in_every_tier(llama_dir, tmp_pa
 
 
 def test_bench_preemption_and_priority_report_every_mode(llama_dir, tmp_path):
-    import json
 
     out = tmp_path / "preemption.json"
     run = kvserve("bench", "preemption", "--model", str(llama_dir), "--num-prompts", "6",
@@ -215,7 +230,6 @@ def test_bench_preemption_and_priority_report_every_mode(llama_dir, tmp_path):
 
 
 def test_streaming_eval_and_bench_keep_the_cache_bounded(llama_dir, tmp_path, capsys):
-    import json
 
     out = tmp_path / "streaming.json"
     run = kvserve("eval", "streaming", str(llama_dir), "--num-tokens", "400",

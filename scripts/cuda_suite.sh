@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# The CUDA measurements that the README quotes, in parts short enough that several fit in
+# one sitting on a GPU machine:
+#
+#   scripts/cuda_suite.sh RESULTS_DIR PART [PART ...]
+#
+# Parts, in the order they are worth running:
+#   tests        the Triton kernel tests compiled, and every test marked `gpu`
+#   quantized    W4A16 GEMV and tensor-core kernels against cuBLAS, 1-32 rows
+#   latency      llama3-8b batch-1 TPOT against its floor, async scheduling off and on
+#   latency4     the same on its 4-bit RTN copy
+#   step         decode steps against their roofline, with a kernel profile, and the JSON
+#                that `kvserve simulate` fits its cost model to
+#   throughput   the fixed offline workload against transformers (eager and compiled)
+#   nano         nano-vllm's workload on qwen3-0.6b, async scheduling off and on
+#   preemption   swap against recompute on a pool too small for the batch
+#   speculative  prompt-lookup drafts at batch 1
+#   lora         8 adapters in one batch against the base model
+#
+# Each part runs under its own limit (seconds: LIMIT_<part>, e.g. LIMIT_tests=300), logs to
+# RESULTS_DIR/<part>.log and writes its JSON beside it; a part that fails or runs out of time
+# is reported, the next one runs, and the script exits with 1 at the end. Checkpoints are
+# made once, in MODELS (default /tmp/kvserve-suite), and reused by later parts and calls.
+#
+# It runs from a source checkout with no install (PYTHONPATH=src). DEVICE=cpu SMALL=1 runs
+# every part on small presets on the CPU: a check of the commands, not a measurement.
+set -uo pipefail
+
+if [ $# -lt 2 ]; then
+  sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'
+  exit 2
+fi
+PARTS=(tests quantized latency latency4 step throughput nano preemption speculative lora)
+declare -A DEFAULT_LIMIT=([tests]=300 [quantized]=120 [latency]=240 [latency4]=240
+                          [step]=150 [throughput]=300 [nano]=240 [preemption]=180
+                          [speculative]=180 [lora]=180)
+SELF=$(realpath "$0")
+RESULTS=$(realpath -m "$1")
+shift
+for part in "$@"; do
+  if [ "$part" != --one ] && [ -z "${DEFAULT_LIMIT[$part]:-}" ]; then
+    echo "unknown part '$part': one of ${PARTS[*]}" >&2
+    exit 2
+  fi
+done
+cd "$(dirname "$SELF")/.."
+mkdir -p "$RESULTS"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PYTHON=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+MODELS=${MODELS:-/tmp/kvserve-suite}
+if [ "${SMALL:-0}" = 1 ]; then
+  BIG=small QWEN=small QWEN_ARCH=(--arch qwen3) PROMPTS=8 HF_BATCH=8
+else
+  BIG=llama3-8b QWEN=qwen3-0.6b QWEN_ARCH=() PROMPTS=64 HF_BATCH=64
+fi
+
+kvserve() { "$PYTHON" -m kvserve "$@"; }
+
+# The folder of a checkpoint made from PRESET (extra make-model flags after it), made once;
+# where that fails, the benchmark given the folder says so.
+model() {
+  local dir
+  dir=$MODELS/$(echo "$*" | tr -d '-' | tr ' ' '_')
+  [ -f "$dir/config.json" ] || kvserve make-model "$@" --dtype bfloat16 --output "$dir" >&2
+  echo "$dir"
+}
+
+quantized_model() {
+  local dir=$MODELS/$BIG-rtn4
+  [ -f "$dir/config.json" ] || kvserve quantize "$(model "$BIG")" --method rtn --bits 4 \
+    --output "$dir" >&2
+  echo "$dir"
+}
+
+part_tests() {
+  "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels
+  "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/models/test_hf_equivalence.py \
+    tests/models/test_async_scheduling.py tests/unit/test_bench_device.py
+}
+
+part_quantized() {
+  kvserve bench quantized --device "$DEVICE" --batches 1 2 4 8 16 32 \
+    --json "$RESULTS/quantized.json"
+}
+
+part_latency() {
+  for async in --no-async-scheduling --async-scheduling; do
+    kvserve bench latency --model "$(model "$BIG")" --device "$DEVICE" --baseline none --runs 3 \
+      --output-len 128 $async --json "$RESULTS/latency-${async#--}.json"
+  done
+}
+
+part_latency4() {
+  kvserve bench latency --model "$(quantized_model)" --device "$DEVICE" --baseline none --runs 3 \
+    --output-len 128 --json "$RESULTS/latency4.json"
+}
+
+part_step() {
+  kvserve bench step --model "$(model "$BIG")" --device "$DEVICE" --max-num-seqs 264 \
+    --decodes 1 8 32 64 128 256 \
+    --chunks 64 256 512 --context 1024 --profile 10 --json "$RESULTS/step.json"
+}
+
+part_throughput() {
+  kvserve bench throughput --model "$(model "$BIG")" --device "$DEVICE" --workloads a \
+    --num-prompts "$PROMPTS" --hf-batch-sizes "$HF_BATCH" --baseline hf --hf-compile \
+    --json "$RESULTS/throughput.json"
+}
+
+part_nano() {
+  for async in --no-async-scheduling --async-scheduling; do
+    kvserve bench throughput --model "$(model "$QWEN" "${QWEN_ARCH[@]}")" --device "$DEVICE" --workloads nano \
+      --baseline none $async --json "$RESULTS/nano-${async#--}.json"
+  done
+}
+
+part_preemption() {
+  kvserve bench preemption --model "$(model "$QWEN" "${QWEN_ARCH[@]}")" --device "$DEVICE" \
+    --json "$RESULTS/preemption.json"
+}
+
+part_speculative() {
+  kvserve bench speculative --model "$(model "$BIG")" --device "$DEVICE" \
+    --speculative-model ngram --json "$RESULTS/speculative.json"
+}
+
+part_lora() {
+  kvserve bench lora --model "$(model "$BIG")" --device "$DEVICE" --num-adapters 8 \
+    --json "$RESULTS/lora.json"
+}
+
+if [ "$1" = --one ]; then  # one part, run by the loop below under its limit
+  set -e
+  "part_$2"
+  exit
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+  "$PYTHON" -c 'import torch; print("torch", torch.__version__)'; } | tee "$RESULTS/machine.txt"
+failed=0
+for part in "$@"; do
+  limit_var=LIMIT_$part
+  limit=${!limit_var:-${DEFAULT_LIMIT[$part]}}
+  start=$SECONDS
+  timeout --kill-after=10 "$limit" "$SELF" "$RESULTS" --one "$part" > "$RESULTS/$part.log" 2>&1
+  status=$?
+  case $status in
+    0) verdict=ok ;;
+    124|137) verdict="out of time (limit $limit s)" ;;
+    *) verdict="failed (exit $status)" ;;
+  esac
+  [ $status = 0 ] || failed=1
+  echo "== $part: $verdict in $((SECONDS - start)) s" | tee -a "$RESULTS/summary.txt"
+  grep -E '^\||passed|failed|rror' "$RESULTS/$part.log" | tail -40
+done
+exit $failed
