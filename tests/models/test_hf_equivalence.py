@@ -58,14 +58,22 @@ SETTINGS = {
                    "preemption_mode": "recompute"},
     "preemption-swap": {"max_num_batched_tokens": 64, "kv_blocks": 24, "preemption_mode": "swap"},
     "prefill-first": {"max_num_batched_tokens": 96, "scheduler_policy": "prefill_first"},
+    # Features at once: drafts verified (and swapped out) beside preempted requests, and
+    # preemption while the next step is scheduled ahead of the last one's tokens.
+    "preemption-swap-speculative": {"max_num_batched_tokens": 64, "kv_blocks": 24,
+                                    "preemption_mode": "swap", "speculative_model": "ngram"},
+    "preemption-async": {"max_num_batched_tokens": 32, "kv_blocks": 24,
+                         "preemption_mode": "recompute", "async_scheduling": True},
 }
+ONE_ARCH_SETTINGS = ("single-token-budget", "prefill-first", "preemption-swap",
+                     "preemption-swap-speculative", "preemption-async")
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("arch", ARCHES)
 def test_greedy_matches_transformers(model_dirs, arch, setting):
     path = model_dirs[arch]
-    if setting in ("single-token-budget", "prefill-first", "preemption-swap") and arch != "llama":
+    if setting in ONE_ARCH_SETTINGS and arch != "llama":
         pytest.skip("one architecture is enough for this schedule")
     kwargs = dict(SETTINGS[setting])
     if "kv_blocks" in kwargs:
@@ -79,7 +87,10 @@ def test_greedy_matches_transformers(model_dirs, arch, setting):
     if setting.startswith("preemption"):
         assert scheduler.num_preemptions > 0
         swapped = scheduler.num_swapped_preemptions
-        assert swapped == (scheduler.num_preemptions if setting == "preemption-swap" else 0)
+        swap = SETTINGS[setting]["preemption_mode"] == "swap"
+        assert swapped == (scheduler.num_preemptions if swap else 0)
+    if "speculative_model" in kwargs:
+        assert llm.get_stats().num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("policy", ["priority", "fair"])
