@@ -16,6 +16,8 @@
 #   preemption   swap against recompute on a pool too small for the batch
 #   speculative  prompt-lookup drafts at batch 1
 #   lora         8 adapters in one batch against the base model
+#   serve        llama3-8b's server under Poisson load, chunked prefill against
+#                prefill-first (needs fastapi, uvicorn and pydantic importable)
 #
 # Each part runs under its own limit (seconds: LIMIT_<part>, e.g. LIMIT_tests=300), logs to
 # RESULTS_DIR/<part>.log and writes its JSON beside it; a part that fails or runs out of time
@@ -30,10 +32,10 @@ if [ $# -lt 2 ]; then
   sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 2
 fi
-PARTS=(tests quantized latency latency4 step throughput nano preemption speculative lora)
+PARTS=(tests quantized latency latency4 step throughput nano preemption speculative lora serve)
 declare -A DEFAULT_LIMIT=([tests]=300 [quantized]=120 [latency]=240 [latency4]=240
                           [step]=150 [throughput]=300 [nano]=240 [preemption]=180
-                          [speculative]=180 [lora]=180)
+                          [speculative]=180 [lora]=180 [serve]=300)
 SELF=$(realpath "$0")
 RESULTS=$(realpath -m "$1")
 shift
@@ -50,9 +52,9 @@ PYTHON=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 MODELS=${MODELS:-/tmp/kvserve-suite}
 if [ "${SMALL:-0}" = 1 ]; then
-  BIG=small QWEN=small QWEN_ARCH=(--arch qwen3) PROMPTS=8 HF_BATCH=8
+  BIG=small QWEN=small QWEN_ARCH=(--arch qwen3) PROMPTS=8 HF_BATCH=8 RATES=(1 2)
 else
-  BIG=llama3-8b QWEN=qwen3-0.6b QWEN_ARCH=() PROMPTS=64 HF_BATCH=64
+  BIG=llama3-8b QWEN=qwen3-0.6b QWEN_ARCH=() PROMPTS=64 HF_BATCH=64 RATES=(4 8)
 fi
 
 kvserve() { "$PYTHON" -m kvserve "$@"; }
@@ -123,6 +125,16 @@ part_preemption() {
 part_speculative() {
   kvserve bench speculative --model "$(model "$BIG")" --device "$DEVICE" \
     --speculative-model ngram --json "$RESULTS/speculative.json"
+}
+
+part_serve() {
+  "$PYTHON" -c 'import fastapi, uvicorn, pydantic' || {
+    echo "serve needs fastapi, uvicorn and pydantic in $PYTHON" >&2
+    return 1
+  }
+  kvserve bench serve --model "$(model "$BIG")" --device "$DEVICE" \
+    --max-num-batched-tokens 512 --rates "${RATES[@]}" --num-prompts "$PROMPTS" \
+    --json "$RESULTS/serve.json"
 }
 
 part_lora() {
