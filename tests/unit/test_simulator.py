@@ -49,6 +49,15 @@ def test_the_fit_recovers_a_linear_cost() -> None:
     assert fitted.per_context_token == pytest.approx(2e-6, abs=1e-9)
 
 
+def test_a_cost_model_file_that_is_not_bench_step_json_is_named(tmp_path: Path) -> None:
+    missing, latency = tmp_path / "step.json", tmp_path / "latency.json"
+    write_json(latency, {"benchmark": "latency", "rows": []})
+    with pytest.raises(ValueError, match=f"cost_model: cannot read {missing}"):
+        StepCostModel.load([str(missing)])
+    with pytest.raises(ValueError, match=f"cost_model: {latency} is not the JSON of"):
+        StepCostModel.load([str(latency)])
+
+
 def test_the_trace_fit_recovers_a_linear_cost_through_stalls() -> None:
     steps = []
     for i in range(200):

@@ -77,7 +77,17 @@ class StepCostModel:
 
     @classmethod
     def load(cls, paths: list[str]) -> StepCostModel:
-        return cls.fit([json.loads(Path(p).read_text()) for p in paths])
+        """From `kvserve bench step --json` files; any other file is named in the error."""
+        runs = []
+        for path in paths:
+            try:
+                run = json.loads(Path(path).read_text())
+            except (OSError, ValueError) as e:
+                raise ValueError(f"cost_model: cannot read {path}: {e}") from None
+            if not isinstance(run, dict) or run.get("benchmark") != "step":
+                raise ValueError(f"cost_model: {path} is not the JSON of `kvserve bench step`")
+            runs.append(run)
+        return cls.fit(runs)
 
     @classmethod
     def fit_trace(cls, steps: list[tuple[StepShape, float]], source: str) -> StepCostModel:
