@@ -139,6 +139,20 @@ def test_a_quantized_file_without_its_config_is_refused(trained_tiny, tmp_path):
         LLM(str(out))
 
 
+def test_quantize_refuses_what_it_cannot_quantize_by_name(trained_tiny, tmp_path):
+    """Before any layer is loaded: a folder that is no checkpoint, an output over the model,
+    and a checkpoint that is quantized already (transformers would need its GPTQ backend)."""
+    from kvserve.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="model: no config.json in"):
+        quantize_model(tmp_path / "nothing", tmp_path / "q", "rtn", 4, group_size=32)
+    with pytest.raises(ValueError, match="output: the quantized checkpoint needs a folder"):
+        quantize_model(trained_tiny, trained_tiny / ".", "rtn", 4, group_size=32)
+    out = quantize_model(trained_tiny, tmp_path / "q", "rtn", 4, group_size=32)
+    with pytest.raises(ValueError, match=r"is already quantized \(gptq, 4 bits\)"):
+        quantize_model(out, tmp_path / "q2", "rtn", 4, group_size=32)
+
+
 @pytest.mark.parametrize("method,bits,group_size,act_order,lm_head,choice,kernel", [
     ("gptq", 4, 32, False, False, "integer", Int4Weight),
     ("gptq", 4, 32, True, False, "integer", Int4Weight),

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from kvserve.config import ModelConfig
 from kvserve.quantization.gptq import QuantizedWeight, gptq, rtn
 from kvserve.quantization.hub_format import QuantConfig
 from kvserve.quantization.packing import pack_gptq, pack_rows
@@ -59,6 +60,13 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
     if group_size is None:
         group_size = -1 if bits == 8 else 128
     source, out = Path(model_dir), Path(output)
+    quantization = ModelConfig.from_pretrained(source).quantization  # a checkpoint at all?
+    if quantization is not None:
+        raise ValueError(f"model: {str(source)!r} is already quantized ({quantization.method}, "
+                         f"{quantization.bits} bits); quantize its full-precision original")
+    if out.resolve() == source.resolve():
+        raise ValueError("output: the quantized checkpoint needs a folder of its own, not "
+                         "the model's")
     retain_freed_memory()  # each layer's temporaries reuse the last one's pages
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     stages = [(f"model.layers.{index}", layer, {name: m for name, m in layer.named_modules()
