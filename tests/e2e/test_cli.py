@@ -53,6 +53,34 @@ def test_bad_arguments_give_a_clear_error(tmp_path):
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["bench", "throughput", "--model", "m", "--num-prompts", "0"],
+     "argument --num-prompts: must be >= 1, got 0"),
+    (["bench", "kernels", "--batches", "8", "-1"], "argument --batches: must be >= 1, got -1"),
+    (["bench", "step", "--model", "m", "--profile", "-2"],
+     "argument --profile: must be >= 0, got -2"),
+    (["bench", "priority", "--model", "m", "--high-fraction", "1.5"],
+     "argument --high-fraction: must be in [0.0, 1.0], got 1.5"),
+    (["bench", "serve", "--url", "http://127.0.0.1:9", "--rates", "0"],
+     "argument --rates: must be > 0.0, got 0"),
+    (["serve", "m", "--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),
+    (["eval", "streaming", "m", "--num-tokens", "0"], "argument --num-tokens: must be >= 1"),
+])
+def test_a_flag_out_of_its_range_is_refused_by_name(capsys, args, message):
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_values_only_a_run_can_check_are_refused_by_name(llama_dir, tmp_path, capsys):
+    assert "--url: no OpenAI-compatible server answers at http://127.0.0.1:9" in usage_error(
+        capsys, "bench", "serve", "--url", "http://127.0.0.1:9/", "--num-prompts", "1")
+    assert "group_size must be -1 (one group per row) or >= 1, got 0" in usage_error(
+        capsys, "quantize", str(llama_dir), "--method", "rtn", "--group-size", "0",
+        "--output", str(tmp_path / "q"))
+
+
 def test_cuda_suite_checks_its_parts_and_runs_one_on_the_cpu(tmp_path):
     """The CUDA suite's commands, run on small presets on the CPU (DEVICE=cpu SMALL=1), so
     that a flag the benchmarks no longer take fails here rather than on a GPU."""

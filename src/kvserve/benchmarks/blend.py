@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvserve.arg_types import fraction, positive_int
 from kvserve.benchmarks.device import synchronize
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.engine_args import add_engine_args, engine_kwargs
@@ -151,13 +152,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("blend", help="CacheBlend on a RAG workload: TTFT and quality against "
                                      "full prefill and against reuse with no recompute")
     add_engine_args(p)
-    p.add_argument("--ratios", type=float, nargs="+", default=[0.15],
+    p.add_argument("--ratios", type=fraction, nargs="+", default=[0.15],
                    help="recompute ratios to measure (default 0.15)")
-    p.add_argument("--num-chunks", type=int, default=16)
-    p.add_argument("--chunk-len", type=int, default=192)
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--question-len", type=int, default=24)
-    p.add_argument("--answer-len", type=int, default=32)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--num-chunks", type=positive_int, default=16)
+    p.add_argument("--chunk-len", type=positive_int, default=192)
+    p.add_argument("--num-prompts", type=positive_int, default=16)
+    p.add_argument("--question-len", type=positive_int, default=24)
+    p.add_argument("--answer-len", type=positive_int, default=32)
+    p.add_argument("--runs", type=positive_int, default=3)
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=run)

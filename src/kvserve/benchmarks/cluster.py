@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvserve.arg_types import non_negative_int, positive_int
 from kvserve.benchmarks.prefix import medians, table_row
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.serve import RequestResult, percentile, send_all
@@ -179,19 +180,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cluster", help="routers among engine replicas (Ray) on a "
                                        "shared-prefix workload, against one engine")
     add_engine_args(p)
-    p.add_argument("--data-parallel-size", type=int, default=2)
+    p.add_argument("--data-parallel-size", type=positive_int, default=2)
     p.add_argument("--routers", default="round-robin,least-loaded,prefix-aware",
                    help="comma-separated routers to compare")
-    p.add_argument("--groups", type=int, default=12)
-    p.add_argument("--group-size", type=int, default=6)
-    p.add_argument("--prefix-len", type=int, default=256, help="tokens shared by a group")
-    p.add_argument("--suffix-len", type=int, default=16, help="tokens of each request's own")
-    p.add_argument("--output-len", type=int, default=8)
-    p.add_argument("--pool-groups", type=int, default=7,
+    p.add_argument("--groups", type=positive_int, default=12)
+    p.add_argument("--group-size", type=positive_int, default=6)
+    p.add_argument("--prefix-len", type=non_negative_int, default=256,
+                   help="tokens shared by a group")
+    p.add_argument("--suffix-len", type=non_negative_int, default=16,
+                   help="tokens of each request's own")
+    p.add_argument("--output-len", type=positive_int, default=8)
+    p.add_argument("--pool-groups", type=positive_int, default=7,
                    help="size each replica's KV pool to hold this many groups' heads")
-    p.add_argument("--concurrency", type=int, default=8, help="closed-loop clients")
+    p.add_argument("--concurrency", type=positive_int, default=8, help="closed-loop clients")
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--runs", type=int, default=3, help="runs per configuration; the median "
-                                                       "is reported")
+    p.add_argument("--runs", type=positive_int, default=3,
+                   help="runs per configuration; the median is reported")
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=run)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvserve.arg_types import positive_float, positive_int
 from kvserve.benchmarks.cluster import alternate_runs, measure_serving
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import fixed
@@ -62,17 +63,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("disagg", help="disaggregated prefill and decode replicas (Ray) "
                                       "against co-located ones: goodput under SLOs")
     add_engine_args(p)
-    p.add_argument("--replicas", type=int, default=2, help="replicas in both layouts")
-    p.add_argument("--prefill-replicas", type=int, default=1)
-    p.add_argument("--num-prompts", type=int, default=40)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5],
+    p.add_argument("--replicas", type=positive_int, default=2, help="replicas in both layouts")
+    p.add_argument("--prefill-replicas", type=positive_int, default=1)
+    p.add_argument("--num-prompts", type=positive_int, default=40)
+    p.add_argument("--prompt-len", type=positive_int, default=512)
+    p.add_argument("--output-len", type=positive_int, default=64)
+    p.add_argument("--rates", type=positive_float, nargs="+", default=[0.5, 1.0, 1.5],
                    help="arrivals per second (Poisson)")
-    p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
-    p.add_argument("--slo-tpot", type=float, default=0.06, help="seconds")
+    p.add_argument("--slo-ttft", type=positive_float, default=2.0, help="seconds")
+    p.add_argument("--slo-tpot", type=positive_float, default=0.06, help="seconds")
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--runs", type=int, default=1, help="runs per configuration and rate; "
+    p.add_argument("--runs", type=positive_int, default=1, help="runs per configuration and rate; "
                                                        "the median is reported")
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=run)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvserve.arg_types import positive_int
 from kvserve.attention.backend import AttentionMetadata
 from kvserve.attention.cpu_paged import CpuPagedAttention
 from kvserve.attention.torch_ref import TorchPagedAttention
@@ -114,14 +115,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                        "float16"],
                    help="auto: bfloat16 on CUDA, float32 elsewhere")
-    p.add_argument("--num-heads", type=int, default=32, help="query heads (llama3-8b: 32)")
-    p.add_argument("--num-kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--num-heads", type=positive_int, default=32, help="query heads (llama3-8b: 32)")
+    p.add_argument("--num-kv-heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--contexts", type=positive_int, nargs="+", default=[1024, 4096])
     p.add_argument("--unified-max", type=float, default=0.0,
                    help="the fixed softmax maximum of the unified-max variant")
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)

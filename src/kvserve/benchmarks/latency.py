@@ -13,6 +13,7 @@ import argparse
 import statistics
 from collections.abc import Callable
 
+from kvserve.arg_types import positive_int
 from kvserve.benchmarks.device import memory_bandwidth, timed, weight_bytes
 from kvserve.benchmarks.hf_baseline import hf_generate_batch, load_hf
 from kvserve.benchmarks.peers import add_baseline_arg, each_peer
@@ -89,9 +90,9 @@ def run(args: argparse.Namespace) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("latency", help="batch-1 TTFT and TPOT against the bandwidth floor")
     add_engine_args(p)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--prompt-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--runs", type=positive_int, default=3)
     add_baseline_arg(p)
     p.add_argument("--hf-compile", action="store_true",
                    help="also time transformers with a static cache, which it compiles on CUDA")

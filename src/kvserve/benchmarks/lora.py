@@ -9,6 +9,7 @@ import argparse
 import statistics
 import tempfile
 
+from kvserve.arg_types import positive_int
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.structured import timed
 from kvserve.benchmarks.workloads import fixed
@@ -56,11 +57,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("lora", help="throughput with many LoRA adapters in one batch, "
                                     "against the base model")
     add_engine_args(p)
-    p.add_argument("--num-adapters", type=int, default=8)
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--num-adapters", type=positive_int, default=8)
+    p.add_argument("--rank", type=positive_int, default=16)
+    p.add_argument("--num-prompts", type=positive_int, default=64)
+    p.add_argument("--prompt-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--runs", type=positive_int, default=3)
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=run)

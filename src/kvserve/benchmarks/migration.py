@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvserve.arg_types import positive_float, positive_int
 from kvserve.benchmarks.cluster import alternate_runs, measure_serving
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import alternating
@@ -56,16 +57,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                          "imbalanced load, against no migration")
     add_engine_args(p)
     p.set_defaults(max_num_seqs=4)
-    p.add_argument("--num-prompts", type=int, default=60)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--long-output", type=int, default=128)
-    p.add_argument("--short-output", type=int, default=16)
-    p.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
-    p.add_argument("--migration-threshold", type=int, default=2)
-    p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds, for goodput")
-    p.add_argument("--slo-tpot", type=float, default=0.1, help="seconds, for goodput")
+    p.add_argument("--num-prompts", type=positive_int, default=60)
+    p.add_argument("--prompt-len", type=positive_int, default=64)
+    p.add_argument("--long-output", type=positive_int, default=128)
+    p.add_argument("--short-output", type=positive_int, default=16)
+    p.add_argument("--rate", type=positive_float, default=2.0, help="arrivals per second (Poisson)")
+    p.add_argument("--migration-threshold", type=positive_int, default=2)
+    p.add_argument("--slo-ttft", type=positive_float, default=1.0, help="seconds, for goodput")
+    p.add_argument("--slo-tpot", type=positive_float, default=0.1, help="seconds, for goodput")
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--runs", type=int, default=3, help="runs per configuration; the median "
-                                                       "is reported")
+    p.add_argument("--runs", type=positive_int, default=3,
+                   help="runs per configuration; the median is reported")
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=run)

@@ -21,6 +21,7 @@ import tempfile
 import time
 from typing import Any
 
+from kvserve.arg_types import non_negative_int, positive_int
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.serve import percentile
 from kvserve.benchmarks.workloads import ChatScript, chat_script
@@ -113,14 +114,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("offload", help="multi-turn chats with an undersized KV pool: "
                                        "recompute against host and disk offload tiers")
     add_engine_args(p)
-    p.add_argument("--chats", type=int, default=32)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--concurrency", type=int, default=4, help="chats served at once")
-    p.add_argument("--pool-chats", type=int, default=4,
+    p.add_argument("--chats", type=positive_int, default=32)
+    p.add_argument("--turns", type=non_negative_int, default=6)
+    p.add_argument("--concurrency", type=positive_int, default=4, help="chats served at once")
+    p.add_argument("--pool-chats", type=positive_int, default=4,
                    help="size the KV pool to hold this many whole conversations")
-    p.add_argument("--system-words", type=int, default=200)
-    p.add_argument("--user-words", type=int, default=40)
-    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--system-words", type=non_negative_int, default=200)
+    p.add_argument("--user-words", type=positive_int, default=40)
+    p.add_argument("--output-len", type=positive_int, default=32)
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=run)

@@ -16,6 +16,7 @@ import statistics
 import time
 from typing import Any
 
+from kvserve.arg_types import fraction, positive_int
 from kvserve.benchmarks.device import synchronize
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import variable
@@ -111,14 +112,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("preemption", help="swap against recompute preemption on a KV pool "
                                           "too small for the batch")
     add_engine_args(p)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=512,
+    p.add_argument("--num-prompts", type=positive_int, default=32)
+    p.add_argument("--prompt-len", type=positive_int, default=512,
                    help="prompts draw their length from [half of this, this]")
-    p.add_argument("--output-len", type=int, default=128,
+    p.add_argument("--output-len", type=positive_int, default=128,
                    help="outputs draw their length from [half of this, this]")
-    p.add_argument("--pool-fraction", type=float, default=0.5,
+    p.add_argument("--pool-fraction", type=fraction, default=0.5,
                    help="the KV pool holds this fraction of what the whole batch grows to")
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--runs", type=int, default=3, help="runs per mode; the median is reported")
+    p.add_argument("--runs", type=positive_int, default=3,
+                   help="runs per mode; the median is reported")
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=run)

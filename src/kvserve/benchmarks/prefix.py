@@ -15,6 +15,7 @@ import statistics
 import time
 from typing import Any
 
+from kvserve.arg_types import non_negative_int, positive_int
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import chat_script, shared_prefix
 from kvserve.config import ModelConfig
@@ -137,19 +138,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prefix", help="prefix caching and global prefix sharing on "
                                       "shared-prefix and multi-turn workloads")
     add_engine_args(p)
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--group-size", type=int, default=16)
-    p.add_argument("--prefix-len", type=int, default=512, help="tokens shared by a group")
-    p.add_argument("--suffix-len", type=int, default=32, help="tokens of each request's own")
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--pool-groups", type=int, default=3,
+    p.add_argument("--groups", type=positive_int, default=8)
+    p.add_argument("--group-size", type=positive_int, default=16)
+    p.add_argument("--prefix-len", type=non_negative_int, default=512,
+                   help="tokens shared by a group")
+    p.add_argument("--suffix-len", type=non_negative_int, default=32,
+                   help="tokens of each request's own")
+    p.add_argument("--output-len", type=positive_int, default=32)
+    p.add_argument("--pool-groups", type=positive_int, default=3,
                    help="size the KV pool to hold this many groups at once")
-    p.add_argument("--chats", type=int, default=16, help="multi-turn: conversations")
-    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns each (0: skip)")
-    p.add_argument("--chat-system-words", type=int, default=200)
-    p.add_argument("--chat-user-words", type=int, default=40)
+    p.add_argument("--chats", type=positive_int, default=16, help="multi-turn: conversations")
+    p.add_argument("--turns", type=non_negative_int, default=4,
+                   help="multi-turn: turns each (0: skip)")
+    p.add_argument("--chat-system-words", type=non_negative_int, default=200)
+    p.add_argument("--chat-user-words", type=positive_int, default=40)
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--runs", type=int, default=1, help="runs per configuration; the median "
-                                                       "is reported")
+    p.add_argument("--runs", type=positive_int, default=1,
+                   help="runs per configuration; the median is reported")
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=run)

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.arg_types import fraction, positive_float, positive_int
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.serve import percentile
 from kvserve.benchmarks.workloads import variable
@@ -139,14 +140,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("priority", help="favoured-class tail TTFT under overload: fcfs "
                                         "against priority and fair scheduling")
     add_engine_args(p)
-    p.add_argument("--num-requests", type=int, default=200)
-    p.add_argument("--prompt-len", type=int, default=256,
+    p.add_argument("--num-requests", type=positive_int, default=200)
+    p.add_argument("--prompt-len", type=positive_int, default=256,
                    help="prompts draw their length from [half of this, this]")
-    p.add_argument("--output-len", type=int, default=64,
+    p.add_argument("--output-len", type=positive_int, default=64,
                    help="outputs draw their length from [half of this, this]")
-    p.add_argument("--high-fraction", type=float, default=0.2,
+    p.add_argument("--high-fraction", type=fraction, default=0.2,
                    help="share of requests in the favoured class")
-    p.add_argument("--overload", type=float, default=1.5,
+    p.add_argument("--overload", type=positive_float, default=1.5,
                    help="arrival rate as a multiple of the measured capacity")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.add_argument("--workload-seed", type=int, default=0)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvserve.arg_types import positive_int
 from kvserve.benchmarks.device import device_seconds, memory_bandwidth, past_cache_copies
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.config import resolve_dtype
@@ -119,8 +120,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the dense layer's dtype (auto: as the engine picks it for a float32 "
                         "checkpoint on this device)")
     p.add_argument("--layers", nargs="+", choices=sorted(LLAMA3_8B), default=None)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32, 128])
-    p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 4, 16, 32, 128])
+    p.add_argument("--group-size", type=positive_int, default=128)
+    p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvserve.arg_types import positive_float, positive_int
 from kvserve.benchmarks.report import print_table, pyplot, save_json
 from kvserve.benchmarks.workloads import Workload, variable
 from kvserve.config import SCHEDULER_POLICIES, ModelConfig
@@ -209,7 +210,13 @@ def run(args: argparse.Namespace) -> None:
                          "--policies entry)")
     rows: list[dict[str, object]] = []
     if args.url:
-        rows += sweep(args.url.rstrip("/"), args, "server")
+        url = args.url.rstrip("/")
+        try:
+            httpx.get(f"{url}/v1/models", timeout=10).raise_for_status()
+        except httpx.HTTPError as e:
+            raise ValueError(f"--url: no OpenAI-compatible server answers at {url} "
+                             f"({e})") from None
+        rows += sweep(url, args, "server")
     else:
         for policy in args.policies:
             print(f"\nstarting kvserve serve --scheduler-policy {policy}")
@@ -260,19 +267,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default="bench")
     p.add_argument("--policies", nargs="+", default=["chunked", "prefill_first"],
                    choices=SCHEDULER_POLICIES, help="with --model: the schedules to compare")
-    p.add_argument("--rates", type=float, nargs="*", default=[0.5, 1.0, 2.0],
+    p.add_argument("--rates", type=positive_float, nargs="*", default=[0.5, 1.0, 2.0],
                    help="Poisson request rates to sweep (req/s)")
-    p.add_argument("--concurrency", type=int, default=None,
+    p.add_argument("--concurrency", type=positive_int, default=None,
                    help="closed loop: this many requests in flight (with --rates none)")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--prompt-min", type=int, default=128)
-    p.add_argument("--prompt-max", type=int, default=512)
-    p.add_argument("--output-min", type=int, default=32)
-    p.add_argument("--output-max", type=int, default=128)
-    p.add_argument("--vocab-size", type=int, default=32000,
+    p.add_argument("--num-prompts", type=positive_int, default=32)
+    p.add_argument("--prompt-min", type=positive_int, default=128)
+    p.add_argument("--prompt-max", type=positive_int, default=512)
+    p.add_argument("--output-min", type=positive_int, default=32)
+    p.add_argument("--output-max", type=positive_int, default=128)
+    p.add_argument("--vocab-size", type=positive_int, default=32000,
                    help="prompt token ids are drawn below this (with --url)")
-    p.add_argument("--slo-ttft", type=float, default=5.0, help="seconds")
-    p.add_argument("--slo-tpot", type=float, default=0.25,
+    p.add_argument("--slo-ttft", type=positive_float, default=5.0, help="seconds")
+    p.add_argument("--slo-tpot", type=positive_float, default=0.25,
                    help="seconds per output token (0.25: about reading speed)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG of p99 TTFT/TPOT and goodput vs rate")

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvserve.arg_types import non_negative_int, positive_float, positive_int
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.serve import percentile
 from kvserve.benchmarks.workloads import Workload, fixed, shared_prefix, variable
@@ -168,15 +169,17 @@ def run(args: argparse.Namespace) -> None:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=["fixed", "variable", "shared-prefix"],
                    default="fixed")
-    p.add_argument("--num-requests", type=int, default=2000)
-    p.add_argument("--rate", type=float, default=50.0, help="arrivals per second (Poisson)")
-    p.add_argument("--prompt-len", type=int, default=512,
+    p.add_argument("--num-requests", type=positive_int, default=2000)
+    p.add_argument("--rate", type=positive_float, default=50.0,
+                   help="arrivals per second (Poisson)")
+    p.add_argument("--prompt-len", type=positive_int, default=512,
                    help="tokens (the most, for variable)")
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--groups", type=int, default=64, help="shared-prefix: groups")
-    p.add_argument("--prefix-len", type=int, default=384, help="shared-prefix: shared tokens")
-    p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds, for goodput")
-    p.add_argument("--slo-tpot", type=float, default=0.1, help="seconds, for goodput")
+    p.add_argument("--output-len", type=positive_int, default=64)
+    p.add_argument("--groups", type=positive_int, default=64, help="shared-prefix: groups")
+    p.add_argument("--prefix-len", type=non_negative_int, default=384,
+                   help="shared-prefix: shared tokens")
+    p.add_argument("--slo-ttft", type=positive_float, default=2.0, help="seconds, for goodput")
+    p.add_argument("--slo-tpot", type=positive_float, default=0.1, help="seconds, for goodput")
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results to this file")
 
@@ -190,15 +193,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="kvserve bench step --json files to fit the step cost to")
     p.add_argument("--device-spec", choices=sorted(DEVICE_SPECS), default=None,
                    help="a roofline step cost instead")
-    p.add_argument("--replicas", type=int, nargs="+", default=[16])
+    p.add_argument("--replicas", type=positive_int, nargs="+", default=[16])
     p.add_argument("--layouts", default="0",
                    help="prefill replicas per layout, comma-separated (0: co-located); auto: "
                         "co-located and a search over prefill:decode splits")
     p.add_argument("--routers", default="least-loaded",
                    help=f"comma-separated, of {', '.join(ROUTERS)}")
-    p.add_argument("--migration-thresholds", type=int, nargs="+", default=[0],
+    p.add_argument("--migration-thresholds", type=non_negative_int, nargs="+", default=[0],
                    help="0: no migration")
-    p.add_argument("--link-gbps", type=float, default=100.0,
+    p.add_argument("--link-gbps", type=positive_float, default=100.0,
                    help="the link KV moves over between replicas, in Gbit/s")
     p.set_defaults(func=run)
 
@@ -319,6 +322,6 @@ def add_validation_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     add_workload_args(p)
     p.set_defaults(num_requests=100, rate=2.0, prompt_len=256, output_len=32)
-    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--cpus", type=int, default=2, help="cores the replicas share")
+    p.add_argument("--replicas", type=positive_int, nargs="+", default=[1, 2])
+    p.add_argument("--cpus", type=positive_int, default=2, help="cores the replicas share")
     p.set_defaults(func=validate)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.arg_types import non_negative_float, positive_int
 from kvserve.benchmarks.device import synchronize
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import fixed
@@ -125,10 +126,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("speculative", help="batch-1 TPOT with speculative decoding against "
                                            "without, and the drafts' acceptance rate")
     add_engine_args(p)
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    p.add_argument("--runs", type=int, default=4)
+    p.add_argument("--num-prompts", type=positive_int, default=4)
+    p.add_argument("--prompt-len", type=positive_int, default=256)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--temperatures", type=non_negative_float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--runs", type=positive_int, default=4)
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=run)

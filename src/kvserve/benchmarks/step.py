@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from kvserve.arg_types import non_negative_int, positive_int
 from kvserve.benchmarks.device import (
     gemm_peak,
     matmul_params,
@@ -192,18 +193,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("step", help="what a prefill chunk adds to a decode step, against "
                                     "the chunk in a step of its own")
     add_engine_args(p)
-    p.add_argument("--decodes", type=int, nargs="+", default=[1, 8, 32],
+    p.add_argument("--decodes", type=positive_int, nargs="+", default=[1, 8, 32],
                    help="decode batch sizes to time")
-    p.add_argument("--chunks", type=int, nargs="+", default=[16, 64, 256],
+    p.add_argument("--chunks", type=positive_int, nargs="+", default=[16, 64, 256],
                    help="prefill chunk sizes (tokens) to add to each decode batch")
-    p.add_argument("--context", type=int, default=256,
+    p.add_argument("--context", type=positive_int, default=256,
                    help="tokens already in the KV cache of every decode and of the chunk")
-    p.add_argument("--prefill-tokens", type=int, default=2048,
+    p.add_argument("--prefill-tokens", type=positive_int, default=2048,
                    help="the prefill set against the GEMM peak (at most the step budget "
                         "and the model's length)")
-    p.add_argument("--repeats", type=int, default=7, help="timed steps per cell; the median "
-                                                          "is reported")
-    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+    p.add_argument("--repeats", type=positive_int, default=7,
+                   help="timed steps per cell; the median is reported")
+    p.add_argument("--profile", type=non_negative_int, default=0, metavar="STEPS",
                    help="also profile this many decode-only steps of the smallest --decodes "
                         "batch and print the ops that take the most device time")
     p.add_argument("--json", default=None)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kvserve.arg_types import positive_int
 from kvserve.benchmarks.device import timed
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.engine_args import add_engine_args, engine_kwargs
@@ -94,10 +95,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("streaming", help="one endless stream with attention sinks: per-token "
                                          "time and KV blocks along 100,000 tokens")
     add_engine_args(p)
-    p.add_argument("--num-tokens", type=int, default=100_000)
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--report-every", type=int, default=10_000)
-    p.add_argument("--recompute-tokens", type=int, default=20,
+    p.add_argument("--num-tokens", type=positive_int, default=100_000)
+    p.add_argument("--prompt-len", type=positive_int, default=16)
+    p.add_argument("--report-every", type=positive_int, default=10_000)
+    p.add_argument("--recompute-tokens", type=positive_int, default=20,
                    help="tokens timed for the recomputing baseline (median)")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)

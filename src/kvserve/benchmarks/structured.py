@@ -12,6 +12,7 @@ import statistics
 import time
 from typing import Any
 
+from kvserve.arg_types import non_negative_float, positive_int
 from kvserve.benchmarks.device import synchronize
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import fixed
@@ -94,11 +95,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("structured", help="outputs held to a JSON schema: validity, and "
                                           "throughput against the same tokens unconstrained")
     add_engine_args(p)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--num-prompts", type=positive_int, default=64)
+    p.add_argument("--prompt-len", type=positive_int, default=128)
+    p.add_argument("--max-tokens", type=positive_int, default=256)
+    p.add_argument("--temperature", type=non_negative_float, default=1.0)
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=positive_int, default=3)
     p.add_argument("--json", default=None, help="write the results to this file")
     p.set_defaults(func=run)

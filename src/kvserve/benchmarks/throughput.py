@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from kvserve.arg_types import non_negative_float, positive_int
 from kvserve.benchmarks.device import synchronize
 from kvserve.benchmarks.hf_baseline import hf_generate_batch, hf_run, load_hf
 from kvserve.benchmarks.peers import add_baseline_arg, each_peer
@@ -105,12 +106,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workloads", nargs="+", choices=["a", "b", "nano"], default=["a", "b"],
                    help="a: N x 128 -> 128 tokens; b: N x [32,512] -> [16,256] tokens; "
                         "nano: nano-vllm's 256 x [100,1024] -> [100,1024] tokens")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=positive_int, default=64)
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--runs", type=int, default=3, help="kvserve runs; the median is reported")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--runs", type=positive_int, default=3,
+                   help="kvserve runs; the median is reported")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="0 decodes greedily; above 0 both engines sample the full distribution")
-    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 32, 64])
+    p.add_argument("--hf-batch-sizes", type=positive_int, nargs="+", default=[8, 32, 64])
     add_baseline_arg(p)
     p.add_argument("--hf-compile", action="store_true",
                    help="also run transformers with a static cache, which it compiles on CUDA")

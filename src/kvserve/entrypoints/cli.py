@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from kvserve.arg_types import non_negative_int, port, positive_float, positive_int
 from kvserve.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS, GiB
 from kvserve.engine_args import add_engine_args, engine_kwargs
 
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_engine_args(srv, model="positional")
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=port, default=8000)
     srv.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                      help="require 'Authorization: Bearer KEY' on /v1 routes "
                           "(default: $KVSERVE_API_KEY)")
@@ -120,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model name clients use (default: the model path)")
     srv.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                      help="beyond this many queued requests, answer 503 with Retry-After")
-    srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+    srv.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
                      help="larger request bodies get 413")
-    srv.add_argument("--data-parallel-size", type=int, default=1,
+    srv.add_argument("--data-parallel-size", type=positive_int, default=1,
                      help="engine replicas, each a Ray actor with its own KV cache, behind "
                           "this one server (needs pip install 'kvserve[cluster]')")
     srv.add_argument("--router", default="round-robin", choices=ROUTERS,
@@ -132,12 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ray-address", default=None,
                      help="join this Ray cluster (e.g. ray://host:10001 or auto) instead of "
                           "starting a local one")
-    srv.add_argument("--prefill-replicas", type=int, default=0,
+    srv.add_argument("--prefill-replicas", type=non_negative_int, default=0,
                      help="disaggregated serving (DistServe): replicas that only prefill; "
                           "each prompt's KV then moves to one of --decode-replicas")
-    srv.add_argument("--decode-replicas", type=int, default=0,
+    srv.add_argument("--decode-replicas", type=non_negative_int, default=0,
                      help="replicas that take prefilled requests and decode them")
-    srv.add_argument("--migration-threshold", type=int, default=0,
+    srv.add_argument("--migration-threshold", type=non_negative_int, default=0,
                      help="live migration for load balancing: while one replica has this many "
                           "requests more than another, move its running requests there as "
                           "they decode (default 0: off; POST /replicas/migrate moves them by "
@@ -150,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--arch", choices=sorted(ARCHES), default=None)
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    mk.add_argument("--max-shard-size", type=float, default=2.0, help="GiB per safetensors file")
+    mk.add_argument("--max-shard-size", type=positive_float, default=2.0,
+                    help="GiB per safetensors file")
     mk.add_argument("--train-steps", type=int, default=0,
                     help="train this many steps on the standard library's sources (the "
                          "held-out loss goes to training.json); 0 keeps random weights")
@@ -164,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "PEFT's format")
     ml.add_argument("model", help="HF checkpoint folder of the base model")
     ml.add_argument("--output", required=True)
-    ml.add_argument("--rank", type=int, default=16)
+    ml.add_argument("--rank", type=positive_int, default=16)
     ml.add_argument("--alpha", type=float, default=32.0)
     ml.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
     ml.add_argument("--seed", type=int, default=0)
@@ -182,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPTQ: quantize input channels by decreasing Hessian diagonal")
     qt.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
                     help="zero point at the middle of the range (default) or fitted")
-    qt.add_argument("--calibration-samples", type=int, default=128)
+    qt.add_argument("--calibration-samples", type=positive_int, default=128)
     qt.add_argument("--calibration-len", type=int, default=256, help="tokens per sample")
     qt.add_argument("--seed", type=int, default=0)
     qt.add_argument("--outlier-fraction", type=float, default=0.0045,

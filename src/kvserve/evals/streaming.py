@@ -22,6 +22,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvserve.arg_types import non_negative_int, positive_int
 from kvserve.benchmarks.report import print_table, pyplot, save_json
 from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.sampling_params import SamplingParams
@@ -110,11 +111,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("streaming", help="perplexity far past the window: attention sinks "
                                          "against window-only eviction (StreamingLLM)")
     add_engine_args(p, model="positional")
-    p.add_argument("--num-tokens", type=int, default=8192, help="length of the text")
-    p.add_argument("--window-tokens", type=int, default=256,
+    p.add_argument("--num-tokens", type=positive_int, default=8192, help="length of the text")
+    p.add_argument("--window-tokens", type=positive_int, default=256,
                    help="cache size of every configuration (a multiple of --block-size)")
-    p.add_argument("--sinks", type=int, default=4, help="attention sink tokens")
-    p.add_argument("--segment", type=int, default=256, help="plot: tokens per point")
+    p.add_argument("--sinks", type=non_negative_int, default=4, help="attention sink tokens")
+    p.add_argument("--segment", type=positive_int, default=256, help="plot: tokens per point")
     p.add_argument("--png", default=None, help="draw the perplexity curves to this file")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)

@@ -59,6 +59,8 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
         raise ValueError("calibration needs at least 1 sample of at least 2 tokens")
     if group_size is None:
         group_size = -1 if bits == 8 else 128
+    if group_size < 1 and group_size != -1:
+        raise ValueError(f"group_size must be -1 (one group per row) or >= 1, got {group_size}")
     source, out = Path(model_dir), Path(output)
     quantization = ModelConfig.from_pretrained(source).quantization  # a checkpoint at all?
     if quantization is not None:

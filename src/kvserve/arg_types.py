@@ -1,0 +1,31 @@
+"""argparse value types that hold a flag to its range, so that a value outside it is refused
+by name before anything runs (`argument --runs: must be >= 1, got 0`) rather than failing
+deep inside a benchmark."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def _ranged(kind: type, low: float, inclusive: bool, high: float | None = None
+            ) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = kind(text)
+        if value < low or (value == low and not inclusive) or (high is not None
+                                                                and value > high):
+            bound = f"in [{low}, {high}]" if high is not None else (
+                f">= {low}" if inclusive else f"> {low}")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value: 'x'"
+    return parse
+
+
+positive_int = _ranged(int, 1, inclusive=True)  # counts, lengths, sizes
+non_negative_int = _ranged(int, 0, inclusive=True)  # where 0 means none or off
+positive_float = _ranged(float, 0.0, inclusive=False)  # rates, seconds
+non_negative_float = _ranged(float, 0.0, inclusive=True)  # temperatures
+fraction = _ranged(float, 0.0, inclusive=True, high=1.0)  # shares of a whole
+port = _ranged(int, 0, inclusive=True, high=65535)
