@@ -1,6 +1,6 @@
 """Attention sinks with a sliding window on a real checkpoint: exact key shifts, outputs
 equal to transformers while nothing slides, and streams past max_model_len whose outputs do
-not depend on the step budget or on swapping."""
+not depend on the step budget, on the prompts beside them or on swapping."""
 
 from __future__ import annotations
 
@@ -57,6 +57,19 @@ def test_streams_past_max_model_len_in_constant_blocks(llama_dir, budget):
     assert stats.kv_blocks_peak <= 2 * (1 + 4)  # a sink block and four window blocks each
     reference = LLM(str(llama_dir), **STREAM)
     assert run_greedy(reference, prompts, 300) == outputs
+
+
+def test_a_stream_is_cut_where_it_would_be_alone(llama_dir):
+    """A prompt longer than the sinks and the window slides while it is prefilled, and the
+    keys each of its queries sees depend on where its chunk starts: the other prompts that
+    share the steps' budget must not move those places. Blocks of 4 tokens keep the window
+    (4 + 24 tokens) short enough for that to change the output."""
+    options = dict(enable_prefix_caching=False, streaming_window=6, attention_sinks=4,
+                   block_size=4, max_num_batched_tokens=16, max_num_seqs=2)
+    prompts = random_prompts([10, 68], seed=11)  # the first leaves 6 tokens of budget
+    together = run_greedy(LLM(str(llama_dir), **options), prompts, 40)
+    alone = run_greedy(LLM(str(llama_dir), **options), prompts[1:], 40)
+    assert together[1] == alone[0]
 
 
 def test_a_swapped_stream_continues_exactly(llama_dir):

@@ -46,12 +46,37 @@ def test_the_oldest_window_block_goes_and_the_rest_shift_back():
 
 
 def test_long_prompts_are_chunked_to_fit_the_window():
-    sched = streaming(window_blocks=4, max_len=20)
+    sched = streaming(window_blocks=4, max_len=20, max_seqs=1)
     add(sched, "a", 40, max_tokens=1)
     sizes = []
     while sched.has_unfinished_requests():
         sizes += [n for _, n in chunks(step(sched))]
     assert sizes == [12, 12, 12, 4] and max(sizes) <= 3 * 4
+
+
+def stream_chunks(others: list[int], **options) -> list[int]:
+    """The chunks a 40-token stream's prompt is computed in, queued behind prompts of
+    `others` tokens that then decode beside it."""
+    sched = streaming(**{"window_blocks": 4, "max_len": 20, "num_blocks": 32, **options})
+    for i, num_prompt in enumerate(others):
+        add(sched, f"other{i}", num_prompt, max_tokens=30)
+    add(sched, "a", 40, max_tokens=1)
+    sizes = []
+    while sched.has_unfinished_requests():
+        sizes += [n for request_id, n in chunks(step(sched)) if request_id == "a"]
+    sched.kv_cache.check_integrity()
+    return sizes
+
+
+def test_a_streams_chunks_start_where_they_would_alone():
+    """The cached keys a chunk's queries see depend on where the chunk starts, so a stream's
+    prompt is cut at the same places whatever else takes the step's budget: beside other
+    prompts it waits for a step with room for a whole chunk. The stride leaves room beside
+    max_num_seqs - 1 decodes (16 - 4 + 1 = 13 tokens; the window allows 12)."""
+    alone = stream_chunks([], max_seqs=4)
+    assert alone == [12, 12, 12, 4]
+    assert stream_chunks([10], max_seqs=4) == stream_chunks([3, 7, 5], max_seqs=4) == alone
+    assert stream_chunks([3, 7, 5], max_seqs=8) == [9, 9, 9, 9, 4]  # 16 - 8 + 1
 
 
 def test_without_sinks_the_window_alone_slides():

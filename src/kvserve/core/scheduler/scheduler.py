@@ -73,6 +73,12 @@ class Scheduler:
         self.num_blended_prompts = 0
         self.num_chunk_hit_tokens = 0  # blended prompts' tokens whose KV was in the cache
         self.num_chunk_fill_tokens = 0  # of those not, computed on their own first
+        # Under a streaming window, a prompt's chunks are this long, wherever a step's budget
+        # ends (`_chunk_size`); short enough that the running batch's decodes leave room.
+        window = kv_cache.window_blocks
+        self._window_stride = max(1, min((window - 1) * kv_cache.block_size,
+                                         config.max_num_batched_tokens
+                                         - config.max_num_seqs + 1)) if window else 0
 
     def add_request(self, request: Request, first_in_line: bool = False) -> None:
         """Queues a validated request at the back of the waiting queue (or its front)."""
@@ -134,8 +140,10 @@ class Scheduler:
                 continue  # prefilled: held until it moves to a decode replica
             if self._ends_in_flight(request):
                 continue
-            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            num_new = self.kv_cache.slide_window(request, num_new)
+            remaining = request.num_tokens_with_pending - request.num_computed_tokens
+            if self._stream_waits(remaining, budget):
+                continue
+            num_new = self.kv_cache.slide_window(request, self._chunk_size(remaining, budget))
             lookahead = self._num_lookahead(request, request.num_computed_tokens, num_new)
             num_drafts = self._num_drafts(request, budget - num_new)
             num_new += num_drafts
@@ -157,6 +165,18 @@ class Scheduler:
                 self._lookahead[request.request_id] = lookahead
                 budget -= num_new
         return budget
+
+    def _chunk_size(self, remaining: int, budget: int) -> int:
+        """The tokens a request with `remaining` to compute gets in a step with `budget`
+        left: as many as fit, and under a streaming window no more than its stride."""
+        return min(remaining, budget, self._window_stride or remaining)
+
+    def _stream_waits(self, remaining: int, budget: int) -> bool:
+        """Whether a stream's next chunk (its stride, or the rest) misses the budget left,
+        so it waits a step. The cached tokens a chunk's queries attend to depend on where
+        the chunk starts, so a stream's chunks start at the same places in every batch, and
+        its output does not depend on what runs beside it."""
+        return bool(self._window_stride) and min(remaining, self._window_stride) > budget
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether the token the step in flight samples for it is its last by length."""
@@ -221,6 +241,9 @@ class Scheduler:
                 break
             if not swapped and self._computes_next_block(request, len(cached), pending):
                 break
+            if not (swapped or whole_prompts) and self._stream_waits(
+                    request.num_tokens - len(cached) * self.kv_cache.block_size, budget):
+                break
             num_new = None
             if len(self.running) < self.config.max_num_seqs:
                 num_new = self._start(request, cached, out, budget,
@@ -258,7 +281,7 @@ class Scheduler:
             if must_fit and remaining > budget:
                 return None
             num_new = kv.slide_window(request, remaining if whole_prompts
-                                      else min(remaining, budget))
+                                      else self._chunk_size(remaining, budget))
             lookahead = self._num_lookahead(request, num_cached_tokens, num_new)
             if not self.kv_cache.allocate_slots(request, num_new + lookahead, cached):
                 lookahead = 0
