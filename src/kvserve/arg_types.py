@@ -10,12 +10,13 @@ from collections.abc import Callable
 
 def _ranged(kind: type, low: float, inclusive: bool, high: float | None = None
             ) -> Callable[[str], float]:
+    lower = f">= {low}" if inclusive else f"> {low}"
+    bound = lower if high is None else f"in [{low}, {high}]"
+
     def parse(text: str) -> float:
         value = kind(text)
-        if value < low or (value == low and not inclusive) or (high is not None
-                                                                and value > high):
-            bound = f"in [{low}, {high}]" if high is not None else (
-                f">= {low}" if inclusive else f"> {low}")
+        too_low = value < low or (value == low and not inclusive)
+        if too_low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
         return value
 
