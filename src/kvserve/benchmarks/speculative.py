@@ -58,8 +58,6 @@ class _Samples:
 def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
 
-    if min(args.runs, args.num_prompts, args.output_len) < 1:
-        raise ValueError("--runs, --num-prompts and --output-len must be at least 1")
     options = engine_kwargs(args)
     options["speculative_model"] = args.speculative_model or "ngram"
     samples: dict[tuple[str, float], _Samples] = {}

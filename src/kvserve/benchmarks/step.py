@@ -82,8 +82,6 @@ class SyntheticSteps:
 def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
 
-    if min(args.decodes) < 1 or min(args.chunks) < 1 or args.context < 1:
-        raise ValueError("--decodes, --chunks and --context must be at least 1")
     if max(args.decodes) + 1 > args.max_num_seqs:
         raise ValueError(f"--max-num-seqs: a step of {max(args.decodes)} decodes and a chunk "
                          f"runs {max(args.decodes) + 1} sequences, more than {args.max_num_seqs}")
