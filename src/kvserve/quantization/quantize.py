@@ -62,7 +62,8 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
     if group_size < 1 and group_size != -1:
         raise ValueError(f"group_size must be -1 (one group per row) or >= 1, got {group_size}")
     source, out = Path(model_dir), Path(output)
-    quantization = ModelConfig.from_pretrained(source).quantization  # a checkpoint at all?
+    # A checkpoint at all? (In the dtype the layers are quantized in: `auto` would log.)
+    quantization = ModelConfig.from_pretrained(source, dtype="float32").quantization
     if quantization is not None:
         raise ValueError(f"model: {str(source)!r} is already quantized ({quantization.method}, "
                          f"{quantization.bits} bits); quantize its full-precision original")
