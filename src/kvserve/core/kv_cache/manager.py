@@ -351,6 +351,12 @@ class KVCacheManager:
                                             strict=False))
         return True
 
+    @property
+    def window_chunk(self) -> int:
+        """The most tokens a streaming request's chunk may add: its window less the block
+        that the chunk's first tokens may share with the cached ones (0 without a window)."""
+        return max(self.window_blocks - 1, 0) * self.block_size
+
     def window_room(self, request: Request) -> int:
         """Tokens a streaming request can add without sliding its window (no limit for
         others)."""
@@ -366,7 +372,7 @@ class KVCacheManager:
         if not self.window_blocks:
             return num_new_tokens
         size = self.block_size
-        num_new_tokens = min(num_new_tokens, (self.window_blocks - 1) * size)
+        num_new_tokens = min(num_new_tokens, self.window_chunk)
         cached = request.num_cached_tokens
         excess = (self.num_blocks_for(cached + num_new_tokens)
                   - self.sink_blocks - self.window_blocks)

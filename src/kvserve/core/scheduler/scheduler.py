@@ -75,10 +75,9 @@ class Scheduler:
         self.num_chunk_fill_tokens = 0  # of those not, computed on their own first
         # Under a streaming window, a prompt's chunks are this long, wherever a step's budget
         # ends (`_chunk_size`); short enough that the running batch's decodes leave room.
-        window = kv_cache.window_blocks
-        self._window_stride = max(1, min((window - 1) * kv_cache.block_size,
-                                         config.max_num_batched_tokens
-                                         - config.max_num_seqs + 1)) if window else 0
+        room_beside_decodes = config.max_num_batched_tokens - config.max_num_seqs + 1
+        self._window_stride = (max(1, min(kv_cache.window_chunk, room_beside_decodes))
+                               if kv_cache.window_blocks else 0)
 
     def add_request(self, request: Request, first_in_line: bool = False) -> None:
         """Queues a validated request at the back of the waiting queue (or its front)."""
