@@ -9,6 +9,12 @@ from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# Scaling factors (temperature, repetition_penalty) stay within these, so that scaled logits
+# stay finite in float32 and a masked (-inf) logit stays masked: beyond them, one scaled to
+# inf or 0 turns -inf into NaN, and sampling then has no distribution to draw from.
+MAX_SCALE = 1e6
+MIN_REPETITION_PENALTY = 1 / MAX_SCALE
 
 
 @dataclass
@@ -93,17 +99,21 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]",
                self.n)
-        _check(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
+        _check(0.0 <= self.temperature <= MAX_SCALE, "temperature",
+               f"must be in [0, {MAX_SCALE:g}]", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1",
                self.top_k)
         _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0",
+        _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_SCALE,
+               "repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_SCALE:g}]",
                self.repetition_penalty)
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]",
                self.presence_penalty)
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
                "must be in [-2, 2]", self.frequency_penalty)
+        _check(self.seed is None or -2**63 <= self.seed < 2**63, "seed",
+               f"must be in [{-2**63}, {2**63 - 1}] (64-bit)", self.seed)
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1",
                self.max_tokens)
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
@@ -126,7 +136,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 (vLLM's threshold) pick the argmax: dividing float32
+        logits by one overflows them, or divides by zero once it rounds to float32."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def allows_drafts(self) -> bool:

@@ -29,7 +29,8 @@ def assert_engine_intact(llm):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("temperature", -0.5, "temperature must be >= 0, got -0.5"),
+    ("temperature", -0.5, r"temperature must be in \[0, 1e\+06\], got -0.5"),
+    ("temperature", 1e300, r"temperature must be in \[0, 1e\+06\], got 1e\+300"),
     ("top_p", 0.0, r"top_p must be in \(0, 1\], got 0.0"),
     ("top_p", 1.5, r"top_p must be in \(0, 1\], got 1.5"),
     ("top_k", -2, r"top_k must be -1 \(off\) or >= 1, got -2"),
@@ -39,12 +40,15 @@ def assert_engine_intact(llm):
     ("logprobs", 21, r"logprobs must be in \[0, 20\], got 21"),
     ("prompt_logprobs", -1, r"prompt_logprobs must be in \[0, 20\], got -1"),
     ("min_p", 1.5, r"min_p must be in \[0, 1\], got 1.5"),
-    ("repetition_penalty", 0.0, "repetition_penalty must be > 0, got 0.0"),
+    ("repetition_penalty", 0.0, r"repetition_penalty must be in \[1e-06, 1e\+06\], got 0.0"),
+    ("repetition_penalty", 1e-300, r"repetition_penalty must be in \[1e-06, 1e\+06\]"),
     ("presence_penalty", 3.0, r"presence_penalty must be in \[-2, 2\], got 3.0"),
     ("frequency_penalty", -3.0, r"frequency_penalty must be in \[-2, 2\], got -3.0"),
     ("min_tokens", -1, "min_tokens must be >= 0, got -1"),
     ("stop", [""], "stop must be non-empty strings"),
     ("stop_token_ids", [-1], "stop_token_ids must be non-negative integers"),
+    ("seed", 2**64, r"seed must be in \[-9223372036854775808, 9223372036854775807\] "
+                    r"\(64-bit\), got 18446744073709551616"),
 ])
 def test_invalid_sampling_params(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -88,6 +92,15 @@ def test_max_tokens_beyond_context(llm):
     with pytest.raises(ValueError, match=r"max_tokens \(250\) plus the prompt \(10 tokens\) "
                                          r"exceeds the context limit \(max_model_len\) of 256"):
         llm.generate({"prompt_token_ids": [3] * 10}, SamplingParams(max_tokens=250),
+                     use_tqdm=False)
+    assert_engine_intact(llm)
+
+
+def test_a_stop_token_outside_the_vocabulary(llm):
+    # With min_tokens, the sampler would index the logits with it.
+    with pytest.raises(ValueError, match=r"stop_token_ids: token id 3000 is out of the "
+                                         r"vocabulary \[0, 3000\)"):
+        llm.generate("x", SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[3000]),
                      use_tqdm=False)
     assert_engine_intact(llm)
 

@@ -54,6 +54,16 @@ def test_max_tokens_and_n(llm):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
 
 
+def test_n_at_the_largest_seed_wraps_the_second_childs_seed(llm):
+    prompt = ids(random_prompts([10], seed=3))
+    out = llm.generate(prompt, SamplingParams(n=2, temperature=1.0, seed=2**63 - 1,
+                                              max_tokens=7, ignore_eos=True), use_tqdm=False)
+    second = llm.generate(prompt, SamplingParams(temperature=1.0, seed=-2**63, max_tokens=7,
+                                                 ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[1].token_ids == tokens(second)[0]
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_stop_token_ids_and_min_tokens(llm):
     prompt = ids(random_prompts([12], seed=4))
     free = tokens(llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16,

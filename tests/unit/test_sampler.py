@@ -24,7 +24,7 @@ def test_random_choice_follows_the_tempered_distribution():
 
 def test_filtered_tokens_are_never_drawn():
     freq = sample_many(SamplingParams(temperature=1.0, top_k=2))
-    assert set(freq.nonzero().flatten().tolist()) == {0, 5}
+    assert freq_support(freq) == {0, 5}
     expected = torch.softmax(torch.tensor([2.0, 3.0]), dim=-1)
     assert torch.allclose(freq[[0, 5]], expected, atol=0.015)
 
@@ -48,3 +48,22 @@ def test_greedy_tokens_are_torch_argmax_with_ties_infinities_and_nans():
     logits[6, 0] = logits[6].max() + 1
     assert greedy_tokens(logits).tolist() == logits.argmax(dim=-1).tolist()
     assert greedy_tokens(logits[:, :1].contiguous()).tolist() == [0] * 9
+
+
+def test_the_extremes_of_each_setting_draw_tokens_of_the_vocabulary():
+    """At the limits SamplingParams allows, float32 sampling math stays finite: a masked
+    logit stays masked and the draw has a distribution. Below 1e-5 the temperature is greedy;
+    a top_p that rounds to 0 in float32 keeps the top token."""
+    hot = sample_many(SamplingParams(temperature=1e6), rows=4000)
+    assert freq_support(hot) == {0, 1, 3, 4, 5, 6}
+    assert sample_many(SamplingParams(temperature=1e-108), rows=50)[5] == 1.0
+    assert sample_many(SamplingParams(temperature=1.0, top_p=1e-300), rows=50)[5] == 1.0
+    sampler = Sampler(seed=0, device="cpu", grammars=GrammarMatchers("", 0))
+    for penalty, winner in ((1e-6, 1), (1e6, 5)):  # the seen token 1: 0.5 / 1e-6, 0.5 * 1e6
+        params = SamplingParams(temperature=1e-5, repetition_penalty=penalty)
+        states = [sampler.new_state(params, [1, 2, 4], ()) for _ in range(50)]
+        assert sampler(LOGITS.repeat(50, 1), states).token_ids == [winner] * 50
+
+
+def freq_support(freq: torch.Tensor) -> set[int]:
+    return set(freq.nonzero().flatten().tolist())

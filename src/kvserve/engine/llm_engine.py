@@ -90,7 +90,9 @@ class LLMEngine:
         for index in range(params.n):
             child_params = params
             if params.n > 1 and params.seed is not None:
-                child_params = replace(params, seed=params.seed + index)
+                # Each child its own seed, wrapped to stay the 64-bit integer seeds are.
+                seed = (params.seed + index + 2**63) % 2**64 - 2**63
+                child_params = replace(params, seed=seed)
             request = Request(
                 request_id=f"{parent.request_id}-{index}" if params.n > 1 else parent.request_id,
                 prompt_token_ids=parent.prompt_token_ids,

@@ -242,8 +242,10 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> None:
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token once the tokens ranked above it already reach top_p.
+        # Drop a token once the tokens ranked above it already reach top_p. The first always
+        # stays: a top_p below float32's smallest number compares as 0.
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= p.top_p
+        drop[0] = False
         logits[order[drop]] = float("-inf")
     if p.min_p > 0.0:
         probs = torch.softmax(logits, dim=-1)
