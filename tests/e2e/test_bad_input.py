@@ -105,6 +105,26 @@ def test_a_stop_token_outside_the_vocabulary(llm):
     assert_engine_intact(llm)
 
 
+def test_a_step_that_fails_ends_the_calls_requests(llm, monkeypatch):
+    """The error reaches the caller; the call's KV blocks go back to the pool and the next
+    call runs only its own requests."""
+    runner = llm.engine.core.runner
+    launch = runner.launch
+    calls = iter(range(1000))
+
+    def fail_third(sched):
+        if next(calls) == 2:
+            raise RuntimeError("the device fell over")
+        return launch(sched)
+
+    monkeypatch.setattr(runner, "launch", fail_third)
+    with pytest.raises(RuntimeError, match="the device fell over"):
+        llm.generate(["a b c", "d e f g"], SamplingParams(max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)
+    monkeypatch.undo()
+    assert_engine_intact(llm)
+
+
 def test_one_bad_prompt_in_a_batch_names_its_index_and_runs_nothing(llm):
     good = {"prompt_token_ids": [4, 5, 6]}
     with pytest.raises(ValueError, match=r"prompts\[2\]"):

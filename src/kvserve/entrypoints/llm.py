@@ -114,9 +114,16 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(checked), desc="generate", unit="req",
                   disable=not use_tqdm or len(checked) < 2) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+            try:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            bar.update(1)
+            except BaseException:
+                # Ctrl-C or a failed step: end this call's requests, so their KV blocks
+                # go back to the pool and the next call does not run them again.
+                for parent, _, _ in checked:
+                    self.engine.abort_request(parent.request_id)
+                raise
         return [results[parent.request_id] for parent, _, _ in checked]
