@@ -133,11 +133,12 @@ def test_one_bad_prompt_in_a_batch_names_its_index_and_runs_nothing(llm):
     assert_engine_intact(llm)
 
 
-def test_request_larger_than_the_kv_pool(llama_dir):
+def test_request_larger_than_the_kv_pool(llama_dir, caplog):
     from kvserve.config import ModelConfig
 
     block_bytes = ModelConfig.from_pretrained(llama_dir).kv_bytes_per_token * 16
-    small = LLM(str(llama_dir), kv_cache_memory=4 * block_bytes)
+    small = LLM(str(llama_dir), kv_cache_memory=4 * block_bytes, max_model_len=256)
+    assert "the pool holds fewer tokens than max_model_len (64 < 256)" in caplog.text
     with pytest.raises(ValueError, match=r"needs 5 KV blocks but the pool \(kv_cache_memory\) "
                                          r"holds 4"):
         small.generate({"prompt_token_ids": [3] * 70}, SamplingParams(max_tokens=4),

@@ -132,3 +132,7 @@ def log_kv_pool(config: EngineConfig, num_blocks: int) -> None:
                 "(max_model_len) at once", tokens, num_blocks,
                 num_blocks * config.pool_bytes_per_block / 2**20,
                 " per rank" if config.tensor_parallel_size > 1 else "", tokens / longest, longest)
+    if tokens < longest and not config.cache.streaming_window:
+        logger.warning("KV cache: the pool holds fewer tokens than max_model_len (%d < %d); "
+                       "a request whose prompt and max_tokens need more is refused. Raise "
+                       "kv_cache_memory or lower max_model_len", tokens, longest)
