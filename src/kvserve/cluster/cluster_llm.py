@@ -130,7 +130,7 @@ class ClusterLLM(StreamingLLM):
         tokenizer = load_tokenizer(model)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
-            ray.init(address=ray_address, include_dashboard=False, log_to_driver=False,
+            ray.init(address=ray_address, include_dashboard=False, log_to_driver=True,
                      logging_level=logging.WARNING)
         on_gpu = str(engine_options.get("device", "cpu")).startswith("cuda")
         cpus = max(1, int(ray.available_resources().get("CPU", 1)) // data_parallel_size)
