@@ -78,6 +78,41 @@ def test_bad_adapters_and_names_are_refused(model_dirs, tmp_path):
         LLM(str(base), max_loras=1, lora_modules={"a": "x", "b": "y"})
 
 
+@pytest.mark.parametrize("config_text, edit, message", [
+    ("{not json", None, "cannot read adapter_config.json: Expecting property name"),
+    ("[1, 2]", None, "adapter_config.json must hold a JSON object"),
+    ({"r": "4"}, None, "adapter_config.json r must be an integer >= 1, got '4'"),
+    ({"r": 0}, None, "adapter_config.json r must be an integer >= 1, got 0"),
+    ({"lora_alpha": "big"}, None, "adapter_config.json lora_alpha must be a number, got 'big'"),
+    (None, ("q_proj.lora_A", lambda t: torch.zeros(t.shape[0], t.shape[1] + 1)),
+     r"self_attn.q_proj: lora_A \[4, 65\] and lora_B \[64, 4\] do not fit r=4 and the "
+     r"layer's \[64, 64\]"),
+    (None, ("k_proj.lora_B", lambda t: torch.zeros(t.shape[0] + 3, t.shape[1])),
+     r"k_proj: lora_A \[4, 64\] and lora_B \[35, 4\] do not fit"),
+    (None, ("v_proj.lora_A", lambda t: torch.full_like(t, float("nan"))),
+     "v_proj: lora_A or lora_B holds NaN or infinite values"),
+])
+def test_a_broken_adapter_is_refused_by_what_breaks_it(model_dirs, tmp_path, config_text, edit,
+                                                       message):
+    from safetensors.torch import load_file, save_file
+
+    base, folder = model_dirs["llama"], tmp_path / "adapter"
+    write_adapter(base, folder, seed=1)
+    config_file = folder / "adapter_config.json"
+    if isinstance(config_text, str):
+        config_file.write_text(config_text)
+    elif config_text is not None:
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
+                                           **config_text}))
+    if edit is not None:
+        tensors = load_file(folder / "adapter_model.safetensors")
+        key = next(k for k in tensors if edit[0] in k)
+        tensors[key] = edit[1](tensors[key])
+        save_file(tensors, folder / "adapter_model.safetensors")
+    with pytest.raises(CheckpointError, match=message):
+        LLM(str(base), lora_modules={"broken": str(folder)})
+
+
 def test_an_adapter_unloaded_and_reloaded_under_its_name_never_hits_the_old_kv(model_dirs,
                                                                               tmp_path):
     base = model_dirs["llama"]

@@ -25,6 +25,7 @@ from kvserve.models.loader import checkpoint_target
 from kvserve.worker.tensor_parallel import rank_slice
 
 _PREFIX = "base_model.model."
+_PEFT_DEFAULT_ALPHA = 8  # LoraConfig's, for a config that leaves it out
 
 
 @dataclass
@@ -41,10 +42,20 @@ def load_adapter(name: str, path: str | Path, model: LlamaForCausalLM) -> LoRAAd
     config_file = folder / "adapter_config.json"
     if not config_file.is_file():
         raise CheckpointError(f"lora {name!r}: no adapter_config.json in {str(folder)!r}")
-    config = json.loads(config_file.read_text())
-    rank, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", 0))
-    if rank < 1:
-        raise CheckpointError(f"lora {name!r}: adapter_config.json r must be >= 1, got {rank}")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise CheckpointError(f"lora {name!r}: cannot read adapter_config.json: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"lora {name!r}: adapter_config.json must hold a JSON object")
+    rank, alpha = config.get("r"), config.get("lora_alpha", _PEFT_DEFAULT_ALPHA)
+    if not _is_number(rank) or rank != int(rank) or rank < 1:
+        raise CheckpointError(f"lora {name!r}: adapter_config.json r must be an integer >= 1, "
+                              f"got {rank!r}")
+    if not _is_number(alpha) or not math.isfinite(alpha):
+        raise CheckpointError(f"lora {name!r}: adapter_config.json lora_alpha must be a "
+                              f"number, got {alpha!r}")
+    rank = int(rank)
     unsupported = {"use_dora": bool(config.get("use_dora")),
                    "bias": config.get("bias", "none") != "none",
                    "modules_to_save": bool(config.get("modules_to_save")),
@@ -72,6 +83,10 @@ def load_adapter(name: str, path: str | Path, model: LlamaForCausalLM) -> LoRAAd
                                   "no linear layer of the model")
         layer, _, shard = target
         linear = modules[layer]
+        module = hf_name.removesuffix(".weight")
+        if not (a.isfinite().all() and b.isfinite().all()):
+            raise CheckpointError(f"lora {name!r}: {module}: lora_A or lora_B holds NaN or "
+                                  "infinite values")
         b = model.adapt_checkpoint_tensor(hf_name, b.to(linear.weight.dtype) * scale)
         a = a.to(linear.weight.dtype)
         # This rank's part: a column-parallel layer's B outputs, a row-parallel one's A inputs.
@@ -79,6 +94,10 @@ def load_adapter(name: str, path: str | Path, model: LlamaForCausalLM) -> LoRAAd
             b = rank_slice(b, 0)
         elif linear.parallel == "row":
             a = rank_slice(a, 1)
+        if a.shape != (rank, linear.in_features) or b.shape != (linear.output_sizes[shard], rank):
+            raise CheckpointError(f"lora {name!r}: {module}: lora_A {list(a.shape)} and lora_B "
+                                  f"{list(b.shape)} do not fit r={rank} and the layer's "
+                                  f"[{linear.output_sizes[shard]}, {linear.in_features}]")
         shards.setdefault(layer, {})[shard] = (a, b)
     weights = {}
     for layer, parts in shards.items():
@@ -88,12 +107,12 @@ def load_adapter(name: str, path: str | Path, model: LlamaForCausalLM) -> LoRAAd
         for i, shard in enumerate(sorted(parts)):
             a, b = parts[shard]
             start = sum(linear.output_sizes[:shard])
-            if a.shape != (rank, linear.in_features) or b.shape != (linear.output_sizes[shard],
-                                                                     rank):
-                raise CheckpointError(f"lora {name!r}: layer {layer!r} shard {shard}: shapes "
-                                      f"{list(a.shape)} and {list(b.shape)} do not fit")
             b_full[i * rank:(i + 1) * rank, start:start + b.shape[0]] = b.t()
         weights[layer] = (a_cat, b_full)
     if not weights:
         raise CheckpointError(f"lora {name!r}: adapter_model.safetensors has no lora_A tensor")
     return LoRAAdapter(name, rank, weights)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
