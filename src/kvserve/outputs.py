@@ -26,6 +26,9 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: SampleLogprobs | None = None
     stop_reason: str | int | None = None
+    # Why a completion that finished "abort" could not go on, when the engine ended it (its
+    # grammar's parser stopped); None for one aborted by the caller.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

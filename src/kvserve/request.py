@@ -64,6 +64,7 @@ class Request:
     num_evicted_tokens: int = 0  # leading window tokens dropped from a streaming cache
     num_preemptions: int = 0
     stop_reason: str | int | None = None
+    error: str | None = None  # why the engine ended it early (finished aborted)
     cache_salt: str | None = None  # requests with different salts never share KV blocks
     lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
     lora_load: int = 0  # which loading of that adapter: a reloaded one never shares KV

@@ -318,6 +318,17 @@ def test_structured_outputs_parse(client: openai.OpenAI) -> None:
     assert picked.choices[0].text in ("up", "down")
 
 
+def test_a_grammar_past_the_parsers_limits_is_a_request_error(server: str) -> None:
+    """Its output would end short of the grammar: a 500 naming the parser's error, as a body
+    or as the stream's last event."""
+    body = {"prompt": "x", "max_tokens": 10, "temperature": 0,
+            "guided_choice": [f"option {i}" for i in range(2001)]}
+    _check_error(_post(server, COMPLETIONS, body), 500, None,
+                 "structured_output: the grammar's parser stopped: Parser Error: Current row")
+    events = _post(server, COMPLETIONS, {**body, "stream": True}).text
+    assert "the grammar's parser stopped" in events and events.endswith("data: [DONE]\n\n")
+
+
 def test_auth_size_and_overload(server: str) -> None:
     body = {"prompt": "x", "max_tokens": 2}
     _check_error(httpx.post(f"{server}{COMPLETIONS}", json=body), 401)

@@ -102,6 +102,28 @@ def test_constrained_and_free_requests_share_a_batch(llm):
     jsonschema.validate(json.loads(mixed[1].outputs[0].text), SCHEMA)
 
 
+WIDE_CHOICE = [f"option {i}" for i in range(2001)]  # one parser row of 2,002 items, past 2,000
+
+
+def test_a_grammar_past_the_parsers_limits_ends_its_request_with_the_error(llm):
+    """Once "option" is written, the next row overflows llguidance's limit: the request ends
+    there, "abort" with the parser's error, not "stop" with an output short of the grammar;
+    the request beside it goes on."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 40], seed=8)]
+    free = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    alone = llm.generate(prompts[:1], free, use_tqdm=False)[0].outputs[0]
+    wide = SamplingParams(temperature=0.0, max_tokens=20,
+                          structured_output=StructuredOutputParams(choice=WIDE_CHOICE))
+    beside, failed = (o.outputs[0] for o in llm.generate(prompts, [free, wide],
+                                                         use_tqdm=False))
+    assert beside.token_ids == alone.token_ids and beside.error is None
+    assert failed.finish_reason == "abort" and failed.text == "option"
+    assert failed.error == ("structured_output: the grammar's parser stopped: Parser Error: "
+                            "Current row has 2002 items; max is 2000; consider making your "
+                            "grammar left-recursive if it's right-recursive")
+    assert llm.engine.core.kv_cache.num_used_blocks == 0
+
+
 def test_the_cpu_mask_kernel_bans_what_the_bitmask_leaves_out():
     from kvserve.cpp_extension import cpu_kernels
 

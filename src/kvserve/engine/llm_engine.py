@@ -313,6 +313,7 @@ class LLMEngine:
                 if seq.request.is_finished and seq.output.finish_reason is None:
                     seq.output.finish_reason = seq.request.status.finish_reason
                     seq.output.stop_reason = seq.request.stop_reason
+                    seq.output.error = seq.request.error
             if parent.final_only and not parent.finished:
                 continue
             out = parent.to_output()

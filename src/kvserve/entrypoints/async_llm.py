@@ -274,7 +274,8 @@ class AsyncLLM(StreamingLLM):
                 sink = (self._sinks.pop(out.request_id, None) if out.finished
                         else self._sinks.get(out.request_id))
                 if sink is not None:
-                    sink.put(_snapshot(out))
+                    error = next((c.error for c in out.outputs if c.error), None)
+                    sink.put(_snapshot(out) if error is None else RequestFailedError(error))
                     if not out.finished and self.engine.config.scheduler.prefill_only:
                         self._hand_off(out.request_id, sink)
 

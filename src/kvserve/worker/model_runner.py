@@ -39,7 +39,7 @@ from kvserve.worker.pending_output import PendingOutput
 from kvserve.worker.prompt_logprobs import prompt_logprobs
 from kvserve.worker.sampler import Sampler, SamplingState
 from kvserve.worker.speculative import Drafter, can_draft
-from kvserve.worker.structured_output import GrammarMatchers
+from kvserve.worker.structured_output import GrammarMatchers, grammar_errors
 from kvserve.worker.tensor_parallel import tp_group
 
 
@@ -148,6 +148,7 @@ class ModelRunner:
             request_ids=request_ids,
             sampled_token_ids=new_tokens,
             failed_promotions=failed,
+            failed_requests=grammar_errors(request_ids, states),
             logprobs=logprobs,
             prompt_logprobs=scored,
         )

@@ -14,6 +14,16 @@ from kvserve.models.loader import load_tokenizer
 from kvserve.sampling_params import StructuredOutputParams
 
 
+def grammar_errors(request_ids: list[str], states: list[Any]) -> dict[str, str]:
+    """The requests whose grammar's parser stopped in error on the token just consumed (a
+    row past llguidance's limits, say): from here on its mask would allow EOS alone, ending
+    the output short of the grammar, so they end with the parser's error instead."""
+    return {request_id: "structured_output: the grammar's parser stopped: "
+                        + st.matcher.get_error().split("\n", 1)[0]  # then a dump of it all
+            for request_id, st in zip(request_ids, states, strict=True)
+            if st.matcher is not None and st.matcher.is_error()}
+
+
 class GrammarMatchers:
     """Makes matchers over the model's tokenizer, which is loaded on the first constrained
     request (about a second), not at start-up."""

@@ -140,6 +140,8 @@ class ModelRunnerOutput:
     # p, p + 1, ...) for requests that asked for prompt logprobs and ran prompt chunks.
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     failed_promotions: list[bytes] = field(default_factory=list)  # unreadable disk blocks
+    # Request id -> why it cannot go on: its grammar's parser stopped on its last token.
+    failed_requests: dict[str, str] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_seconds: float = 0.0  # a draft model took, of the step's time
     draft_step_seconds: float = 0.0  # of which its decode steps after the first drafts took

@@ -495,6 +495,9 @@ class Scheduler:
                 if status is not None:
                     self._finish(request, status)
                     break
+            if request_id in result.failed_requests and not request.is_finished:
+                request.error = result.failed_requests[request_id]
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
             request.spec_token_ids = result.draft_token_ids.get(request_id, [])
             updated.append(request)
         return updated
