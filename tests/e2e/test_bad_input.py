@@ -105,6 +105,18 @@ def test_a_stop_token_outside_the_vocabulary(llm):
     assert_engine_intact(llm)
 
 
+def test_a_request_whose_choices_ids_are_taken_adds_nothing(llm):
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2), "x-1")
+    with pytest.raises(ValueError, match="request_id 'x-1' is already in use"):
+        engine.add_request({"prompt_token_ids": [7, 8]}, SamplingParams(n=2, max_tokens=2), "x")
+    stepped = set()
+    while engine.has_unfinished_requests():
+        stepped |= {out.request_id for out in engine.step()}
+    assert stepped == {"x-1"}  # no choice of "x" ran
+    assert_engine_intact(llm)
+
+
 def test_a_step_that_fails_ends_the_calls_requests(llm, monkeypatch):
     """The error reaches the caller; the call's KV blocks go back to the pool and the next
     call runs only its own requests."""

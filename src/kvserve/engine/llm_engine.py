@@ -79,8 +79,13 @@ class LLMEngine:
 
     def add_validated(self, parent: ParentRequest, params: SamplingParams,
                       max_tokens: int) -> None:
-        if parent.request_id in self._parents:
-            raise ValueError(f"request_id {parent.request_id!r} is already in use")
+        child_ids = ([f"{parent.request_id}-{index}" for index in range(params.n)]
+                     if params.n > 1 else [parent.request_id])
+        # Checked before anything is added: one child refused after another was queued
+        # would leave that one running for no caller.
+        for request_id in (parent.request_id, *child_ids):
+            if request_id in self._parents or request_id in self._child_to_parent:
+                raise ValueError(f"request_id {request_id!r} is already in use")
         if parent.lora_name is not None and parent.lora_name not in self.lora_names:
             raise ValueError(f"lora_name {parent.lora_name!r} is not a loaded adapter "
                              f"(loaded: {sorted(self.lora_names)})")
@@ -94,7 +99,7 @@ class LLMEngine:
                 seed = (params.seed + index + 2**63) % 2**64 - 2**63
                 child_params = replace(params, seed=seed)
             request = Request(
-                request_id=f"{parent.request_id}-{index}" if params.n > 1 else parent.request_id,
+                request_id=child_ids[index],
                 prompt_token_ids=parent.prompt_token_ids,
                 sampling_params=child_params,
                 eos_token_ids=self.config.model.eos_token_ids,
