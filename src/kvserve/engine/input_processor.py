@@ -177,10 +177,8 @@ class InputProcessor:
             raise ValueError("structured_output needs a fast tokenizer (tokenizer.json), and "
                              "this model's is a slow one")
         limits = self.limits
-        for t in params.stop_token_ids:
-            if t >= limits.vocab_size:
-                raise ValueError(f"stop_token_ids: token id {t} is out of the vocabulary "
-                                 f"[0, {limits.vocab_size})")
+        if params.stop_token_ids:
+            self._check_token_ids(params.stop_token_ids, "stop_token_ids")
         if limits.window_blocks:
             max_tokens = sys.maxsize if params.max_tokens is None else params.max_tokens
         else:
