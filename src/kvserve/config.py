@@ -225,6 +225,9 @@ def _eos_ids(raw: dict[str, Any], folder: Path) -> tuple[int, ...]:
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # None: EngineConfig.num_kv_blocks picks the size
+    # CUDA, where kv_cache_memory is not given: the share of the device's memory that the
+    # weights, a step's activations and the KV pool may take together; the pool gets the rest.
+    gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     swap_space: int = 4 * GiB  # host memory that holds the KV of requests preempted by swap
     kv_offload_host: int = 0  # host memory for prefix-cache blocks evicted from the pool
@@ -244,6 +247,9 @@ class CacheConfig:
                              f"got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         for name in ("swap_space", "kv_offload_host", "kv_offload_disk"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 bytes, got {getattr(self, name)}")
@@ -413,7 +419,8 @@ class EngineConfig:
     @classmethod
     def create(cls, model: str, dtype: str = "auto", max_num_batched_tokens: int = 2048,
                max_num_seqs: int = 128, block_size: int = 16,
-               kv_cache_memory: int | None = None, max_model_len: int | None = None,
+               kv_cache_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+               max_model_len: int | None = None,
                seed: int = 0, device: str = "cpu", scheduler_policy: str = "chunked",
                enable_prefix_caching: bool = True, enforce_eager: bool = False,
                scheduling_policy: str = "fcfs", preemption_mode: str = "auto",
@@ -430,6 +437,7 @@ class EngineConfig:
         return cls(
             model=ModelConfig.from_pretrained(model, dtype, device),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
+                              gpu_memory_utilization=gpu_memory_utilization,
                               enable_prefix_caching=enable_prefix_caching,
                               swap_space=swap_space, kv_offload_host=kv_offload_host,
                               kv_offload_dir=kv_offload_dir,
@@ -504,11 +512,25 @@ class EngineConfig:
         return self.cache.kv_offload_disk // self.kv_bytes_per_block
 
     @property
+    def sized_by_device_memory(self) -> bool:
+        """Whether the model runner sizes the pool from the GPU's free memory once the weights
+        are loaded (`kv_pool.blocks_in_device_memory`), rather than `num_kv_blocks`."""
+        return self.cache.kv_cache_memory is None and self.device.startswith("cuda")
+
+    @property
+    def most_blocks_used(self) -> int:
+        """What max_num_seqs requests of max_model_len tokens fill at once: a default pool
+        is no larger, so that a small model's is megabytes, which a start zero-fills in
+        milliseconds where 2 GiB took 0.3-1.8 s."""
+        per_request = -(-(self.scheduler.max_model_len + self.scheduler.draft_lookahead)
+                        // self.cache.block_size)
+        return self.scheduler.max_num_seqs * per_request
+
+    @property
     def num_kv_blocks(self) -> int:
-        """kv_cache_memory's worth of blocks; where it is not given, DEFAULT_KV_CACHE_MEMORY's,
-        but never more than max_num_seqs requests of max_model_len tokens fill at once: a
-        small model's pool is then megabytes, which a start zero-fills in milliseconds where
-        2 GiB took 0.3-1.8 s."""
+        """kv_cache_memory's worth of blocks; where it is not given, DEFAULT_KV_CACHE_MEMORY's
+        up to `most_blocks_used` (on CUDA the runner sizes it instead, see
+        `sized_by_device_memory`)."""
         per_block = self.pool_bytes_per_block
         given = self.cache.kv_cache_memory
         memory = DEFAULT_KV_CACHE_MEMORY if given is None else given
@@ -517,7 +539,5 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory ({memory} bytes) must hold at least one block "
                              f"of {per_block} bytes")
         if given is None:
-            per_request = -(-(self.scheduler.max_model_len + self.scheduler.draft_lookahead)
-                            // self.cache.block_size)
-            num_blocks = min(num_blocks, self.scheduler.max_num_seqs * per_request)
+            num_blocks = min(num_blocks, self.most_blocks_used)
         return int(num_blocks)

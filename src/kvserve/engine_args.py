@@ -32,8 +32,15 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--max-num-seqs", dict(type=int, default=128, help="most sequences running at once")),
     ("--block-size", dict(type=int, default=16, help="tokens per KV block")),
     ("--kv-cache-memory", dict(type=float, default=None,
-                               help="KV cache size in GiB (default: 2, or what --max-num-seqs "
-                                    "requests of --max-model-len tokens fill, if less)")),
+                               help="KV cache size in GiB (default: on CUDA, what "
+                                    "--gpu-memory-utilization leaves; on the CPU 2; either "
+                                    "way no more than --max-num-seqs requests of "
+                                    "--max-model-len tokens fill)")),
+    ("--gpu-memory-utilization", dict(type=float, default=0.9,
+                                      help="CUDA: the share of the GPU's memory that the "
+                                           "weights, a step's activations and the KV cache "
+                                           "take together, where --kv-cache-memory is not "
+                                           "given (default 0.9)")),
     ("--max-model-len", dict(type=int, default=None, help="context limit per request")),
     ("--seed", dict(type=int, default=0)),
     ("--device", dict(default="cpu", help="cpu, cuda or cuda:N")),

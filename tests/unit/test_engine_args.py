@@ -13,6 +13,8 @@ import torch
 from kvserve import LLM
 from kvserve.config import EngineConfig, GiB, resolve_dtype
 from kvserve.engine_args import add_engine_args, engine_flags, engine_kwargs
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.kv_pool import DEVICE_HEADROOM, blocks_in_device_memory, step_activation_bytes
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -80,9 +82,63 @@ def test_the_default_pool_is_what_the_running_requests_can_fill_up_to_2_gib(tmp_
     given = EngineConfig.create(tiny, max_num_seqs=3, kv_cache_memory=GiB)
     assert given.num_kv_blocks == GiB // given.pool_bytes_per_block  # a given size is kept
     # Llama-3-8B's shapes: 128 requests of 131,072 tokens would fill far more than 2 GiB.
-    (tmp_path / "config.json").write_text(json.dumps({
+    big = EngineConfig.create(llama3_8b_shapes(tmp_path), dtype="float32")
+    assert big.num_kv_blocks == 2 * GiB // big.pool_bytes_per_block == 512
+    assert not big.sized_by_device_memory  # the CPU's pool is the config's
+
+
+def llama3_8b_shapes(folder):
+    (folder / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
         "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
         "num_key_value_heads": 8, "max_position_embeddings": 131072}))
-    big = EngineConfig.create(tmp_path, dtype="float32")
-    assert big.num_kv_blocks == 2 * GiB // big.pool_bytes_per_block == 512
+    return folder
+
+
+def test_a_gpu_pool_gets_what_the_weights_leave_of_gpu_memory_utilization(tmp_path):
+    folder = llama3_8b_shapes(tmp_path)
+    config = EngineConfig.create(folder, dtype="bfloat16", device="cuda")
+    assert config.sized_by_device_memory
+    assert not EngineConfig.create(folder, dtype="bfloat16", device="cuda",
+                                   kv_cache_memory=GiB).sized_by_device_memory
+    total, in_use = 80 * GiB, 16 * GiB  # an H100 with the 8B model's weights loaded
+    reserve = step_activation_bytes(config) + DEVICE_HEADROOM
+    assert 2 * GiB < reserve < 3 * GiB  # logits of 2,048 tokens over 128,256 ids dominate
+    blocks = blocks_in_device_memory(config, total - in_use, total)
+    assert blocks == (int(0.9 * total) - in_use - reserve) // config.pool_bytes_per_block
+    assert 50 * GiB < blocks * config.pool_bytes_per_block < 55 * GiB
+    # Memory that another process holds is not the pool's either.
+    assert blocks_in_device_memory(config, total - in_use - 10 * GiB, total) == blocks - 5120
+    # Never more than the running requests can fill.
+    short = EngineConfig.create(folder, dtype="bfloat16", device="cuda", max_model_len=1024,
+                                max_num_seqs=4)
+    assert blocks_in_device_memory(short, total - in_use, total) == 4 * 64
+    tight = EngineConfig.create(folder, dtype="bfloat16", device="cuda",
+                                gpu_memory_utilization=0.22)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization 0.22 of the device's 80.0 "
+                                         r"GiB leaves no room for the KV cache: 16.0 GiB"):
+        blocks_in_device_memory(tight, total - in_use, total)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=f"gpu_memory_utilization must be in \\(0, 1\\], "
+                                             f"got {bad}"):
+            EngineConfig.create(folder, device="cuda", gpu_memory_utilization=bad)
+    assert engine_kwargs(parse("--model", "m", "--gpu-memory-utilization", "0.5"))[
+        "gpu_memory_utilization"] == 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_engine_sizes_its_pool_from_the_memory_left(model_dirs):
+    tiny = model_dirs["llama"]
+    config = EngineConfig.create(tiny, device="cuda", max_num_seqs=64)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    # A utilization that leaves room for about 100 blocks beside what is in use now, the
+    # tiny weights and the activation reserve: far fewer than 64 requests of 1,024 tokens.
+    room = step_activation_bytes(config) + DEVICE_HEADROOM + 100 * config.pool_bytes_per_block
+    utilization = (total - free + room + (64 << 20)) / total
+    llm = LLM(str(tiny), device="cuda", max_num_seqs=64, gpu_memory_utilization=utilization)
+    num_blocks = llm.engine.core.kv_cache.pool.num_blocks
+    assert 0 < num_blocks < config.most_blocks_used
+    out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvserve.arg_types import fraction, positive_int
-from kvserve.benchmarks.device import synchronize
+from kvserve.benchmarks.device import on_one_gpu, synchronize
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.sampling_params import SamplingParams
@@ -81,9 +81,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
 
-    options = engine_kwargs(args)
-    full = LLM(**options)
     modes = {f"blend {r:g}": r for r in args.ratios} | {"reuse, no recompute": 0.0}
+    options = on_one_gpu(engine_kwargs(args), 1 + len(modes))
+    full = LLM(**options)
     engines = {name: LLM(**{**options, "blend_recompute_ratio": ratio})
                for name, ratio in modes.items()}
     cfg = full.engine.config

@@ -9,11 +9,21 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from kvserve.cpu_cache import flush_cpu_caches
 from kvserve.layers.linear import Linear
+
+
+def on_one_gpu(options: dict[str, Any], num_models: int) -> dict[str, Any]:
+    """Engine options for one of `num_models` models that a benchmark holds at once (engines,
+    a transformers baseline): on a GPU each engine's pool is sized from the memory left
+    (`gpu_memory_utilization`), so each gets an equal part of that share, leaving the
+    others room."""
+    return {**options,
+            "gpu_memory_utilization": options["gpu_memory_utilization"] / num_models}
 
 
 def synchronize(device: str | torch.device) -> None:

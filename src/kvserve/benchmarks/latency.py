@@ -14,7 +14,7 @@ import statistics
 from collections.abc import Callable
 
 from kvserve.arg_types import positive_int
-from kvserve.benchmarks.device import memory_bandwidth, timed, weight_bytes
+from kvserve.benchmarks.device import memory_bandwidth, on_one_gpu, timed, weight_bytes
 from kvserve.benchmarks.hf_baseline import hf_generate_batch, load_hf
 from kvserve.benchmarks.peers import add_baseline_arg, each_peer
 from kvserve.benchmarks.report import print_table, save_json
@@ -36,7 +36,7 @@ def ttft_and_tpot(request_seconds: Callable[[int], float], output_len: int, runs
 def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**on_one_gpu(engine_kwargs(args), 2 if "hf" in args.baseline else 1))
     cfg, device = llm.engine.config.model, llm.engine.config.device
     prompt = fixed(1, args.prompt_len, args.output_len, cfg.vocab_size).prompts[0]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.arg_types import non_negative_float, positive_int
-from kvserve.benchmarks.device import synchronize
+from kvserve.benchmarks.device import on_one_gpu, synchronize
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import fixed
 from kvserve.engine_args import add_engine_args, engine_kwargs
@@ -58,7 +58,7 @@ class _Samples:
 def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
 
-    options = engine_kwargs(args)
+    options = on_one_gpu(engine_kwargs(args), 2)
     options["speculative_model"] = args.speculative_model or "ngram"
     samples: dict[tuple[str, float], _Samples] = {}
     # Two engines in one process decode at speeds up to 5 % apart by which was built first

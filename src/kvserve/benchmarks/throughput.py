@@ -11,7 +11,7 @@ import time
 import torch
 
 from kvserve.arg_types import non_negative_float, positive_int
-from kvserve.benchmarks.device import synchronize
+from kvserve.benchmarks.device import on_one_gpu, synchronize
 from kvserve.benchmarks.hf_baseline import hf_generate_batch, hf_run, load_hf
 from kvserve.benchmarks.peers import add_baseline_arg, each_peer
 from kvserve.benchmarks.report import print_table, save_json
@@ -37,7 +37,7 @@ def kvserve_run(llm, work: Workload, temperature: float = 0.0) -> float:  # noqa
 def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**on_one_gpu(engine_kwargs(args), 2 if "hf" in args.baseline else 1))
     cfg, device = llm.engine.config.model, llm.engine.config.device
     vocab = cfg.vocab_size
     workloads = {

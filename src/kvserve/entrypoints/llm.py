@@ -19,8 +19,9 @@ PREFIX_SHARING = ("auto", "off")
 
 class LLM:
     """Takes the engine options of `EngineConfig.create` (model, dtype, max_num_batched_tokens,
-    max_num_seqs, block_size, kv_cache_memory, max_model_len, seed, device, scheduler_policy,
-    enable_prefix_caching, enforce_eager, scheduling_policy, preemption_mode, swap_space).
+    max_num_seqs, block_size, kv_cache_memory, gpu_memory_utilization, max_model_len, seed,
+    device, scheduler_policy, enable_prefix_caching, enforce_eager, scheduling_policy,
+    preemption_mode, swap_space).
 
     `prefix_sharing="auto"` admits a batch's prompts grouped by shared heads (BatchLLM) when
     prefix caching is on; "off" admits them in the caller's order. Outputs always come back

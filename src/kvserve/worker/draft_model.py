@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvserve.attention.selector import get_attention_backend
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.scheduler.output import ScheduledRequest
+from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.request import num_kept_drafts
 from kvserve.worker.cpu_decode import CpuDecodeStack
@@ -41,12 +42,23 @@ class Proposal:
     num_decode_steps: int
 
 
+def draft_model_config(config: EngineConfig) -> ModelConfig:
+    assert config.speculative is not None and config.speculative.draft is not None
+    return config.speculative.draft.shard(config.tensor_parallel_size)
+
+
+def load_draft_model(config: EngineConfig) -> LlamaForCausalLM:
+    """The draft model's weights, loaded before the pools are sized, as the target's are."""
+    cfg = draft_model_config(config)
+    return load_model(cfg, get_attention_backend(config.device, cfg.head_dim), config.device)
+
+
 class DraftModel:
-    def __init__(self, config: EngineConfig, num_blocks: int, sampler: Sampler) -> None:
-        assert config.speculative is not None and config.speculative.draft is not None
-        cfg = config.speculative.draft.shard(config.tensor_parallel_size)
-        self.model = load_model(cfg, get_attention_backend(config.device, cfg.head_dim),
-                                config.device)
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, num_blocks: int,
+                 sampler: Sampler) -> None:
+        """`model` from `load_draft_model`; its pool holds as many blocks as the target's."""
+        cfg = draft_model_config(config)
+        self.model = model
         block_size = config.cache.block_size
         self.kv_cache = allocate_kv_pool(self.model, cfg, num_blocks, block_size, config.device)
         sched = config.scheduler

@@ -1,12 +1,21 @@
-"""The KV block pool of a model: one tensor, each layer's attention bound to its slice."""
+"""The KV block pool of a model: one tensor, each layer's attention bound to its slice, and
+on a GPU its size, from the memory the weights leave."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from kvserve.config import ModelConfig
+from kvserve.config import EngineConfig, GiB, ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.worker.cpu_allocator import advise_huge_pages
+
+logger = logging.getLogger(__name__)
+
+# Kept beside a step's activations: the CUDA graphs' pool (170-215 MiB for llama3-8b and
+# qwen3-0.6b at 128-264 rows), cuBLAS workspaces and the caching allocator's slack.
+DEVICE_HEADROOM = 512 << 20
 
 
 def allocate_kv_pool(model: LlamaForCausalLM, cfg: ModelConfig, num_blocks: int,
@@ -21,3 +30,38 @@ def allocate_kv_pool(model: LlamaForCausalLM, cfg: ModelConfig, num_blocks: int,
     for i, layer in enumerate(model.layers):
         layer.self_attn.kv_cache = pool[i]
     return pool
+
+
+def step_activation_bytes(config: EngineConfig) -> int:
+    """A bound on what the largest step allocates beside the weights and the pool: each
+    token's hidden states and attention and MLP intermediates in the model's dtype, and a
+    float32 row of logits and its log-softmax (prompt logprobs score every prompt token)."""
+    mc = config.model.shard(config.tensor_parallel_size)
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    per_token = (mc.dtype.itemsize * (3 * mc.hidden_size + 2 * q + 2 * kv
+                                      + 3 * mc.intermediate_size)
+                 + 2 * 4 * mc.vocab_size)
+    return config.scheduler.max_num_tokens_per_step * per_token
+
+
+def blocks_in_device_memory(config: EngineConfig, free: int, total: int) -> int:
+    """The pool's blocks where `config.sized_by_device_memory`: what gpu_memory_utilization
+    of the device's `total` bytes leaves once the memory in use now (`total - free`: the
+    weights, and anything else on the device) and a step's activations are set aside, up
+    to `EngineConfig.most_blocks_used`."""
+    utilization = config.cache.gpu_memory_utilization
+    in_use = total - free
+    reserve = step_activation_bytes(config) + DEVICE_HEADROOM
+    budget = int(utilization * total) - in_use - reserve
+    per_block = config.pool_bytes_per_block
+    if budget < per_block:
+        raise ValueError(
+            f"gpu_memory_utilization {utilization} of the device's {total / GiB:.1f} GiB leaves "
+            f"no room for the KV cache: {in_use / GiB:.1f} GiB are in use with the weights "
+            f"loaded and {reserve / GiB:.1f} GiB are kept for a step's activations; raise "
+            f"gpu_memory_utilization, or give kv_cache_memory")
+    num_blocks = min(budget // per_block, config.most_blocks_used)
+    logger.info("KV cache: %.1f GiB of %.1f GiB (gpu_memory_utilization %.2f) once %.1f GiB "
+                "in use and %.1f GiB for activations are set aside", num_blocks * per_block
+                / GiB, total / GiB, utilization, in_use / GiB, reserve / GiB)
+    return int(num_blocks)

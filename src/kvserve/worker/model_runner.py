@@ -6,6 +6,7 @@ makes no scheduling decisions.
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -30,17 +31,17 @@ from kvserve.worker.cpu_allocator import retain_freed_memory
 from kvserve.worker.cpu_decode import CpuDecodeStack
 from kvserve.worker.cuda_graphs import DecodeGraphs
 from kvserve.worker.disk_kv import DiskKVStore, model_identity
-from kvserve.worker.draft_model import DraftModel
+from kvserve.worker.draft_model import DraftModel, load_draft_model
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.host_kv import HostKVCache
 from kvserve.worker.input_batch import InputBuffers, ModelInputs, SampledIds
-from kvserve.worker.kv_pool import allocate_kv_pool
+from kvserve.worker.kv_pool import allocate_kv_pool, blocks_in_device_memory
 from kvserve.worker.pending_output import PendingOutput
 from kvserve.worker.prompt_logprobs import prompt_logprobs
 from kvserve.worker.sampler import Sampler, SamplingState
 from kvserve.worker.speculative import Drafter, can_draft
 from kvserve.worker.structured_output import GrammarMatchers, grammar_errors
-from kvserve.worker.tensor_parallel import tp_group
+from kvserve.worker.tensor_parallel import smallest_over_ranks, tp_group
 
 
 class ModelRunner:
@@ -52,8 +53,11 @@ class ModelRunner:
             retain_freed_memory()
         self.model = load_model(mc, get_attention_backend(config.device, mc.head_dim),
                                 config.device)
+        spec = config.speculative
+        draft_weights = (load_draft_model(config)
+                         if spec is not None and spec.draft is not None else None)
         self.block_size = config.cache.block_size
-        self.num_blocks = config.num_kv_blocks
+        self.num_blocks = self._num_pool_blocks()
         self.kv_cache = allocate_kv_pool(self.model, mc, self.num_blocks, self.block_size,
                                          self.device)
         num_host = config.num_host_kv_blocks + config.num_offload_kv_blocks
@@ -78,10 +82,9 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         self.loras = LoRAManager(self.model, config.max_loras)
         self.lora_slots: dict[str, int] = {}  # request id -> its adapter's slot
-        spec = config.speculative
         self.drafter = Drafter(spec) if spec is not None and spec.draft is None else None
-        self.draft_model = (DraftModel(config, self.num_blocks, self.sampler)
-                            if spec is not None and spec.draft is not None else None)
+        self.draft_model = (DraftModel(config, draft_weights, self.num_blocks, self.sampler)
+                            if draft_weights is not None else None)
         # Request id -> the distributions its pending drafts were drawn from (draft model,
         # requests that sample), until the step that verifies them.
         self.draft_probs: dict[str, torch.Tensor] = {}
@@ -306,6 +309,17 @@ class ModelRunner:
             batch_size = self.graphs.padded_size(inputs)
             return None if batch_size is None else self.graphs.run(inputs, batch_size)
         return self.cpu_decode.run(inputs) if self.cpu_decode is not None else None
+
+    def _num_pool_blocks(self) -> int:
+        """The pool's size: the config's, or on a GPU what the loaded weights leave of
+        gpu_memory_utilization (the same on every tensor-parallel rank: the least)."""
+        if not self.config.sized_by_device_memory:
+            return self.config.num_kv_blocks
+        gc.collect()  # an engine dropped before this one holds no memory
+        torch.cuda.empty_cache()  # nor do the loader's freed blocks
+        free, total = torch.cuda.mem_get_info(self.device)
+        return smallest_over_ranks(blocks_in_device_memory(self.config, free, total),
+                                   self.device)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """Decode steps replay CUDA graphs unless `enforce_eager`; graphs need a backend that

@@ -56,6 +56,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def smallest_over_ranks(value: int, device: str) -> int:
+    """The smallest of the ranks' `value`s (a size they must agree on), on every rank."""
+    if _group.size == 1:
+        return value
+    x = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(x, op=dist.ReduceOp.MIN)
+    return int(x.item())
+
+
 def rank_bounds(size: int, dim: int) -> tuple[int, int]:
     """This rank's [start, end) of a full checkpoint tensor's `size` entries along `dim`."""
     if size % _group.size:
