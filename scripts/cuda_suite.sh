@@ -10,7 +10,8 @@
 #   latency      llama3-8b batch-1 TPOT against its floor, async scheduling off and on
 #   latency4     the same on its 4-bit RTN copy
 #   step         decode steps against their roofline, with a kernel profile, and the JSON
-#                that `kvserve simulate` fits its cost model to
+#                that `kvserve simulate` fits its cost model to; then a profile of a step
+#                with a prefill chunk
 #   throughput   the fixed offline workload against transformers (eager and compiled)
 #   nano         nano-vllm's workload on qwen3-0.6b, async scheduling off and on
 #   preemption   swap against recompute on a pool too small for the batch
@@ -102,6 +103,8 @@ part_step() {
   kvserve bench step --model "$(model "$BIG")" --device "$DEVICE" --max-num-seqs 264 \
     --decodes 1 8 32 64 128 256 \
     --chunks 64 256 512 --context 1024 --profile 10 --json "$RESULTS/step.json"
+  kvserve bench step --model "$(model "$BIG")" --device "$DEVICE" --decodes 1 --chunks 256 \
+    --context 1024 --profile 5 --profile-chunk 256
 }
 
 part_throughput() {

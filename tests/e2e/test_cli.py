@@ -120,9 +120,10 @@ def test_bench_step_times_every_cell_and_names_a_too_small_pool(llama_dir, tmp_p
     out = tmp_path / "step.json"
     run = kvserve("bench", "step", "--model", str(llama_dir), "--decodes", "1", "3",
                   "--chunks", "8", "24", "--context", "40", "--repeats", "2",
-                  "--prefill-tokens", "64", "--profile", "2", "--json", str(out))
+                  "--prefill-tokens", "64", "--profile", "2", "--profile-chunk", "8",
+                  "--json", str(out))
     assert run.returncode == 0, run.stderr
-    assert "2 decode steps of 1 under torch.profiler" in run.stdout
+    assert "2 steps of 1 decodes and a chunk of 8 tokens under torch.profiler" in run.stdout
     saved = json.loads(out.read_text())
     prefill = saved["prefill"]
     assert prefill["prefill tokens"] == 64 and prefill["% of peak"] > 0
@@ -137,7 +138,8 @@ def test_bench_step_times_every_cell_and_names_a_too_small_pool(llama_dir, tmp_p
     for flags, error in ((["--decodes", "64", "--kv-cache-memory", "0.001"],
                           "--kv-cache-memory: the largest step needs"),
                          (["--context", "1000000"], "--context: 1000000 plus the largest"),
-                         (["--decodes", "128"], "--max-num-seqs: a step of 128 decodes")):
+                         (["--decodes", "128"], "--max-num-seqs: a step of 128 decodes"),
+                         (["--profile-chunk", "17"], "--profile-chunk: 17 is not one of")):
         assert error in usage_error(capsys, "bench", "step", "--model", str(llama_dir), *flags)
 
 

@@ -85,6 +85,9 @@ def run(args: argparse.Namespace) -> None:
     if max(args.decodes) + 1 > args.max_num_seqs:
         raise ValueError(f"--max-num-seqs: a step of {max(args.decodes)} decodes and a chunk "
                          f"runs {max(args.decodes) + 1} sequences, more than {args.max_num_seqs}")
+    if args.profile_chunk not in (0, *args.chunks):
+        raise ValueError(f"--profile-chunk: {args.profile_chunk} is not one of --chunks "
+                         f"({', '.join(map(str, args.chunks))}) or 0")
     llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
     runner, kv_cache = llm.engine.core.runner, llm.engine.core.kv_cache
     chunks = sorted(set(args.chunks))
@@ -125,31 +128,37 @@ def run(args: argparse.Namespace) -> None:
         f"{weights / 1e6:.0f} MB of weights + the decodes' KV at {bandwidth / 1e9:.1f} GB/s"))
     prefill = prefill_against_gemm_peak(runner, kv_cache, args)
     if args.profile:
-        print_profile(steps, min(args.decodes), args.profile,
-                      next(r["step ms"] for r in rows if r["decodes"] == min(args.decodes)))
+        print_profile(steps, min(args.decodes), args.profile_chunk, args.profile,
+                      next(r["step ms"] for r in rows if r["decodes"] == min(args.decodes)
+                           and r["chunk"] == args.profile_chunk))
     save_json(args.json, {"benchmark": "step", "model": args.model, "device": runner.device,
                           "context": args.context, "copy_bandwidth": bandwidth,
                           "weight_bytes": weights, "rows": rows, "prefill": prefill})
 
 
-def print_profile(steps: SyntheticSteps, num_decodes: int, num_steps: int,
+def print_profile(steps: SyntheticSteps, num_decodes: int, chunk: int, num_steps: int,
                   step_ms: float) -> None:
     """The ops (on CUDA, the kernels, graph-replayed ones included) that take the most device
-    time over `num_steps` decode-only steps: where a step's time goes beyond its roofline. On
-    CUDA, also the share of the (unprofiled) step time the kernels fill: the rest is the
-    device waiting on the host and on launches."""
+    time over `num_steps` steps of `num_decodes` decodes and a `chunk`-token chunk: where a
+    step's time goes beyond its roofline. On CUDA, also the ops that take the most host time
+    (an eager step's launches) and the share of the (unprofiled) step time the kernels fill:
+    the rest is the device waiting on the host and on launches."""
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = torch.device(steps.runner.device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(num_steps):
-            steps.run(num_decodes, 0)
-    print(f"\n{num_steps} decode steps of {num_decodes} under torch.profiler, by device time:")
+            steps.run(num_decodes, chunk)
+    what = f"{num_steps} steps of {num_decodes} decodes" + (
+        f" and a chunk of {chunk} tokens" if chunk else "")
+    print(f"\n{what} under torch.profiler, by device time:")
     events = prof.key_averages()
     print(events.table(sort_by="self_cuda_time_total" if on_cuda else "self_cpu_time_total",
                        row_limit=25))
     if on_cuda:
+        print(f"\n{what}, by host time:")
+        print(events.table(sort_by="cpu_time_total", row_limit=15))
         busy_ms = sum(e.self_device_time_total for e in events) / 1e3 / num_steps
         print(f"kernels: {busy_ms:.2f} ms per step, in a {step_ms:.2f} ms step "
               f"({busy_ms / step_ms:.0%} busy)")
@@ -205,5 +214,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", type=non_negative_int, default=0, metavar="STEPS",
                    help="also profile this many decode-only steps of the smallest --decodes "
                         "batch and print the ops that take the most device time")
+    p.add_argument("--profile-chunk", type=non_negative_int, default=0, metavar="TOKENS",
+                   help="with --profile: the profiled steps carry a chunk of this many tokens, "
+                        "one of --chunks (default 0: decode-only steps)")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)
