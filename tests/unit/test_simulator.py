@@ -35,18 +35,26 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
     return EngineConfig.create(str(folder), kv_cache_memory=2 << 20, max_num_seqs=8)
 
 
-def test_the_fit_recovers_a_linear_cost() -> None:
+@pytest.mark.parametrize("floor", [0.0, 0.03])
+def test_the_fit_recovers_a_linear_cost_and_the_floor_of_a_step_with_prefill(floor: float
+                                                                             ) -> None:
     def step_ms(decodes: int, chunk: int, context: int) -> float:
-        return 1e3 * (0.01 + 0.001 * decodes + 0.0001 * chunk + 2e-6 * decodes * context)
+        linear = 0.01 + 0.001 * decodes + 0.0001 * chunk + 2e-6 * decodes * context
+        return 1e3 * (max(linear, floor) if chunk else linear)
 
     runs = [{"context": ctx, "rows": [{"decodes": d, "chunk": c, "step ms": step_ms(d, c, ctx)}
-                                      for d in (1, 8) for c in (0, 64, 256)]}
+                                      for d in (1, 8) for c in (0, 64, 256)],
+             "prefill": {"prefill tokens": 1024, "step ms": step_ms(0, 1024, 0)}}
             for ctx in (64, 512)]
     fitted = StepCostModel.fit(runs)
     assert fitted.fixed == pytest.approx(0.01, abs=1e-6)
     assert fitted.per_decode == pytest.approx(0.001, abs=1e-6)
     assert fitted.per_prefill_token == pytest.approx(0.0001, abs=1e-8)
     assert fitted.per_context_token == pytest.approx(2e-6, abs=1e-9)
+    assert fitted.prefill_step_floor == pytest.approx(floor)
+    assert fitted.seconds(StepShape(0, 100, 0)) == pytest.approx(max(0.02, floor))
+    assert fitted.seconds(StepShape(0, 1000, 0)) == pytest.approx(0.11)  # past the floor
+    assert fitted.seconds(StepShape(3, 0, 30)) == pytest.approx(0.013 + 60e-6)
 
 
 def test_a_cost_model_file_that_is_not_bench_step_json_is_named(tmp_path: Path) -> None:

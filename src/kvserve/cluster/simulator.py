@@ -39,40 +39,57 @@ _SAMPLED = 1
 @dataclass(frozen=True)
 class StepCostModel:
     """Seconds per step: `fixed` + `per_decode` x decodes + `per_prefill_token` x prefill
-    tokens + `per_context_token` x the KV tokens the decodes read."""
+    tokens + `per_context_token` x the KV tokens the decodes read; a step with prefill tokens
+    takes at least `prefill_step_floor` (on CUDA such a step runs eagerly, where a
+    decode-only one replays a CUDA graph: the host's launches bound it until the device's
+    work outlasts them)."""
 
     fixed: float
     per_decode: float
     per_prefill_token: float
     per_context_token: float = 0.0
+    prefill_step_floor: float = 0.0
     source: str = ""
 
     @classmethod
     def fit(cls, runs: list[dict]) -> StepCostModel:
-        """From the rows of `kvserve bench step --json` files: the decode-only steps give
-        the fixed, per-decode and (with runs at two contexts or more) per-context-token
-        costs by least squares; what a prefill chunk adds to the decode step beside it,
-        per token, gives the prefill cost (the median over the rows)."""
+        """From `kvserve bench step --json` files. The decode-only steps give the fixed,
+        per-decode and (with runs at two contexts or more) per-context-token costs by least
+        squares. The largest prefill (the file's prefill from an empty cache, else its
+        largest chunk) gives the cost per prefill token beyond them. Steps with a chunk
+        that take over 1.5x that linear cost are bound by something else, the eager
+        launches on CUDA: their median is the floor of a step with prefill tokens."""
         contexts = {run["context"] for run in runs}
-        features, seconds, per_token = [], [], []
+        features, seconds = [], []
+        prefills: list[tuple[int, int, int, float]] = []  # decodes, context, tokens, seconds
         for run in runs:
-            alone = {row["decodes"]: row["step ms"] / 1e3 for row in run["rows"]
-                     if row["chunk"] == 0}
             for row in run["rows"]:
                 decodes, chunk = row["decodes"], row["chunk"]
                 if chunk == 0:
                     features.append([1.0, decodes, decodes * run["context"]])
                     seconds.append(row["step ms"] / 1e3)
-                elif decodes in alone:
-                    per_token.append((row["step ms"] / 1e3 - alone[decodes]) / chunk)
+                else:
+                    prefills.append((decodes, run["context"], chunk, row["step ms"] / 1e3))
+            if "prefill" in run:
+                prefill = run["prefill"]
+                prefills.append((0, 0, prefill["prefill tokens"], prefill["step ms"] / 1e3))
         x = np.array(features)
         if len(contexts) < 2:
             x = x[:, :2]
         coef, *_ = np.linalg.lstsq(x, np.array(seconds), rcond=None)
         fixed, per_decode, per_context = [max(float(c), 0.0) for c in coef] + [0.0] * (
             3 - len(coef))
+
+        def linear(decodes: int, context: int, tokens: int, per_token: float) -> float:
+            return fixed + per_decode * decodes + per_context * decodes * context + (
+                per_token * tokens)
+
+        decodes, context, tokens, largest = max(prefills, key=lambda p: p[2])
+        per_token = max((largest - linear(decodes, context, 0, 0.0)) / tokens, 0.0)
+        bound = [s for d, c, t, s in prefills if s > 1.5 * linear(d, c, t, per_token)]
         devices = sorted({str(run.get("device", "?")) for run in runs})
-        return cls(fixed, per_decode, max(statistics.median(per_token), 0.0), per_context,
+        return cls(fixed, per_decode, per_token, per_context,
+                   statistics.median(bound) if bound else 0.0,
                    source=f"{', '.join(devices)} (contexts {sorted(contexts)})")
 
     @classmethod
@@ -119,13 +136,18 @@ class StepCostModel:
     def __str__(self) -> str:
         return (f"{self.fixed * 1e3:.2f} ms + {self.per_decode * 1e3:.3f} ms/decode + "
                 f"{self.per_prefill_token * 1e3:.4f} ms/prefill token + "
-                f"{self.per_context_token * 1e6:.3f} us/context token (from {self.source})")
+                f"{self.per_context_token * 1e6:.3f} us/context token, at least "
+                f"{self.prefill_step_floor * 1e3:.2f} ms with prefill tokens "
+                f"(from {self.source})")
 
     def step_seconds(self, sched: SchedulerOutput) -> float:
-        shape = sched.shape
-        return (self.fixed + self.per_decode * shape.num_decodes
-                + self.per_prefill_token * shape.num_prefill_tokens
-                + self.per_context_token * shape.num_context_tokens)
+        return self.seconds(sched.shape)
+
+    def seconds(self, shape: StepShape) -> float:
+        seconds = (self.fixed + self.per_decode * shape.num_decodes
+                   + self.per_prefill_token * shape.num_prefill_tokens
+                   + self.per_context_token * shape.num_context_tokens)
+        return max(seconds, self.prefill_step_floor) if shape.num_prefill_tokens else seconds
 
 
 @dataclass(frozen=True)
