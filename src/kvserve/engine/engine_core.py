@@ -126,7 +126,8 @@ class _Launched:
 
 def log_kv_pool(config: EngineConfig, num_blocks: int) -> None:
     """The pool's size, which kv_cache_memory or its default sets (see
-    `EngineConfig.num_kv_blocks`), in tokens and in requests of max_model_len at once."""
+    `EngineConfig.num_kv_blocks`; on CUDA, `kv_pool.blocks_in_device_memory`), in tokens
+    and in requests of max_model_len at once."""
     tokens, longest = num_blocks * config.cache.block_size, config.scheduler.max_model_len
     logger.info("KV cache: %d tokens in %d blocks (%.1f MiB%s), %.2fx requests of %d tokens "
                 "(max_model_len) at once", tokens, num_blocks,
@@ -135,4 +136,6 @@ def log_kv_pool(config: EngineConfig, num_blocks: int) -> None:
     if tokens < longest and not config.cache.streaming_window:
         logger.warning("KV cache: the pool holds fewer tokens than max_model_len (%d < %d); "
                        "a request whose prompt and max_tokens need more is refused. Raise "
-                       "kv_cache_memory or lower max_model_len", tokens, longest)
+                       "%s or lower max_model_len", tokens, longest,
+                       "gpu_memory_utilization" if config.sized_by_device_memory
+                       else "kv_cache_memory")
