@@ -23,6 +23,17 @@ DTYPES = [torch.float32] + ([torch.bfloat16, torch.float16] if DEVICE == "cuda" 
 IN, OUT = 256, 96
 
 
+@pytest.fixture(autouse=True)
+def one_tile_each(monkeypatch):
+    """Each test runs one tile of each kernel: on a GPU, autotuning would compile and time
+    every fitting tile for each shape, dtype and row bucket (minutes in all). Every tile is
+    checked on its own in test_every_tile_the_gpu_may_pick_is_right."""
+    for tuned, configs in ((triton_gemm._tuned_gemm, triton_gemm.TILE_CONFIGS),
+                           (triton_gemm._tuned_gemv, triton_gemm.GEMV_CONFIGS)):
+        narrowest = [c for c in configs if c.kwargs["BLOCK_K"] == triton_gemm.MIN_BLOCK_K]
+        monkeypatch.setattr(tuned, "configs", narrowest[:1])
+
+
 def layer(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(512, IN, generator=gen) * torch.linspace(0.2, 3, IN)
