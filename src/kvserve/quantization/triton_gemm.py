@@ -10,8 +10,9 @@ Two kernels share the unpacking, the group's scale and zero and the split-K epil
 
 Both serve two weight kinds, which differ only in how a tile is dequantized:
 - integers with a scale and zero per group of input channels (GPTQ, AWQ; W4A16, W8A16):
-  w = (q - zero[group]) * scale[group], applied to each weight on the tensor cores
-  (`_dequantized`) and to a tile's sums of x * q in the GEMV (`_group_scaled`);
+  w = (q - zero[group]) * scale[group]: on the tensor cores each weight is dequantized
+  (`_dequantized`); in the GEMV the zero is subtracted as the integer becomes a float
+  (`_integers_less`) and the scale multiplies a tile's sums;
 - indices into a per-output-channel lookup table (SqueezeLLM): w = table[row, q], plus the
   sparse outliers, added by a sparse matmul.
 
@@ -47,48 +48,46 @@ MIN_BLOCK_K = 32  # a group must hold whole tiles of the input dimension
 
 
 @triton.jit
-def _word_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """The packed words of input channels k0 ... k0 + BLOCK_K - 1 (none from k_end on) as
-    [BLOCK_K / PER_WORD, BN]: word row w holds channels w * PER_WORD ... w * PER_WORD +
-    PER_WORD - 1."""
+def _word_tile(words_ptr, k0, cols, col_ok, N, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The packed words of input channels k0 ... k0 + BLOCK_K - 1 as [BLOCK_K / PER_WORD,
+    BN]: word row w holds channels w * PER_WORD ... w * PER_WORD + PER_WORD - 1. (The input
+    dimension is a whole number of tiles: a tile lies in one group.)"""
     PER_WORD: tl.constexpr = 32 // BITS
     word_rows = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-    return tl.load(words_ptr + word_rows[:, None] * N + cols[None, :],
-                   mask=(word_rows < tl.cdiv(k_end, PER_WORD))[:, None] & col_ok[None, :],
+    return tl.load(words_ptr + word_rows[:, None] * N + cols[None, :], mask=col_ok[None, :],
                    other=0)
 
 
 @triton.jit
-def _unpacked_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+def _unpacked_tile(words_ptr, k0, cols, col_ok, N, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The integers of a word tile as [BLOCK_K / PER_WORD, PER_WORD, BN], each word loaded
     once and unpacked in registers."""
-    words = _word_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS, BLOCK_K)
+    words = _word_tile(words_ptr, k0, cols, col_ok, N, BITS, BLOCK_K)
     shifts = tl.arange(0, 32 // BITS) * BITS
     return (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
 
 
 @triton.jit
-def _integers(src, position, BITS: tl.constexpr):
+def _integers_less(src, position, offset, BITS: tl.constexpr):
     """Value `position` (a tensor that broadcasts against `src`) of the low 16 bits of each
-    word in `src`, as an exact float32. Masked in place, it becomes the low mantissa bits of
-    a float whose exponent gives the value's lowest bit a weight of one, 2^(23 - BITS *
-    position) + value, and that power of two is subtracted: one logic op (a LOP3: the mask
-    and the exponent together) and one add per value, where shifting it down, masking it
-    and converting it take three or more."""
+    word in `src`, less `offset` (a zero point), in float32. Masked in place, the value
+    becomes the low mantissa bits of a float whose exponent gives its lowest bit a weight of
+    one, 2^(23 - BITS * position) + value, from which that power of two and the offset are
+    subtracted: one logic op (a LOP3: the mask and the exponent together) and one add per
+    value, where shifting it down, masking it, converting it and subtracting the zero take
+    four or more. Exact for integer offsets."""
     exponent = (127 + 23 - BITS * position) << 23  # the bits of 2^(23 - BITS * position)
     field = src & (((1 << BITS) - 1) << (BITS * position))
     return ((field | exponent).to(tl.float32, bitcast=True)
-            - exponent.to(tl.float32, bitcast=True))
+            - (exponent.to(tl.float32, bitcast=True) + offset))
 
 
 @triton.jit
-def _input_channels(ks, k_ok, input_order_ptr, ORDERED: tl.constexpr):
+def _input_channels(ks, input_order_ptr, ORDERED: tl.constexpr):
     """The input's channels for the weight's input channels ks: the same, or, for act-order
     layers (whose channels are sorted by group), read through their order."""
     if ORDERED:
-        return tl.load(input_order_ptr + ks, mask=k_ok, other=0)
+        return tl.load(input_order_ptr + ks)
     return ks
 
 
@@ -105,16 +104,6 @@ def _group_scale_zero(k0, cols, col_ok, scales_ptr, zeros_ptr, N, GROUP_SIZE: tl
     scale = tl.load(scales_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
     zero = tl.load(zeros_ptr + group * N + cols, mask=col_ok, other=0.0).to(tl.float32)
     return scale, zero
-
-
-@triton.jit
-def _group_scaled(sums, x_sums, k0, cols, col_ok, scales_ptr, zeros_ptr, N,
-                  GROUP_SIZE: tl.constexpr):
-    """A tile's sums of x * q ([..., BN]) as sums of x * w, w = (q - zero) * scale with the
-    scale and zero of the tile's group: scale * (sum x * q - zero * sum x), given sum x
-    (`x_sums`, broadcasting against `sums`). Applied once per tile, not per weight."""
-    scale, zero = _group_scale_zero(k0, cols, col_ok, scales_ptr, zeros_ptr, N, GROUP_SIZE)
-    return scale * (sums - zero * x_sums)
 
 
 @triton.jit
@@ -168,12 +157,10 @@ def _weight_only_gemm_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_end
-        x_cols = _input_channels(ks, k_ok, input_order_ptr, ORDERED)
-        x = tl.load(x_ptr + rows[:, None] * K + x_cols[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        q = tl.reshape(_unpacked_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS, BLOCK_K),
+        x_cols = _input_channels(k0 + tl.arange(0, BLOCK_K), input_order_ptr, ORDERED)
+        x = tl.load(x_ptr + rows[:, None] * K + x_cols[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        q = tl.reshape(_unpacked_tile(words_ptr, k0, cols, col_ok, N, BITS, BLOCK_K),
                        [BLOCK_K, BLOCK_N])
         if LUT:
             w = _table_values(q, cols[None, :], col_ok[None, :], table_ptr, BITS)
@@ -190,19 +177,22 @@ def _weight_only_gemv_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
                              table_ptr, out_ptr, partials_ptr, counters_ptr,
                              M, N, K, GROUP_SIZE: tl.constexpr,
                              BITS: tl.constexpr, LUT: tl.constexpr, ORDERED: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                             PAIRS: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             STAGES: tl.constexpr):
     """A few rows of x (decode) on the CUDA cores, in float32: the weights are used in the
     registers they are unpacked in, where a tensor-core operand would first go through
     shared memory, one 16-bit store per weight.
 
     Every tensor has the word tile's shape [BLOCK_K / PER_WORD, BN] (times the rows): value
     j of each word is taken out with constant masks, one position at a time, so nothing is
-    reshaped or reduced in the loop. Integers are summed against x as they are, and the
-    group's scale and zero are applied once per tile (`_group_scaled`). Per weight that
-    leaves a logic op and an add (`_integers`), then a multiply-add per row. The loop is
-    software-pipelined (`tl.range` stages: without a dot, Triton pipelines a loop's loads
-    only when asked), so the next tiles' words are in flight while one is summed."""
+    reshaped or reduced in the loop. The zero point is subtracted as the value becomes a
+    float (`_integers_less`), and the scale multiplies a tile's sums: per weight a logic op
+    and an add, then a multiply-add per row. Each thread loads the x of its own words: with
+    `PAIRS` (bfloat16 x) two channels in one 32-bit load, each widened by a shift or a mask.
+    The loop is software-pipelined (`tl.range` stages: without a dot, Triton pipelines a
+    loop's loads only when asked), so the next tiles' words are in flight while one is
+    summed."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     num_splits = tl.num_programs(1)
     k_per_split = tl.cdiv(tl.cdiv(K, num_splits), BLOCK_K) * BLOCK_K
@@ -213,36 +203,47 @@ def _weight_only_gemv_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
     PER_WORD: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PER_WORD
     HALF: tl.constexpr = 16 // BITS
+    pairs_ptr = x_ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
     acc = tl.zeros([BLOCK_M, WORDS, BLOCK_N], tl.float32)
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
-        words = _word_tile(words_ptr, k0, k_end, cols, col_ok, N, BITS, BLOCK_K)
+        words = _word_tile(words_ptr, k0, cols, col_ok, N, BITS, BLOCK_K)
         high = words >> 16
+        if not LUT:
+            scale, zero = _group_scale_zero(k0, cols, col_ok, scales_ptr, zeros_ptr, N,
+                                            GROUP_SIZE)
         tile = tl.zeros([BLOCK_M, WORDS, BLOCK_N], tl.float32)
-        x_sum = tl.zeros([BLOCK_M, WORDS], tl.float32)
-        for j in tl.static_range(PER_WORD):
-            ks = k0 + tl.arange(0, WORDS) * PER_WORD + j
-            k_ok = ks < k_end
-            x_cols = _input_channels(ks, k_ok, input_order_ptr, ORDERED)
-            x = tl.load(x_ptr + rows[:, None] * K + x_cols[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            if LUT:
-                q = (words >> (BITS * j)) & ((1 << BITS) - 1)
-                w = _table_values(q, cols[None, :], col_ok[None, :], table_ptr, BITS)
-            else:
-                x_sum += x
-                position = tl.full([1, 1], j % HALF, tl.int32)
-                if j < HALF:
-                    w = _integers(words, position, BITS)
+        for pair_index in tl.static_range(PER_WORD // 2):
+            if PAIRS:
+                pair_cols = (k0 + tl.arange(0, WORDS) * PER_WORD) // 2 + pair_index
+                pair = tl.load(pairs_ptr + rows[:, None] * (K // 2) + pair_cols[None, :],
+                               mask=row_ok[:, None], other=0)
+            for odd in tl.static_range(2):
+                if PAIRS:  # a bfloat16's bits are a float32's high half
+                    if odd:
+                        x = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+                    else:
+                        x = (pair << 16).to(tl.float32, bitcast=True)
                 else:
-                    w = _integers(high, position, BITS)
-            tile += x[:, :, None] * w[None, :, :]
+                    ks = k0 + tl.arange(0, WORDS) * PER_WORD + 2 * pair_index + odd
+                    x_cols = _input_channels(ks, input_order_ptr, ORDERED)
+                    x = tl.load(x_ptr + rows[:, None] * K + x_cols[None, :],
+                                mask=row_ok[:, None], other=0.0).to(tl.float32)
+                if LUT:
+                    q = (words >> (BITS * (2 * pair_index + odd))) & ((1 << BITS) - 1)
+                    w = _table_values(q, cols[None, :], col_ok[None, :], table_ptr, BITS)
+                else:
+                    position = tl.full([1, 1], (2 * pair_index + odd) % HALF, tl.int32)
+                    if 2 * pair_index + odd < HALF:
+                        w = _integers_less(words, position, zero[None, :], BITS)
+                    else:
+                        w = _integers_less(high, position, zero[None, :], BITS)
+                tile += x[:, :, None] * w[None, :, :]
         if LUT:
             acc += tile
         else:
-            acc += _group_scaled(tile, x_sum[:, :, None], k0, cols, col_ok, scales_ptr,
-                                 zeros_ptr, N, GROUP_SIZE)
+            acc += scale[None, None, :] * tile
     _write_tile(tl.sum(acc, axis=1), rows, cols, M, N, out_ptr, partials_ptr,
                 counters_ptr + pid_n, split, num_splits)
 
@@ -258,7 +259,7 @@ def _configs(block_ns: tuple[int, ...], shapes: tuple[tuple[int, int], ...]
 TILE_CONFIGS = _configs((64, 128), ((4, 3), (8, 4)))
 # The GEMV's loop has no dot: Triton pipelines it only at the stages the loop is given.
 GEMV_CONFIGS = [triton.Config({**c.kwargs, "STAGES": c.num_stages}, num_warps=c.num_warps)
-                for c in _configs((64, 128, 256), ((4, 3), (8, 3)))]
+                for c in _configs((64, 128, 256, 512), ((4, 3), (8, 3)))]
 
 
 def _fitting_tiles(configs: list[triton.Config], named_args: dict, **kwargs: object
@@ -402,7 +403,10 @@ class TritonQuantizedWeight:
                     split_counters(rows.device))
         kind = {"BITS": self.bits, "LUT": lut, "ORDERED": ordered, "BLOCK_M": block_m}
         if gemv:
-            tuned[grid](*pointers, m, n, k, self.group_size, **kind)
+            # bfloat16 inputs at a 4-byte boundary load two channels at once.
+            pairs = (rows.dtype == torch.bfloat16 and not ordered
+                     and rows.data_ptr() % 4 == 0)
+            tuned[grid](*pointers, m, n, k, self.group_size, **kind, PAIRS=pairs)
         else:
             tuned[grid](*pointers, m, n, k, self.group_size, **kind,
                         PRECISION=dot_precision(rows.dtype))
