@@ -6,7 +6,9 @@ simulated replicas as they do on real ones."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +21,7 @@ from kvserve.cluster.simulator import (
 )
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler.output import StepShape
+from kvserve.engine import llm_engine
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import SamplingParams
 from kvserve.tools.checkpoint_files import write_json
@@ -99,6 +102,26 @@ def test_an_engine_traces_the_work_of_its_steps(llama_dir: Path) -> None:
     engine.add_request({"prompt_token_ids": [5] * 8}, params)
     engine.step()
     assert engine.trace_steps(on=False) == []  # no longer tracing
+
+
+def test_a_busy_engines_trace_counts_the_loops_time_between_steps(llama_dir: Path,
+                                                                  monkeypatch) -> None:
+    """A step's traced seconds are its period: the serving loop's time since the step
+    before counts where that step left work to run at once, not after the engine idled."""
+    engine = LLMEngine(EngineConfig.create(str(llama_dir)))
+    clock = iter(range(10**6))  # each read of the clock is one second later
+    monkeypatch.setattr(llm_engine, "time", SimpleNamespace(perf_counter=lambda: next(clock),
+                                                           monotonic=time.monotonic))
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.trace_steps(on=True)
+    for _ in range(2):  # the engine idles between the two requests
+        engine.add_request({"prompt_token_ids": [5] * 8}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+            next(clock), next(clock)  # the serving loop's work: two seconds
+    # A step reads the clock at its start and end, 1 s apart; after a busy step, the 3 s
+    # from that step's end to this one's start count too, and after an idle spell not.
+    assert [seconds for _, seconds in engine.trace_steps(on=False)] == [1, 4, 4, 1, 4, 4]
 
 
 def test_a_lone_request_costs_what_the_model_says(config: EngineConfig) -> None:

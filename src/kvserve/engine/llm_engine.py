@@ -54,9 +54,15 @@ class LLMEngine:
         # Each step's work and seconds while tracing (see `trace_steps`), for fitting a
         # simulator's step cost to the engine as it serves.
         self._step_trace: list[tuple[StepShape, float]] | None = None
+        # When the last step ended with more to run at once (the serving loop steps again
+        # without waiting), else None.
+        self._busy_end: float | None = None
 
     def trace_steps(self, on: bool) -> list[tuple[StepShape, float]]:
-        """Returns the steps traced so far, and starts a new trace if `on` (else stops)."""
+        """Returns the steps traced so far, and starts a new trace if `on` (else stops). A
+        step's seconds are its period: its own time, and, where the step before left work
+        to run at once, the serving loop's time since that one ended (handing outputs out,
+        taking requests in), which every step of a busy engine pays too."""
         traced, self._step_trace = self._step_trace or [], [] if on else None
         return traced
 
@@ -272,10 +278,13 @@ class LLMEngine:
         outputs, self._settled = self._settled, []
         step = self.core.step()
         outputs += self._outputs(step)
-        seconds = time.perf_counter() - start
-        self.step_seconds += seconds
+        end = time.perf_counter()
+        self.step_seconds += end - start
         if self._step_trace is not None and step.shape.num_tokens:
-            self._step_trace.append((step.shape, seconds))
+            since = start if self._busy_end is None else self._busy_end
+            self._step_trace.append((step.shape, end - since))
+        self._busy_end = (end if self.has_unfinished_requests() and not self.core.idle
+                          else None)
         return outputs
 
     def _settle(self) -> None:
