@@ -23,7 +23,8 @@
 # Each part runs under its own limit (seconds: LIMIT_<part>, e.g. LIMIT_tests=300), logs to
 # RESULTS_DIR/<part>.log and writes its JSON beside it; a part that fails or runs out of time
 # is reported, the next one runs, and the script exits with 1 at the end. Checkpoints are
-# made once, in MODELS (default /tmp/kvserve-suite), and reused by later parts and calls.
+# made once, in MODELS (default /tmp/kvserve-suite), and reused by later parts and calls;
+# they are made in the background while `tests` and `quantized`, which need none, run.
 #
 # It runs from a source checkout with no install (PYTHONPATH=src). DEVICE=cpu SMALL=1 runs
 # every part on small presets on the CPU: a check of the commands, not a measurement.
@@ -152,8 +153,26 @@ if [ "$1" = --one ]; then  # one part, run by the loop below under its limit
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   "$PYTHON" -c 'import torch; print("torch", torch.__version__)'; } | tee "$RESULTS/machine.txt"
+# The checkpoints the parts need are made in the background from the start, so that the
+# parts that need none (tests, quantized) run meanwhile; a part that needs one waits.
+make_checkpoints() {
+  for part in "$@"; do
+    case $part in
+      tests|quantized) ;;
+      nano|preemption) model "$QWEN" "${QWEN_ARCH[@]}" > /dev/null ;;
+      latency4) quantized_model > /dev/null ;;
+      *) model "$BIG" > /dev/null ;;
+    esac
+  done
+}
+make_checkpoints "$@" > "$RESULTS/checkpoints.log" 2>&1 &
+maker=$!
 failed=0
 for part in "$@"; do
+  if [ -n "$maker" ] && [ "$part" != tests ] && [ "$part" != quantized ]; then
+    wait "$maker"
+    maker=
+  fi
   limit_var=LIMIT_$part
   limit=${!limit_var:-${DEFAULT_LIMIT[$part]}}
   start=$SECONDS
