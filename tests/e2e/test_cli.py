@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,18 @@ def test_cuda_suite_checks_its_parts_and_runs_one_on_the_cpu(tmp_path):
     for scheduling in ("no-async-scheduling", "async-scheduling"):
         rows = json.loads((results / f"latency-{scheduling}.json").read_text())["rows"]
         assert rows[0]["TPOT ms"] > 0
+
+
+def test_w4a16_sass_counts_the_kernels_instructions_per_weight_without_a_gpu():
+    pytest.importorskip("triton")
+    script = Path(__file__).parents[2] / "scripts" / "w4a16_sass.py"
+    compiling = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for kernel, tile in (("gemv", "1,64,64,4"), ("tensor-cores", "16,64,32,4")):
+        run = subprocess.run([sys.executable, str(script), "--kernel", kernel, "--tiles", tile],
+                             capture_output=True, text=True, timeout=300, env=compiling)
+        assert run.returncode == 0, run.stderr
+        per_weight = float(re.search(r"([0-9.]+) per weight", run.stdout).group(1))
+        assert 1 < per_weight < 100
 
 
 def test_bench_prefix_reports_every_config_and_saves_json(llama_dir, tmp_path):
