@@ -5,8 +5,9 @@ H100 (sm_90) with Triton's own ptxas and cuobjdump: no GPU needed.
 
 An H100 issues about 5 thread-instructions per 4-bit weight at its memory bandwidth (132 SMs
 x 128 lanes x 1.98 GHz against 3.35 TB/s), so a loop near that count can keep up with
-memory, and one far over it cannot: 16 per weight in the GEMV measured 2.6-4.5x its floor
-there. A count says nothing of latency, occupancy or launches; the GPU has the last word.
+memory, and one far over it cannot: the GEMV's tiles that ran 9-10 per weight measured
+2.6-4.5x their floor there. A count says nothing of latency, occupancy or launches; the GPU
+has the last word.
 """
 
 from __future__ import annotations
