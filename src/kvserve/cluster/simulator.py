@@ -61,7 +61,7 @@ class StepCostModel:
         launches on CUDA: their median is the floor of a step with prefill tokens."""
         contexts = {run["context"] for run in runs}
         features, seconds = [], []
-        prefills: list[tuple[int, int, int, float]] = []  # decodes, context, tokens, seconds
+        prefills: list[tuple[StepShape, float]] = []
         for run in runs:
             for row in run["rows"]:
                 decodes, chunk = row["decodes"], row["chunk"]
@@ -69,28 +69,27 @@ class StepCostModel:
                     features.append([1.0, decodes, decodes * run["context"]])
                     seconds.append(row["step ms"] / 1e3)
                 else:
-                    prefills.append((decodes, run["context"], chunk, row["step ms"] / 1e3))
+                    prefills.append((StepShape(decodes, chunk, decodes * run["context"]),
+                                     row["step ms"] / 1e3))
             if "prefill" in run:
                 prefill = run["prefill"]
-                prefills.append((0, 0, prefill["prefill tokens"], prefill["step ms"] / 1e3))
+                prefills.append((StepShape(0, prefill["prefill tokens"], 0),
+                                 prefill["step ms"] / 1e3))
         x = np.array(features)
         if len(contexts) < 2:
             x = x[:, :2]
         coef, *_ = np.linalg.lstsq(x, np.array(seconds), rcond=None)
         fixed, per_decode, per_context = [max(float(c), 0.0) for c in coef] + [0.0] * (
             3 - len(coef))
-
-        def linear(decodes: int, context: int, tokens: int, per_token: float) -> float:
-            return fixed + per_decode * decodes + per_context * decodes * context + (
-                per_token * tokens)
-
-        decodes, context, tokens, largest = max(prefills, key=lambda p: p[2])
-        per_token = max((largest - linear(decodes, context, 0, 0.0)) / tokens, 0.0)
-        bound = [s for d, c, t, s in prefills if s > 1.5 * linear(d, c, t, per_token)]
         devices = sorted({str(run.get("device", "?")) for run in runs})
-        return cls(fixed, per_decode, per_token, per_context,
-                   statistics.median(bound) if bound else 0.0,
-                   source=f"{', '.join(devices)} (contexts {sorted(contexts)})")
+        decode_only = cls(fixed, per_decode, 0.0, per_context,
+                          source=f"{', '.join(devices)} (contexts {sorted(contexts)})")
+        shape, largest = max(prefills, key=lambda p: p[0].num_prefill_tokens)
+        per_token = (largest - decode_only.seconds(replace(shape, num_prefill_tokens=0))
+                     ) / shape.num_prefill_tokens
+        linear = replace(decode_only, per_prefill_token=max(per_token, 0.0))
+        bound = [s for shape, s in prefills if s > 1.5 * linear.seconds(shape)]
+        return replace(linear, prefill_step_floor=statistics.median(bound) if bound else 0.0)
 
     @classmethod
     def load(cls, paths: list[str]) -> StepCostModel:
