@@ -4,7 +4,6 @@ benchmarks start."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 
 import pytest
@@ -14,6 +13,8 @@ from kvserve import LLM
 from kvserve.config import EngineConfig, GiB, resolve_dtype
 from kvserve.engine_args import add_engine_args, engine_flags, engine_kwargs
 from kvserve.sampling_params import SamplingParams
+from kvserve.tools.checkpoint_files import write_json
+from kvserve.tools.make_model import PRESETS, hf_config
 from kvserve.worker.kv_pool import DEVICE_HEADROOM, blocks_in_device_memory, step_activation_bytes
 
 
@@ -88,10 +89,7 @@ def test_the_default_pool_is_what_the_running_requests_can_fill_up_to_2_gib(tmp_
 
 
 def llama3_8b_shapes(folder):
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "max_position_embeddings": 131072}))
+    write_json(folder / "config.json", hf_config(PRESETS["llama3-8b"]))
     return folder
 
 
