@@ -1,8 +1,9 @@
 """The CUDA attention backend: Triton kernels over the paged pool, nothing gathered.
 
 A step costs three launches per layer: rotary fused with the KV write (and with Qwen3's
-query and key norms), split-K decode attention for the decode rows, and one varlen prefill
-launch for all chunks.
+query and key norms), split-K decode attention for the decode rows, and one varlen launch
+for all chunks. A mixed step padded to a CUDA graph's shape runs its decodes in the varlen
+launch too, as one-query sequences: two launches.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, QKNorm
 from kvserve.attention.triton.cache import rotary_and_cache
 from kvserve.attention.triton.decode import num_splits_for, paged_decode_attention
-from kvserve.attention.triton.prefill import paged_prefill_attention
+from kvserve.attention.triton.varlen import paged_varlen_attention
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -37,10 +38,9 @@ class TritonPagedAttention(AttentionBackend):
             paged_decode_attention(q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
                                    meta.seq_lens[:num_decodes], scale, meta.sliding_window,
                                    splits, out=out[:num_decodes])
-        if meta.prefills:
-            paged_prefill_attention(
+        if meta.prefills or meta.padded_mixed:
+            paged_varlen_attention(
                 q, kv_cache, meta.block_tables[num_decodes:],
-                meta.query_start_loc[num_decodes:], meta.seq_lens[num_decodes:],
-                max(c.num_query_tokens for c in meta.prefills), scale, meta.sliding_window,
-                out, meta.query_positions)
+                meta.query_start_loc[num_decodes:], meta.seq_lens[num_decodes:], scale,
+                meta.sliding_window, out, meta.query_positions)
         return out.view(q.shape[0], -1)

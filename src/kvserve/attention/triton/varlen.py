@@ -1,0 +1,137 @@
+"""Attention for a step's multi-token chunks in one Triton launch (varlen, paged).
+
+Each chunk's queries attend to its whole context in the paged pool (earlier chunks, cached
+prefix blocks and the chunk itself, whose keys were written just before), causally and
+within the sliding window. This serves chunked prefill and prefix-cache hits alike.
+
+One program takes a tile of `BLOCK_Q` consecutive queries of one sequence, times every query
+head of one KV head (GQA): each key tile is loaded once for the whole group. Sequence s owns
+the tiles from `query_start[s] // BLOCK_Q + s` on, and a program finds its sequence by a
+binary search over those starts, so the grid depends only on the number of rows and of
+sequences: a CUDA graph of a padded mixed step replays it over any mix of chunks and
+decodes (a decode is a sequence of one query). Surplus programs, and the tiles of a
+sequence with no rows (a graph's padding), return at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvserve.attention.triton.tiles import MASKED, NO_WINDOW, attend_tile, load_kv_tile
+from kvserve.triton_precision import dot_precision
+
+# Rows of a program's query tile: queries x the heads of a KV head.
+TILE_ROWS = 64
+
+
+@triton.jit
+def _sequence_of_tile(query_start_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence whose first tile is at or before `tile`."""
+    low = tl.zeros([], tl.int32)
+    high = low + num_seqs
+    while low < high:
+        mid = (low + high) // 2
+        if tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= tile:
+            low = mid + 1
+        else:
+            high = mid
+    return low - 1
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _varlen_kernel(
+    q_ptr, kv_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, positions_ptr, out_ptr,
+    scale, window, num_seqs,
+    stride_qt, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(0) + tl.load(query_start_ptr) // BLOCK_Q
+    seq = _sequence_of_tile(query_start_ptr, tile, num_seqs, BLOCK_Q)
+    query_start = tl.load(query_start_ptr + seq)
+    num_queries = tl.load(query_start_ptr + seq + 1) - query_start
+    first_query = (tile - query_start // BLOCK_Q - seq) * BLOCK_Q
+    if first_query >= num_queries:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    r = tl.arange(0, BLOCK_M)
+    i = first_query + r // GROUP  # each row's query within the sequence
+    head = kv_head * GROUP + r % GROUP
+    is_query = (r < BLOCK_Q * GROUP) & (i < num_queries)
+    rows = query_start + i
+    d = tl.arange(0, HEAD_DIM)
+    if HAS_POSITIONS:
+        q_pos = tl.load(positions_ptr + rows, mask=is_query, other=-1)
+    else:
+        q_pos = tl.where(is_query, seq_len - num_queries + i, -1)
+    last = tl.max(q_pos) + 1
+    first = tl.maximum(tl.min(tl.where(is_query, q_pos, seq_len)) - window + 1, 0)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=is_query[:, None], other=0.0)
+    first = first // BLOCK_N * BLOCK_N
+    m = tl.full([BLOCK_M], MASKED, tl.float32)  # every query row sees at least itself
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    k_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
+    table = block_tables_ptr + seq * stride_bt
+    for start in range(first, last, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        in_context = t < last
+        k, v = load_kv_tile(k_base, stride_kv, stride_kblk, table, t, in_context, BLOCK_SIZE,
+                            HEAD_DIM)
+        visible = ((t[None, :] <= q_pos[:, None]) & (t[None, :] > q_pos[:, None] - window)
+                   & in_context[None, :])
+        m, l_sum, acc = attend_tile(q, k, v, visible, m, l_sum, acc, scale, PRECISION)
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=is_query[:, None])
+
+
+def queries_per_tile(group: int) -> int:
+    """BLOCK_Q: as many queries as fill a tile with their `group` heads each (at least one)."""
+    return max(1, TILE_ROWS // group)
+
+
+def tile_config(head_dim: int, block_size: int) -> dict[str, int]:
+    """Key tile and warps per program. Compiled for an H100, at head_dim 128 4 warps spill
+    368-728 bytes a thread, and 8 warps with 64-key tiles still 16 under Triton 3.6; 32-key
+    tiles spill nothing under 3.6 and 3.9 (at head_dim 256, 48 bytes under 3.6):
+    `scripts/attention_sm90.py`."""
+    return {"BLOCK_N": max(32 if head_dim >= 128 else 64, block_size),
+            "num_warps": 4 if head_dim <= 64 else 8}
+
+
+def paged_varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor,
+                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, window: int | None,
+                           out: torch.Tensor,
+                           positions: torch.Tensor | None = None) -> torch.Tensor:
+    """q, out: [num_rows, Hq, D], rows of sequence i at query_start_loc[i] .. [i + 1] - 1,
+    all within num_rows; kv_cache: [2, Hkv, num_blocks, block_size, D], already holding the
+    new keys; block_tables: [num_seqs, ...]; seq_lens: [num_seqs] context lengths;
+    positions: [num_rows] each row's position, when a sequence's queries are not its last
+    ones. Rows outside every sequence are left as they are."""
+    num_seqs = seq_lens.shape[0]
+    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    num_rows, num_heads, _ = q.shape
+    assert q.stride(2) == 1 and kv_cache.is_contiguous() and block_tables.stride(1) == 1
+    group = num_heads // num_kv_heads
+    block_q = queries_per_tile(group)
+    # The tiles from the first sequence's on: query_start_loc[-1] // block_q + num_seqs
+    # at most.
+    grid = (num_rows // block_q + num_seqs, num_kv_heads)
+    _varlen_kernel[grid](
+        q, kv_cache, block_tables, query_start_loc, seq_lens,
+        positions if positions is not None else seq_lens, out, scale, window or NO_WINDOW,
+        num_seqs,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
+        BLOCK_M=max(TILE_ROWS, triton.next_power_of_2(group)),
+        PRECISION=dot_precision(q.dtype), HAS_POSITIONS=positions is not None,
+        **tile_config(head_dim, block_size))
+    return out
