@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90 import compile_for_h100
 from triton.tools.disasm import get_sass
 
 from kvserve.quantization import triton_gemm
 from kvserve.triton_precision import dot_precision
 
-H100 = GPUTarget("cuda", 90, 32)
-POINTERS = {"x_ptr": "*bf16", "input_order_ptr": "*i32", "words_ptr": "*i32",
+TYPES = {"x_ptr": "*bf16", "input_order_ptr": "*i32", "words_ptr": "*i32",
             "scales_ptr": "*bf16", "zeros_ptr": "*bf16", "table_ptr": "*bf16",
             "out_ptr": "*bf16", "partials_ptr": "*fp32", "counters_ptr": "*i32",
             "M": "i32", "N": "i32", "K": "i32"}
@@ -44,11 +41,8 @@ def compiled_sass(gemv: bool, rows: int, block_n: int, block_k: int, warps: int)
     else:
         constants |= {"PRECISION": dot_precision(torch.bfloat16),
                       "BLOCK_M": 16 if rows <= 16 else 32 if rows <= 32 else 64}
-    signature = {name: POINTERS.get(name, "constexpr") for name in kernel.arg_names}
-    source = ASTSource(fn=kernel, signature=signature, constexprs={
-        (kernel.arg_names.index(name),): value for name, value in constants.items()})
     options = {"num_warps": warps, "num_stages": 1 if gemv else 3}
-    return get_sass(triton.compile(source, target=H100, options=options).asm["cubin"])
+    return get_sass(compile_for_h100(kernel, TYPES, constants, options).asm["cubin"])
 
 
 def main_loop(sass: str) -> list[str]:
@@ -71,8 +65,6 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="+", default=["1,256,128,4", "2,128,64,4"],
                         help="ROWS,BLOCK_N,BLOCK_K,WARPS per tile")
     args = parser.parse_args()
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        parser.error("TRITON_INTERPRET=1 runs kernels in the interpreter: unset it to compile")
     for tile in args.tiles:
         rows, block_n, block_k, warps = map(int, tile.split(","))
         loop = main_loop(compiled_sass(args.kernel == "gemv", rows, block_n, block_k, warps))

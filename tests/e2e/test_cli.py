@@ -112,6 +112,21 @@ def test_w4a16_sass_counts_the_kernels_instructions_per_weight_without_a_gpu():
         assert 1 < per_weight < 100
 
 
+def test_the_varlen_attention_kernel_compiles_for_an_h100_without_spilling():
+    """The interpreter runs what the compiler may refuse (a loop-carried type), and says
+    nothing of registers: compile for sm_90 with Triton's own ptxas."""
+    pytest.importorskip("triton")
+    script = Path(__file__).parents[2] / "scripts" / "attention_sm90.py"
+    compiling = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(script), "--head-dims", "64", "128"],
+                         capture_output=True, text=True, timeout=300, env=compiling)
+    assert run.returncode == 0, run.stderr
+    spills = dict(re.findall(r"^varlen head_dim (\d+),.* (\d+) bytes spilled", run.stdout,
+                             re.MULTILINE))
+    assert spills == {"64": "0", "128": "0"}
+    assert run.stdout.count("decode head_dim") == 2
+
+
 def test_bench_prefix_reports_every_config_and_saves_json(llama_dir, tmp_path):
 
     out = tmp_path / "prefix.json"

@@ -1,0 +1,68 @@
+"""Registers and spills of the Triton attention kernels as the engine launches them,
+compiled for an H100 (sm_90) with Triton's own ptxas: no GPU needed.
+
+    python scripts/attention_sm90.py [--head-dims 64 128 256] [--group 4]
+
+A kernel that spills (STACK > 0) keeps part of its tiles in local memory, which every
+key tile's pass then reads and writes again; the GPU has the last word on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+from sm90 import compile_for_h100, resources
+
+from kvserve.attention.triton import decode, varlen
+from kvserve.triton_precision import dot_precision
+
+TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "block_tables_ptr": "*i64",
+         "query_start_ptr": "*i64", "seq_lens_ptr": "*i64", "positions_ptr": "*i64",
+         "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "counters_ptr": "*i32",
+         "scale": "fp32", "unified_max": "fp32", "window": "i32", "num_seqs": "i32"}
+BLOCK_SIZE = 16
+
+
+def varlen_usage(head_dim: int, group: int) -> dict[str, int]:
+    config = varlen.tile_config(head_dim, BLOCK_SIZE)
+    constants = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": BLOCK_SIZE,
+                 "BLOCK_Q": varlen.queries_per_tile(group), "BLOCK_N": config["BLOCK_N"],
+                 "BLOCK_M": max(varlen.TILE_ROWS, triton.next_power_of_2(group)),
+                 "PRECISION": dot_precision(torch.bfloat16), "HAS_POSITIONS": False}
+    compiled = compile_for_h100(varlen._varlen_kernel, _with_strides(varlen._varlen_kernel),
+                                constants, {"num_warps": config["num_warps"]})
+    return {"warps": config["num_warps"], "BLOCK_N": config["BLOCK_N"], **resources(compiled)}
+
+
+def decode_usage(head_dim: int, group: int) -> dict[str, int]:
+    constants = {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)),
+                 "HEAD_DIM": head_dim, "BLOCK_SIZE": BLOCK_SIZE, "BLOCK_N": decode.BLOCK_N,
+                 "NUM_SPLITS": 4, "SPLITS_POW2": 4, "PRECISION": dot_precision(torch.bfloat16),
+                 "UNIFIED": False, "UNIFIED_RANGE": 60.0}
+    compiled = compile_for_h100(decode._decode_split_kernel,
+                                _with_strides(decode._decode_split_kernel), constants,
+                                {"num_warps": 4})
+    return {"warps": 4, "BLOCK_N": decode.BLOCK_N, **resources(compiled)}
+
+
+def _with_strides(kernel: triton.JITFunction) -> dict[str, str]:
+    return TYPES | {name: "i32" for name in kernel.arg_names if name.startswith("stride")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    args = parser.parse_args()
+    for head_dim in args.head_dims:
+        for name, usage in (("varlen", varlen_usage), ("decode", decode_usage)):
+            row = usage(head_dim, args.group)
+            print(f"{name} head_dim {head_dim}, group {args.group}: {row['warps']} warps, "
+                  f"key tiles of {row['BLOCK_N']}: {row['REG']} registers, "
+                  f"{row['STACK']} bytes spilled a thread")
+
+
+if __name__ == "__main__":
+    main()
