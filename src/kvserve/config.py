@@ -350,6 +350,7 @@ class EngineConfig:
     seed: int = 0
     device: str = "cpu"
     enforce_eager: bool = False  # no CUDA graphs, no CPU decode stack: every layer from Python
+    max_graph_tokens: int = 1024  # the largest step with prefill chunks that replays a graph
     tensor_parallel_size: int = 1  # ranks, each with 1/T of the heads and MLP columns
     speculative: SpeculativeConfig | None = None
     lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA name -> PEFT folder
@@ -361,6 +362,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_graph_tokens < 0:
+            raise ValueError(f"max_graph_tokens must be >= 0, got {self.max_graph_tokens}")
         if len(self.lora_modules) > self.max_loras:
             raise ValueError(f"lora_modules names {len(self.lora_modules)} adapters, more than "
                              f"max_loras ({self.max_loras})")
@@ -423,7 +426,8 @@ class EngineConfig:
                max_model_len: int | None = None,
                seed: int = 0, device: str = "cpu", scheduler_policy: str = "chunked",
                enable_prefix_caching: bool = True, enforce_eager: bool = False,
-               scheduling_policy: str = "fcfs", preemption_mode: str = "auto",
+               max_graph_tokens: int = 1024, scheduling_policy: str = "fcfs",
+               preemption_mode: str = "auto",
                swap_space: int = 4 * GiB, kv_offload_host: int = 0,
                kv_offload_dir: str | None = None, kv_offload_disk: int = 16 * GiB,
                streaming_window: int = 0, attention_sinks: int | None = None,
@@ -455,6 +459,7 @@ class EngineConfig:
             seed=seed,
             device=device,
             enforce_eager=enforce_eager,
+            max_graph_tokens=max_graph_tokens,
             tensor_parallel_size=tensor_parallel_size,
             speculative=_speculative_config(speculative_model, num_speculative_tokens,
                                             prompt_lookup_min, prompt_lookup_max, dtype,

@@ -85,6 +85,10 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                          "one GPU each)")),
     ("--enforce-eager", dict(action="store_true",
                              help="CUDA: run every step eagerly, never replaying CUDA graphs")),
+    ("--max-graph-tokens", dict(type=int, default=1024,
+                                help="CUDA: steps with prefill chunks of up to this many "
+                                     "tokens replay CUDA graphs, larger ones run eagerly "
+                                     "(default 1024; 0: all such steps run eagerly)")),
     ("--async-scheduling", dict(action=argparse.BooleanOptionalAction, default=None,
                                 help="schedule each step while the device runs the one "
                                      "before (default: on for one CUDA device, off on the "

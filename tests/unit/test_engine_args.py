@@ -15,7 +15,11 @@ from kvserve.engine_args import add_engine_args, engine_flags, engine_kwargs
 from kvserve.sampling_params import SamplingParams
 from kvserve.tools.checkpoint_files import write_json
 from kvserve.tools.make_model import PRESETS, hf_config
-from kvserve.worker.kv_pool import DEVICE_HEADROOM, blocks_in_device_memory, step_activation_bytes
+from kvserve.worker.kv_pool import (
+    blocks_in_device_memory,
+    graph_pool_bytes,
+    reserved_bytes,
+)
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -100,8 +104,12 @@ def test_a_gpu_pool_gets_what_the_weights_leave_of_gpu_memory_utilization(tmp_pa
     assert not EngineConfig.create(folder, dtype="bfloat16", device="cuda",
                                    kv_cache_memory=GiB).sized_by_device_memory
     total, in_use = 80 * GiB, 16 * GiB  # an H100 with the 8B model's weights loaded
-    reserve = step_activation_bytes(config) + DEVICE_HEADROOM
+    reserve = reserved_bytes(config)
     assert 2 * GiB < reserve < 3 * GiB  # logits of 2,048 tokens over 128,256 ids dominate
+    # The graphs of steps with chunks hold the activations of 1,024 tokens: 128 MiB here.
+    assert graph_pool_bytes(config) == 1024 * 2 * (5 * 4096 + 2 * 1024 + 3 * 14336)
+    eager = EngineConfig.create(folder, dtype="bfloat16", device="cuda", enforce_eager=True)
+    assert reserved_bytes(eager) == reserve - graph_pool_bytes(config)
     blocks = blocks_in_device_memory(config, total - in_use, total)
     assert blocks == (int(0.9 * total) - in_use - reserve) // config.pool_bytes_per_block
     assert 50 * GiB < blocks * config.pool_bytes_per_block < 55 * GiB
@@ -122,6 +130,10 @@ def test_a_gpu_pool_gets_what_the_weights_leave_of_gpu_memory_utilization(tmp_pa
             EngineConfig.create(folder, device="cuda", gpu_memory_utilization=bad)
     assert engine_kwargs(parse("--model", "m", "--gpu-memory-utilization", "0.5"))[
         "gpu_memory_utilization"] == 0.5
+    assert engine_kwargs(parse("--model", "m", "--max-graph-tokens", "0"))[
+        "max_graph_tokens"] == 0
+    with pytest.raises(ValueError, match="max_graph_tokens must be >= 0, got -1"):
+        EngineConfig.create(folder, device="cuda", max_graph_tokens=-1)
 
 
 @pytest.mark.gpu
@@ -133,7 +145,7 @@ def test_on_cuda_the_engine_sizes_its_pool_from_the_memory_left(model_dirs):
     free, total = torch.cuda.mem_get_info()
     # A utilization that leaves room for about 100 blocks beside what is in use now, the
     # tiny weights and the activation reserve: far fewer than 64 requests of 1,024 tokens.
-    room = step_activation_bytes(config) + DEVICE_HEADROOM + 100 * config.pool_bytes_per_block
+    room = reserved_bytes(config) + 100 * config.pool_bytes_per_block
     utilization = (total - free + room + (64 << 20)) / total
     llm = LLM(str(tiny), device="cuda", max_num_seqs=64, gpu_memory_utilization=utilization)
     num_blocks = llm.engine.core.kv_cache.pool.num_blocks

@@ -215,6 +215,37 @@ class InputBuffers:
         self._mark_uploads()
         return inputs
 
+    def padded_mixed(self, num_seqs: int, num_tokens: int, padded_tokens: int) -> ModelInputs:
+        """The inputs of a step with chunks whose `num_seqs` sequences and `num_tokens` rows
+        `prepare()` has filled, at the fixed shape of `padded_tokens` rows and every
+        sequence buffer (`AttentionMetadata.padded_mixed`): padding rows write no KV (slot
+        -1), and the sequences past `num_seqs` start at row `num_tokens`, so they have none.
+        Only the padding is uploaded."""
+        pad = slice(num_tokens, padded_tokens)
+        self.input_ids.host[pad] = 0
+        self.positions.host[pad] = 0
+        self.slot_mapping.host[pad] = -1
+        max_seqs = len(self.seq_lens.host)
+        self.query_start_loc.host[num_seqs + 1:] = num_tokens
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping.upload(padded_tokens, first=num_tokens),
+            query_start_loc=self.query_start_loc.upload(max_seqs + 1, first=num_seqs + 1),
+            seq_lens=self.seq_lens.device,
+            block_tables=self.block_tables.device,
+            num_decodes=0,
+            seq_lens_host=np.full(max_seqs, self.max_seq_len),
+            prefills=[],
+            sliding_window=self.sliding_window,
+            padded_mixed=True,
+        )
+        inputs = ModelInputs(input_ids=self.input_ids.upload(padded_tokens, first=num_tokens),
+                             positions=self.positions.upload(padded_tokens, first=num_tokens),
+                             attn_metadata=meta,
+                             sample_rows=self.sample_rows.device[:0], sample_requests=[],
+                             scheduled=[], query_start_host=self.query_start_loc.host.copy())
+        self._mark_uploads()
+        return inputs
+
 
 def _blended(seq: int, first_row: int, scheduled: ScheduledRequest) -> BlendedPrompt:
     reused = np.zeros(len(scheduled.token_ids), dtype=bool)

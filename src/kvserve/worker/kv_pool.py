@@ -13,8 +13,8 @@ from kvserve.worker.cpu_allocator import advise_huge_pages
 
 logger = logging.getLogger(__name__)
 
-# Kept beside a step's activations: the CUDA graphs' pool (170-215 MiB for llama3-8b and
-# qwen3-0.6b at 128-264 rows), cuBLAS workspaces and the caching allocator's slack.
+# Kept beside a step's activations: the decode CUDA graphs' pool (170-215 MiB for llama3-8b
+# and qwen3-0.6b at 128-264 rows), cuBLAS workspaces and the caching allocator's slack.
 DEVICE_HEADROOM = 512 << 20
 
 
@@ -34,14 +34,33 @@ def allocate_kv_pool(model: LlamaForCausalLM, cfg: ModelConfig, num_blocks: int,
 
 def step_activation_bytes(config: EngineConfig) -> int:
     """A bound on what the largest step allocates beside the weights and the pool: each
-    token's hidden states and attention and MLP intermediates in the model's dtype, and a
-    float32 row of logits and its log-softmax (prompt logprobs score every prompt token)."""
+    token's activations, and a float32 row of logits and its log-softmax (prompt logprobs
+    score every prompt token)."""
+    vocab_size = config.model.shard(config.tensor_parallel_size).vocab_size
+    per_token = _activation_bytes_per_token(config) + 2 * 4 * vocab_size
+    return config.scheduler.max_num_tokens_per_step * per_token
+
+
+def graph_pool_bytes(config: EngineConfig) -> int:
+    """What the CUDA graphs of steps with chunks keep for themselves: the largest one's
+    activations (logits are computed outside the graphs). The decode graphs' pool is small
+    beside it, within DEVICE_HEADROOM."""
+    if config.enforce_eager or config.tensor_parallel_size > 1:
+        return 0
+    tokens = min(config.max_graph_tokens, config.scheduler.max_num_tokens_per_step)
+    return tokens * _activation_bytes_per_token(config)
+
+
+def reserved_bytes(config: EngineConfig) -> int:
+    """Device memory that neither the weights nor the pool take."""
+    return step_activation_bytes(config) + graph_pool_bytes(config) + DEVICE_HEADROOM
+
+
+def _activation_bytes_per_token(config: EngineConfig) -> int:
+    """A token's hidden states and attention and MLP intermediates, in the model's dtype."""
     mc = config.model.shard(config.tensor_parallel_size)
     q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-    per_token = (mc.dtype.itemsize * (3 * mc.hidden_size + 2 * q + 2 * kv
-                                      + 3 * mc.intermediate_size)
-                 + 2 * 4 * mc.vocab_size)
-    return config.scheduler.max_num_tokens_per_step * per_token
+    return mc.dtype.itemsize * (3 * mc.hidden_size + 2 * q + 2 * kv + 3 * mc.intermediate_size)
 
 
 def blocks_in_device_memory(config: EngineConfig, free: int, total: int) -> int:
@@ -51,17 +70,19 @@ def blocks_in_device_memory(config: EngineConfig, free: int, total: int) -> int:
     to `EngineConfig.most_blocks_used`."""
     utilization = config.cache.gpu_memory_utilization
     in_use = total - free
-    reserve = step_activation_bytes(config) + DEVICE_HEADROOM
+    reserve = reserved_bytes(config)
     budget = int(utilization * total) - in_use - reserve
     per_block = config.pool_bytes_per_block
     if budget < per_block:
         raise ValueError(
             f"gpu_memory_utilization {utilization} of the device's {total / GiB:.1f} GiB leaves "
             f"no room for the KV cache: {in_use / GiB:.1f} GiB are in use with the weights "
-            f"loaded and {reserve / GiB:.1f} GiB are kept for a step's activations; raise "
+            f"loaded and {reserve / GiB:.1f} GiB are kept for a step's activations and CUDA "
+            f"graphs; raise "
             f"gpu_memory_utilization, or give kv_cache_memory")
     num_blocks = min(budget // per_block, config.most_blocks_used)
     logger.info("KV cache: %.1f GiB of %.1f GiB (gpu_memory_utilization %.2f) once %.1f GiB "
-                "in use and %.1f GiB for activations are set aside", num_blocks * per_block
-                / GiB, total / GiB, utilization, in_use / GiB, reserve / GiB)
+                "in use and %.1f GiB for activations and CUDA graphs are set aside",
+                num_blocks * per_block / GiB, total / GiB, utilization, in_use / GiB,
+                reserve / GiB)
     return int(num_blocks)

@@ -29,7 +29,7 @@ from kvserve.models.loader import load_model
 from kvserve.worker.blend import SelectiveRecompute
 from kvserve.worker.cpu_allocator import retain_freed_memory
 from kvserve.worker.cpu_decode import CpuDecodeStack
-from kvserve.worker.cuda_graphs import DecodeGraphs
+from kvserve.worker.cuda_graphs import StepGraphs
 from kvserve.worker.disk_kv import DiskKVStore, model_identity
 from kvserve.worker.draft_model import DraftModel, load_draft_model
 from kvserve.worker.forward_context import forward_context
@@ -75,7 +75,7 @@ class ModelRunner:
                                    sched.max_num_seqs * (1 + config.num_speculative_tokens),
                                    -(-sched.max_model_len // self.block_size), self.block_size,
                                    mc.sliding_window, self.device)
-        self.graphs = self._decode_graphs()
+        self.graphs = self._step_graphs()
         self.cpu_decode = CpuDecodeStack.build(self.model, config.enforce_eager)
         self.sampler = Sampler(config.seed, self.device,
                                GrammarMatchers(mc.path, mc.vocab_size))
@@ -119,7 +119,7 @@ class ModelRunner:
         inputs = self.inputs.prepare(sched.scheduled,
                                      previous.sampled if previous is not None else None)
         lora = self._lora_batch(inputs)
-        hidden = None if lora is not None else self._fast_decode(inputs)
+        hidden = None if lora is not None else self._fast_forward(inputs)
         if hidden is None:
             blend = (SelectiveRecompute(inputs.blends, inputs.attn_metadata, inputs.positions,
                                         lora, self.config.cache.blend_recompute_ratio)
@@ -302,12 +302,11 @@ class ModelRunner:
                                                       rotation))
         flat[:, 1].index_copy_(2, dst_t, flat[:, 1].index_select(2, src_t))
 
-    def _fast_decode(self, inputs: ModelInputs) -> torch.Tensor | None:
-        """A decode-only step's hidden states from a CUDA graph or the CPU decode stack;
-        None for a step to run eagerly."""
+    def _fast_forward(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """The step's hidden states from a CUDA graph or (decode-only steps) the CPU decode
+        stack; None for a step to run eagerly."""
         if self.graphs is not None:
-            batch_size = self.graphs.padded_size(inputs)
-            return None if batch_size is None else self.graphs.run(inputs, batch_size)
+            return self.graphs.run(inputs)
         return self.cpu_decode.run(inputs) if self.cpu_decode is not None else None
 
     def _num_pool_blocks(self) -> int:
@@ -321,12 +320,14 @@ class ModelRunner:
         return smallest_over_ranks(blocks_in_device_memory(self.config, free, total),
                                    self.device)
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        """Decode steps replay CUDA graphs unless `enforce_eager`; graphs need a backend that
-        takes padding rows (the Triton one). Elsewhere, the padded path runs eagerly."""
+    def _step_graphs(self) -> StepGraphs | None:
+        """Steps replay CUDA graphs unless `enforce_eager`; graphs need a backend that takes
+        padding rows (the Triton one). Elsewhere, the padded path runs eagerly."""
         backend = self.model.layers[0].self_attn.backend
         if (self.config.enforce_eager or not backend.takes_padding_rows
                 or self.config.tensor_parallel_size > 1):
             return None
-        return DecodeGraphs(self.model, self.inputs, self.config.scheduler.max_num_seqs,
-                            capture=torch.device(self.device).type == "cuda")
+        sched = self.config.scheduler
+        return StepGraphs(self.model, self.inputs, sched.max_num_seqs,
+                          min(self.config.max_graph_tokens, sched.max_num_tokens_per_step),
+                          capture=torch.device(self.device).type == "cuda")
