@@ -9,9 +9,10 @@
 #   quantized    W4A16 GEMV and tensor-core kernels against cuBLAS, 1-32 rows
 #   latency      llama3-8b batch-1 TPOT against its floor, async scheduling off and on
 #   latency4     the same on its 4-bit RTN copy
-#   step         decode steps against their roofline, with a kernel profile, and the JSON
-#                that `kvserve simulate` fits its cost model to; then a profile of a step
-#                with a prefill chunk
+#   step         decode steps against their roofline, with a kernel profile, steps with
+#                prefill chunks replayed from CUDA graphs against eager, and the JSON that
+#                `kvserve simulate` fits its cost model to; then a profile of a step with a
+#                prefill chunk
 #   throughput   the fixed offline workload against transformers (eager and compiled)
 #   nano         nano-vllm's workload on qwen3-0.6b, async scheduling off and on
 #   preemption   swap against recompute on a pool too small for the batch
@@ -36,7 +37,7 @@ if [ $# -lt 2 ]; then
 fi
 PARTS=(tests quantized latency latency4 step throughput nano preemption speculative lora serve)
 declare -A DEFAULT_LIMIT=([tests]=300 [quantized]=120 [latency]=240 [latency4]=240
-                          [step]=150 [throughput]=300 [nano]=240 [preemption]=180
+                          [step]=200 [throughput]=300 [nano]=240 [preemption]=180
                           [speculative]=180 [lora]=180 [serve]=300)
 SELF=$(realpath "$0")
 RESULTS=$(realpath -m "$1")

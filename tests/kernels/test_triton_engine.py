@@ -3,6 +3,8 @@ runs there, and on the CPU through Triton's interpreter."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ pytest.importorskip("triton")
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.attention.triton.backend import TritonPagedAttention  # noqa: E402
-from kvserve.worker.cuda_graphs import graph_batch_sizes  # noqa: E402
+from kvserve.worker.cuda_graphs import graph_batch_sizes, graph_token_sizes  # noqa: E402
 from tests.conftest import random_prompts  # noqa: E402
 from tests.models.test_hf_equivalence import MAX_TOKENS, hf_greedy, run_greedy  # noqa: E402
 
@@ -60,6 +62,38 @@ def test_graph_batch_sizes():
     assert graph_batch_sizes(1) == [1]
 
 
+def test_graph_token_sizes():
+    assert graph_token_sizes(1024) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640,
+                                       768, 896, 1024]
+    assert graph_token_sizes(100) == [16, 32, 64, 100]
+    assert graph_token_sizes(600) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 600]
+    assert graph_token_sizes(10) == [10]
+
+
+def test_a_padded_mixed_step_matches_the_eager_one(model_dirs, triton_everywhere):
+    """A step with chunks and decodes at a graph's shape: every sequence in the varlen
+    launch, padding rows and sequences after the real ones. Its rows equal the eager step's,
+    and the padding writes no KV."""
+    from kvserve.core.scheduler.output import ScheduledRequest
+    from kvserve.worker.forward_context import forward_context
+
+    runner = LLM(str(model_dirs["qwen3"]), device=DEVICE, dtype="float32",
+                 max_num_seqs=8).engine.core.runner
+    step = [ScheduledRequest("a", [5, 9, 3] * 10, 0, [0, 1], False),
+            ScheduledRequest("b", [6], 20, [2, 3], True),
+            ScheduledRequest("c", list(range(40, 57)), 17, [4, 5, 6], True)]
+    inputs = runner.inputs.prepare(step)
+    assert inputs.input_ids.shape[0] == 48
+    with forward_context(inputs.attn_metadata):
+        eager = runner.model(inputs.input_ids, inputs.positions)
+    written = runner.kv_cache.clone()
+    forwards, size = runner.graphs.forwards_for(inputs)
+    assert forwards is runner.graphs.mixed and size == 64
+    padded = forwards.run(inputs, size)
+    torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    assert torch.equal(runner.kv_cache, written)  # the same KV again, none for padding
+
+
 def test_enforce_eager_runs_without_graphs(model_dirs, triton_everywhere):
     llm = LLM(str(model_dirs["llama"]), device=DEVICE, dtype="float32", enforce_eager=True)
     assert llm.engine.core.runner.graphs is None
@@ -71,8 +105,9 @@ def test_enforce_eager_runs_without_graphs(model_dirs, triton_everywhere):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_step_never_waits_for_the_gpu(model_dirs):
-    """From the scheduler's output to the hidden states, mixed and graph-replayed decode
-    steps alike, nothing reads a device value back (CUDA's sync debug mode raises if so)."""
+    """From the scheduler's output to the hidden states, eager and graph-replayed steps,
+    with chunks and decode-only, nothing reads a device value back (CUDA's sync debug mode
+    raises if so)."""
     from kvserve.core.scheduler.output import ScheduledRequest
     from kvserve.worker.forward_context import forward_context
 
@@ -87,10 +122,14 @@ def test_a_step_never_waits_for_the_gpu(model_dirs):
         inputs = runner.inputs.prepare(mixed)
         with forward_context(inputs.attn_metadata):
             runner.model(inputs.input_ids, inputs.positions)
+        inputs = runner.inputs.prepare(mixed)
+        forwards, size = runner.graphs.forwards_for(inputs)
+        assert forwards is runner.graphs.mixed and size in forwards.graphs
+        forwards.run(inputs, size)
         inputs = runner.inputs.prepare(decodes)
-        batch_size = runner.graphs.padded_size(inputs)
-        assert batch_size == 2 and 2 in runner.graphs.graphs
-        runner.graphs.run(inputs, batch_size)
+        forwards, size = runner.graphs.forwards_for(inputs)
+        assert forwards is runner.graphs.decodes and size == 2 and 2 in forwards.graphs
+        forwards.run(inputs, size)
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
@@ -108,3 +147,16 @@ def test_blended_prompts_on_triton_attention(model_dirs, triton_everywhere):
         assert out.outputs[0].token_ids == hf_greedy(path, tuple(sum(segments, [])),
                                                      max_tokens)
     assert llm.get_stats().blend_chunk_hit_tokens == len(a) + len(b)
+
+
+def test_bench_step_times_steps_with_chunks_graphed_and_eager(model_dirs, triton_everywhere,
+                                                              tmp_path):
+    from kvserve.entrypoints.cli import main
+
+    out = tmp_path / "step.json"
+    main(["bench", "step", "--model", str(model_dirs["llama"]), "--device", DEVICE,
+          "--dtype", "float32", "--decodes", "1", "--chunks", "8", "--context", "8",
+          "--repeats", "1", "--prefill-tokens", "16", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["decodes"], r["chunk"]) for r in rows] == [(1, 0), (1, 8)]
+    assert rows[1]["eager step ms"] > 0 and rows[1]["graph speed-up"] > 0

@@ -9,6 +9,9 @@ over the time the same chunk takes in a step of its own. Near 0, chunking hides 
 inside decodes; near 1, it only moves that work around, and prefill-first (whole prompts, at
 the per-token cost of the largest chunk alone) does as well on TPOT.
 
+Where steps with chunks replay CUDA graphs, each such step is also timed eagerly (as with
+`--max-graph-tokens 0`): the graphs' gain, in the same run.
+
 Each decode-only step is also set against its roofline: the bytes it must read (every matmul
 weight once, and each sequence's KV) at the device's copy bandwidth measured in the same run.
 A prefill of `--prefill-tokens` from an empty cache is set against the device's GEMM peak
@@ -21,6 +24,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -79,6 +84,18 @@ class SyntheticSteps:
         return time.perf_counter() - start
 
 
+@contextmanager
+def chunks_eager(runner: ModelRunner) -> Iterator[None]:
+    """Inside, steps with chunks run eagerly, as under `max_graph_tokens=0`."""
+    assert runner.graphs is not None
+    mixed = runner.graphs.mixed
+    sizes, mixed.sizes = mixed.sizes, []
+    try:
+        yield
+    finally:
+        mixed.sizes = sizes
+
+
 def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
 
@@ -103,6 +120,7 @@ def run(args: argparse.Namespace) -> None:
                                  for _ in range(args.repeats)) * 1e3
 
     alone = {c: median_ms(0, c) for c in chunks}
+    graphed = runner.graphs is not None and bool(runner.graphs.mixed.sizes)
     bandwidth = memory_bandwidth(runner.device)[0]
     weights = weight_bytes(runner.model)
     kv_per_token = runner.config.model.kv_bytes_per_token
@@ -119,6 +137,11 @@ def run(args: argparse.Namespace) -> None:
                          "riding ms/token": round((step - base) / c, 2),
                          "chunk alone ms": round(alone[c], 1),
                          "ride-along ratio": round((step - base) / alone[c], 2)})
+            if graphed:
+                with chunks_eager(runner):
+                    eager = median_ms(num_decodes, c)
+                rows[-1] |= {"eager step ms": round(eager, 1),
+                             "graph speed-up": round(eager / step, 2)}
         print_table(rows[-len(chunks) - 1:])
     print_table(rows, title=(
         f"step cost, {args.model}, {runner.config.model.dtype}, {runner.device}, context "
