@@ -27,7 +27,8 @@ BLOCK_SIZE = 16
 
 def varlen_usage(head_dim: int, group: int) -> dict[str, int]:
     config = varlen.tile_config(head_dim, BLOCK_SIZE)
-    constants = {"GROUP": group, "HEAD_DIM": head_dim, "BLOCK_SIZE": BLOCK_SIZE,
+    constants = {"NUM_KV_HEADS": 8, "GROUP": group, "HEAD_DIM": head_dim,
+                 "BLOCK_SIZE": BLOCK_SIZE,
                  "BLOCK_Q": varlen.queries_per_tile(group), "BLOCK_N": config["BLOCK_N"],
                  "BLOCK_M": max(varlen.TILE_ROWS, triton.next_power_of_2(group)),
                  "PRECISION": dot_precision(torch.bfloat16), "HAS_POSITIONS": False}

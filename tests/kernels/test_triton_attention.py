@@ -34,6 +34,13 @@ def make_step(seqs, num_heads, num_kv_heads, head_dim, block_size, window=None, 
               dtype=torch.float32, device=DEVICE):
     """seqs: (tokens already cached, new tokens) per sequence. Returns the step's inputs
     and a KV pool whose cached part is random, with blocks handed out in shuffled order."""
+    return build_step(seqs, num_heads, num_kv_heads, head_dim, block_size, window, seed,
+                      dtype, device)[:5]
+
+
+def build_step(seqs, num_heads, num_kv_heads, head_dim, block_size, window=None, seed=0,
+               dtype=torch.float32, device=DEVICE, spare=0):
+    """make_step's, then the input buffers, with room for `spare` more rows and sequences."""
     gen = torch.Generator().manual_seed(seed)
     per_seq = [-(-(cached + new) // block_size) + 1 for cached, new in seqs]  # one spare
     num_blocks = sum(per_seq) + 2
@@ -43,8 +50,8 @@ def make_step(seqs, num_heads, num_kv_heads, head_dim, block_size, window=None, 
         blocks = [order.pop() for _ in range(n)]
         scheduled.append(ScheduledRequest(f"r{i}", [7] * new, cached, blocks, sample=True))
     max_len = max(c + n for c, n in seqs)
-    buffers = InputBuffers(sum(n for _, n in seqs), len(seqs), -(-max_len // block_size) + 2,
-                           block_size, window, device)
+    buffers = InputBuffers(sum(n for _, n in seqs) + spare, len(seqs) + spare,
+                           -(-max_len // block_size) + 2, block_size, window, device)
     inputs = buffers.prepare(scheduled)
     num_tokens = inputs.input_ids.shape[0]
     cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=gen)
@@ -53,7 +60,7 @@ def make_step(seqs, num_heads, num_kv_heads, head_dim, block_size, window=None, 
     rotary = RotaryEmbedding(head_dim, max_len + 1, 10000.0, None).to(device)
     freqs = rotary(inputs.positions)
     return (qk.to(device, dtype), v.to(device, dtype), freqs, cache.to(device, dtype),
-            inputs.attn_metadata)
+            inputs.attn_metadata, buffers)
 
 
 def run_both(step, scale=0.3):
@@ -95,6 +102,27 @@ def test_queries_at_some_positions_match_those_rows_of_the_full_step():
     got = TritonPagedAttention(num_programs=8).forward(qk[rows].clone(), v[rows], freqs[rows],
                                                        cache.clone(), narrowed, 0.3)
     torch.testing.assert_close(got, full[rows], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("num_programs", [1, 5, 1000])
+def test_a_step_padded_to_a_graphs_shape_matches_the_torch_backend(num_programs):
+    """Every sequence, decodes too, in the varlen launch; sequences after the real ones with
+    no rows, rows after the real ones that write no KV; programs taking several (tile, KV
+    head) pairs each, or one, or none."""
+    qk, v, freqs, cache, meta, buffers = build_step(MIXED, 8, 2, 64, 16, spare=40)
+    num_tokens, num_seqs = qk.shape[0], len(MIXED)
+    padded = buffers.padded_mixed(num_seqs, num_tokens, num_tokens + 40)
+    assert padded.attn_metadata.padded_mixed and padded.attn_metadata.num_decodes == 0
+    gen = torch.Generator().manual_seed(9)
+    junk = [torch.randn(40, *x.shape[1:], generator=gen).to(DEVICE) for x in (qk, v)]
+    pad_freqs = torch.cat([freqs, freqs[:1].expand(40, *freqs.shape[1:])])
+    ref_cache, our_cache = cache.clone(), cache.clone()
+    expected = TorchPagedAttention().forward(qk.clone(), v, freqs, ref_cache, meta, 0.3)
+    got = TritonPagedAttention(num_programs).forward(
+        torch.cat([qk, junk[0]]), torch.cat([v, junk[1]]), pad_freqs, our_cache,
+        padded.attn_metadata, 0.3)
+    torch.testing.assert_close(our_cache, ref_cache, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got[:num_tokens], expected, rtol=2e-5, atol=2e-5)
 
 
 def test_prefill_only_and_decode_only_steps():

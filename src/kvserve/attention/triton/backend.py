@@ -21,7 +21,8 @@ class TritonPagedAttention(AttentionBackend):
     fuses_qk_norm = True
 
     def __init__(self, num_programs: int) -> None:
-        self.num_programs = num_programs  # decode splits aim to start this many programs
+        # Decode splits aim to start this many programs; the varlen launch starts as many.
+        self.num_programs = num_programs
 
     def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -42,5 +43,5 @@ class TritonPagedAttention(AttentionBackend):
             paged_varlen_attention(
                 q, kv_cache, meta.block_tables[num_decodes:],
                 meta.query_start_loc[num_decodes:], meta.seq_lens[num_decodes:], scale,
-                meta.sliding_window, out, meta.query_positions)
+                meta.sliding_window, out, self.num_programs, meta.query_positions)
         return out.view(q.shape[0], -1)

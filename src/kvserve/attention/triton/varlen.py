@@ -4,13 +4,16 @@ Each chunk's queries attend to its whole context in the paged pool (earlier chun
 prefix blocks and the chunk itself, whose keys were written just before), causally and
 within the sliding window. This serves chunked prefill and prefix-cache hits alike.
 
-One program takes a tile of `BLOCK_Q` consecutive queries of one sequence, times every query
-head of one KV head (GQA): each key tile is loaded once for the whole group. Sequence s owns
-the tiles from `query_start[s] // BLOCK_Q + s` on, and a program finds its sequence by a
-binary search over those starts, so the grid depends only on the number of rows and of
-sequences: a CUDA graph of a padded mixed step replays it over any mix of chunks and
-decodes (a decode is a sequence of one query). Surplus programs, and the tiles of a
-sequence with no rows (a graph's padding), return at once.
+The work is a tile of `BLOCK_Q` consecutive queries of one sequence, times every query head
+of one KV head (GQA), so each key tile is loaded once for the whole group. Sequence s owns
+the tiles from `query_start[s] // BLOCK_Q + s` on, and a tile finds its sequence by a
+binary search over those starts. A fixed number of programs (about two per SM) take the
+(tile, KV head) pairs in turn, up to a count read on the device: the launch depends only on
+the numbers of rows and of sequences, so a CUDA graph of a padded mixed step replays it
+over any mix of chunks and decodes (a decode is a sequence of one query), and the
+sequences a graph pads with have no rows, hence no tiles. One program per tile would leave
+the empty ones to fill the GPU in waves: at 8 warps and about 200 registers a thread, an
+H100 SM holds one program at a time.
 """
 
 from __future__ import annotations
@@ -40,24 +43,63 @@ def _sequence_of_tile(query_start_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return low - 1
 
 
+@triton.jit
+def _sequences_with_rows(query_start_ptr, num_seqs):
+    """The sequences before the first that starts at the last row's end: every sequence but
+    a padded step's trailing ones, which have no rows."""
+    end = tl.load(query_start_ptr + num_seqs)
+    low = tl.zeros([], tl.int32)
+    high = low + num_seqs
+    while low < high:
+        mid = (low + high) // 2
+        if tl.load(query_start_ptr + mid) < end:
+            low = mid + 1
+        else:
+            high = mid
+    return low
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _varlen_kernel(
     q_ptr, kv_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, positions_ptr, out_ptr,
     scale, window, num_seqs,
     stride_qt, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt, stride_ot, stride_oh,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+):
+    """Each program takes every num_programs-th (tile, KV head) pair in turn."""
+    num_seqs = _sequences_with_rows(query_start_ptr, num_seqs)
+    first_tile = tl.load(query_start_ptr) // BLOCK_Q
+    num_tiles = tl.load(query_start_ptr + num_seqs) // BLOCK_Q + num_seqs - first_tile
+    for work in range(tl.program_id(0), num_tiles * NUM_KV_HEADS, tl.num_programs(0)):
+        tile = work // NUM_KV_HEADS + first_tile
+        kv_head = work % NUM_KV_HEADS
+        seq = _sequence_of_tile(query_start_ptr, tile, num_seqs, BLOCK_Q)
+        query_start = tl.load(query_start_ptr + seq)
+        num_queries = tl.load(query_start_ptr + seq + 1) - query_start
+        first_query = (tile - query_start // BLOCK_Q - seq) * BLOCK_Q
+        if first_query < num_queries:  # a sequence's last tile may hold none of its queries
+            _attend_query_tile(
+                q_ptr, kv_ptr, block_tables_ptr + seq * stride_bt, positions_ptr, out_ptr,
+                scale, window, query_start, num_queries, first_query,
+                tl.load(seq_lens_ptr + seq), kv_head,
+                stride_qt, stride_qh, stride_kv, stride_kh, stride_kblk, stride_ot, stride_oh,
+                GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_M, BLOCK_N, PRECISION,
+                HAS_POSITIONS)
+
+
+@triton.jit
+def _attend_query_tile(
+    q_ptr, kv_ptr, table, positions_ptr, out_ptr, scale, window, query_start, num_queries,
+    first_query, seq_len, kv_head,
+    stride_qt, stride_qh, stride_kv, stride_kh, stride_kblk, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, HAS_POSITIONS: tl.constexpr,
 ):
-    kv_head = tl.program_id(1)
-    tile = tl.program_id(0) + tl.load(query_start_ptr) // BLOCK_Q
-    seq = _sequence_of_tile(query_start_ptr, tile, num_seqs, BLOCK_Q)
-    query_start = tl.load(query_start_ptr + seq)
-    num_queries = tl.load(query_start_ptr + seq + 1) - query_start
-    first_query = (tile - query_start // BLOCK_Q - seq) * BLOCK_Q
-    if first_query >= num_queries:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
+    """Queries first_query .. + BLOCK_Q - 1 of a sequence, each with the GROUP query heads
+    of `kv_head`, over their context."""
     r = tl.arange(0, BLOCK_M)
     i = first_query + r // GROUP  # each row's query within the sequence
     head = kv_head * GROUP + r % GROUP
@@ -77,7 +119,6 @@ def _varlen_kernel(
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     k_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
-    table = block_tables_ptr + seq * stride_bt
     for start in range(first, last, BLOCK_N):
         t = start + tl.arange(0, BLOCK_N)
         in_context = t < last
@@ -97,24 +138,25 @@ def queries_per_tile(group: int) -> int:
 
 
 def tile_config(head_dim: int, block_size: int) -> dict[str, int]:
-    """Key tile and warps per program. Compiled for an H100, at head_dim 128 4 warps spill
-    368-728 bytes a thread, and 8 warps with 64-key tiles still 16 under Triton 3.6; 32-key
-    tiles spill nothing under 3.6 and 3.9 (at head_dim 256, 48 bytes under 3.6):
-    `scripts/attention_sm90.py`."""
-    return {"BLOCK_N": max(32 if head_dim >= 128 else 64, block_size),
-            "num_warps": 4 if head_dim <= 64 else 8}
+    """Key tile and warps per program: compiled for an H100 (`scripts/attention_sm90.py`),
+    4 warps spill at head_dim 64 and 128 under Triton 3.6 (16 and 728 bytes a thread), and
+    8 warps spill nothing with key tiles of 64 keys at head_dim 64 and 32 at 128 (under 3.6
+    and 3.9); at 256, tiles of 16 still spill 24 bytes under 3.6."""
+    keys = 64 if head_dim <= 64 else 32 if head_dim <= 128 else 16
+    return {"BLOCK_N": max(keys, block_size), "num_warps": 8}
 
 
 def paged_varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, window: int | None,
-                           out: torch.Tensor,
+                           out: torch.Tensor, num_programs: int,
                            positions: torch.Tensor | None = None) -> torch.Tensor:
     """q, out: [num_rows, Hq, D], rows of sequence i at query_start_loc[i] .. [i + 1] - 1,
     all within num_rows; kv_cache: [2, Hkv, num_blocks, block_size, D], already holding the
     new keys; block_tables: [num_seqs, ...]; seq_lens: [num_seqs] context lengths;
     positions: [num_rows] each row's position, when a sequence's queries are not its last
-    ones. Rows outside every sequence are left as they are."""
+    ones. Rows outside every sequence are left as they are. At most `num_programs` programs
+    share the work."""
     num_seqs = seq_lens.shape[0]
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     num_rows, num_heads, _ = q.shape
@@ -122,15 +164,16 @@ def paged_varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor,
     group = num_heads // num_kv_heads
     block_q = queries_per_tile(group)
     # The tiles from the first sequence's on: query_start_loc[-1] // block_q + num_seqs
-    # at most.
-    grid = (num_rows // block_q + num_seqs, num_kv_heads)
+    # at most, each for every KV head.
+    grid = (min((num_rows // block_q + num_seqs) * num_kv_heads, num_programs),)
     _varlen_kernel[grid](
         q, kv_cache, block_tables, query_start_loc, seq_lens,
         positions if positions is not None else seq_lens, out, scale, window or NO_WINDOW,
         num_seqs,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
         BLOCK_M=max(TILE_ROWS, triton.next_power_of_2(group)),
         PRECISION=dot_precision(q.dtype), HAS_POSITIONS=positions is not None,
         **tile_config(head_dim, block_size))
