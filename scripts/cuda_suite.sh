@@ -7,6 +7,7 @@
 # Parts, in the order they are worth running:
 #   tests        the Triton kernel tests compiled, and every test marked `gpu`
 #   quantized    W4A16 GEMV and tensor-core kernels against cuBLAS, 1-32 rows
+#   kernels      paged decode attention against its KV floor: 4 and 8 warps a program
 #   latency      llama3-8b batch-1 TPOT against its floor, async scheduling off and on
 #   latency4     the same on its 4-bit RTN copy
 #   step         decode steps against their roofline, with a kernel profile, steps with
@@ -25,7 +26,8 @@
 # RESULTS_DIR/<part>.log and writes its JSON beside it; a part that fails or runs out of time
 # is reported, the next one runs, and the script exits with 1 at the end. Checkpoints are
 # made once, in MODELS (default /tmp/kvserve-suite), and reused by later parts and calls;
-# they are made in the background while `tests` and `quantized`, which need none, run.
+# they are made in the background while `tests`, `quantized` and `kernels`, which need none,
+# run.
 #
 # It runs from a source checkout with no install (PYTHONPATH=src). DEVICE=cpu SMALL=1 runs
 # every part on small presets on the CPU: a check of the commands, not a measurement.
@@ -35,8 +37,8 @@ if [ $# -lt 2 ]; then
   sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 2
 fi
-PARTS=(tests quantized latency latency4 step throughput nano preemption speculative lora serve)
-declare -A DEFAULT_LIMIT=([tests]=300 [quantized]=120 [latency]=240 [latency4]=240
+PARTS=(tests quantized kernels latency latency4 step throughput nano preemption speculative lora serve)
+declare -A DEFAULT_LIMIT=([tests]=300 [quantized]=120 [kernels]=90 [latency]=240 [latency4]=240
                           [step]=200 [throughput]=300 [nano]=240 [preemption]=180
                           [speculative]=180 [lora]=180 [serve]=300)
 SELF=$(realpath "$0")
@@ -87,6 +89,10 @@ part_tests() {
 part_quantized() {
   kvserve bench quantized --device "$DEVICE" --batches 1 2 4 8 16 32 \
     --json "$RESULTS/quantized.json"
+}
+
+part_kernels() {
+  kvserve bench kernels --device "$DEVICE" --json "$RESULTS/kernels.json"
 }
 
 part_latency() {
@@ -155,11 +161,11 @@ fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   "$PYTHON" -c 'import torch; print("torch", torch.__version__)'; } | tee "$RESULTS/machine.txt"
 # The checkpoints the parts need are made in the background from the start, so that the
-# parts that need none (tests, quantized) run meanwhile; a part that needs one waits.
+# parts that need none (tests, quantized, kernels) run meanwhile; a part that needs one waits.
 make_checkpoints() {
   for part in "$@"; do
     case $part in
-      tests|quantized) ;;
+      tests|quantized|kernels) ;;
       nano|preemption) model "$QWEN" "${QWEN_ARCH[@]}" > /dev/null ;;
       latency4) quantized_model > /dev/null ;;
       *) model "$BIG" > /dev/null ;;
@@ -170,7 +176,7 @@ make_checkpoints "$@" > "$RESULTS/checkpoints.log" 2>&1 &
 maker=$!
 failed=0
 for part in "$@"; do
-  if [ -n "$maker" ] && [ "$part" != tests ] && [ "$part" != quantized ]; then
+  if [ -n "$maker" ] && [[ ! "$part" =~ ^(tests|quantized|kernels)$ ]]; then
     wait "$maker"
     maker=
   fi

@@ -91,7 +91,8 @@ def test_a_padded_mixed_step_matches_the_eager_one(model_dirs, triton_everywhere
     assert forwards is runner.graphs.mixed and size == 64
     padded = forwards.run(inputs, size)
     torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
-    assert torch.equal(runner.kv_cache, written)  # the same KV again, none for padding
+    # The same KV again (up to a GEMM of more rows rounding apart), none for padding.
+    torch.testing.assert_close(runner.kv_cache, written, rtol=1e-5, atol=1e-5)
 
 
 def test_enforce_eager_runs_without_graphs(model_dirs, triton_everywhere):

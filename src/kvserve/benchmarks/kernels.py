@@ -3,7 +3,8 @@
 Decode attention reads every cached key and value of the batch once, so its floor is those
 bytes at the copy bandwidth measured in the same run. Each kernel the device has is timed on
 the same random paged cache: on CUDA the Triton split-K kernel with the exact softmax merge
-and with FlashDecoding++'s unified maximum, on CPU the C++ kernel; everywhere the plain-torch
+(4 warps a program, the engine's, and 8, which spill no registers at head_dim 128) and with
+FlashDecoding++'s unified maximum, on CPU the C++ kernel; everywhere the plain-torch
 reference, which gathers the blocks first. On CUDA the calls replay from a CUDA graph, as in a
 decode step, over enough copies of the cache that none is read from the L2 cache; on CPU each
 call follows a read that empties the caches.
@@ -57,16 +58,18 @@ def decode_kernels(args: argparse.Namespace) -> dict[str, DecodeFn]:
 
         sms = torch.cuda.get_device_properties(args.device).multi_processor_count
 
-        def triton_decode(unified_max: float | None) -> DecodeFn:
+        def triton_decode(unified_max: float | None, num_warps: int = 4) -> DecodeFn:
             def run(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
                     ) -> torch.Tensor:
                 splits = num_splits_for(q.shape[0], cache.shape[1],
                                         int(meta.seq_lens_host.max()), 2 * sms)
                 return paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens,
-                                              scale, None, splits, unified_max=unified_max)
+                                              scale, None, splits, unified_max=unified_max,
+                                              num_warps=num_warps)
             return run
 
         kernels["triton, exact merge"] = triton_decode(None)
+        kernels["triton, exact merge, 8 warps"] = triton_decode(None, num_warps=8)
         kernels[f"triton, unified max {args.unified_max:g}"] = triton_decode(args.unified_max)
     elif cpu_kernels() is not None:
         cpu = CpuPagedAttention(cpu_kernels())

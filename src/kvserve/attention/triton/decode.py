@@ -147,10 +147,13 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int,
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, window: int | None,
                            num_splits: int, out: torch.Tensor | None = None,
-                           unified_max: float | None = None) -> torch.Tensor:
+                           unified_max: float | None = None,
+                           num_warps: int = 4) -> torch.Tensor:
     """q: [B, Hq, D] (head-contiguous rows); kv_cache: [2, Hkv, num_blocks, block_size, D];
     block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B]. Returns [B, Hq, D].
-    `unified_max` switches to the asynchronized softmax around that fixed value."""
+    `unified_max` switches to the asynchronized softmax around that fixed value. At
+    head_dim 128, 4 warps spill 88-104 bytes a thread on an H100 and 8 spill none
+    (`scripts/attention_sm90.py`); `bench kernels` times both."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -175,6 +178,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         SPLITS_POW2=triton.next_power_of_2(num_splits),
         PRECISION=dot_precision(q.dtype),
         UNIFIED=unified_max is not None, UNIFIED_RANGE=unified_range(q.dtype),
-        unified_max=unified_max or 0.0)
+        unified_max=unified_max or 0.0, num_warps=num_warps)
     return out
 
