@@ -11,7 +11,12 @@ persistent input buffers, and a step replays the smallest graph that holds it:
   128 up to `max_graph_tokens`), with every sequence in the varlen attention launch, whose
   grid depends only on the rows and the sequence buffers; padding rows write no KV, and
   padding sequences have no rows.
-Larger steps, and steps with LoRA adapters or blended prompts, run eagerly.
+Larger steps, steps with LoRA adapters or blended prompts, and steps with a decode of over
+`LONG_DECODE` tokens of context run eagerly: in the varlen launch a decode's context is
+read by one program per KV head, where the eager step's split-K decode spreads it over the
+GPU. Estimated by bandwidth alone (llama3-8b on an H100, guessing 40 GB/s a program; not
+measured), one decode at 64k tokens costs the graph about what an eager step's launches
+cost (some 25 ms).
 
 Without `capture` (CPU tests) the same padded forwards run eagerly, so everything but the
 capture itself is exercised.
@@ -29,6 +34,10 @@ from kvserve.worker.forward_context import forward_context
 from kvserve.worker.input_batch import InputBuffers, ModelInputs
 
 logger = logging.getLogger(__name__)
+
+
+# Contexts (tokens) beyond which a step's decodes run split-K, eagerly: half the break-even.
+LONG_DECODE = 32768
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -107,7 +116,8 @@ class StepGraphs:
         meta = inputs.attn_metadata
         if not meta.prefills:
             forwards, rows = self.decodes, meta.num_decodes
-        elif inputs.blends:
+        elif inputs.blends or meta.seq_lens_host[:meta.num_decodes].max(
+                initial=0) > LONG_DECODE:
             return None
         else:
             forwards, rows = self.mixed, inputs.input_ids.shape[0]
