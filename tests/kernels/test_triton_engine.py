@@ -46,6 +46,22 @@ def test_greedy_matches_transformers_on_triton_attention(model_dirs, triton_ever
     assert llm.get_stats().prefix_cache_hits > 0
 
 
+def test_async_scheduling_on_triton_attention(model_dirs, triton_everywhere):
+    """Steps launched before the one they follow has brought its tokens back, as on a GPU:
+    pending tokens of decodes riding beside chunks, on the graph paths, padded mixed steps
+    included."""
+    from tests.models.test_async_scheduling import count_pending_tokens
+
+    path = model_dirs["llama"]
+    llm = LLM(str(path), device=DEVICE, dtype="float32", async_scheduling=True,
+              max_num_batched_tokens=32)
+    pending = count_pending_tokens(llm.engine)
+    prompts = random_prompts([5, 40, 97], seed=11)
+    assert run_greedy(llm, prompts, max_tokens=12) == [
+        hf_greedy(path, tuple(p), MAX_TOKENS)[:12] for p in prompts]
+    assert pending[0] > 0
+
+
 def test_drafts_verify_on_triton_attention(model_dirs, triton_everywhere):
     """Speculative drafts as decode rows of one sequence, on the graph path."""
     path = model_dirs["llama"]
