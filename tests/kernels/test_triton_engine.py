@@ -62,6 +62,37 @@ def test_async_scheduling_on_triton_attention(model_dirs, triton_everywhere):
     assert pending[0] > 0
 
 
+def test_lora_adapters_replay_the_graph_paths(model_dirs, triton_everywhere, tmp_path):
+    """Adapters and the base model mixed in steps that take the padded graph paths (the
+    adapters' slots padded with none), and graphs captured again as an adapter comes and
+    goes: outputs equal transformers on the merged weights."""
+    from tests.models.test_lora import merged_greedy, write_adapter
+
+    base = model_dirs["llama"]
+    first = write_adapter(base, tmp_path / "first", seed=1)
+    llm = LLM(str(base), device=DEVICE, dtype="float32", max_num_batched_tokens=32,
+              lora_modules={"first": str(tmp_path / "first")})
+    runner = llm.engine.core.runner
+    assert runner.graphs.lora_slots == 1
+    second = write_adapter(base, tmp_path / "second", seed=2, rank=8, alpha=4.0,
+                           targets=("q_proj", "v_proj", "down_proj"))
+    llm.engine.add_lora("second", str(tmp_path / "second"))
+    assert runner.graphs.lora_slots == 2
+    prompts = random_prompts([5, 40], seed=3)
+    expected = {None: merged_greedy(base, {}, 1.0, prompts),
+                "first": merged_greedy(base, first, 8.0 / 4, prompts),
+                "second": merged_greedy(base, second, 4.0 / 8, prompts)}
+    names = [None, "first", "second", "first"]
+    batch = [{"prompt_token_ids": prompts[i % 2], "lora_name": name} if name else
+             {"prompt_token_ids": prompts[i % 2]} for i, name in enumerate(names)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    for i, (name, out) in enumerate(zip(names, outputs, strict=True)):
+        assert out.outputs[0].token_ids == expected[name][i % 2][:6], (name, i)
+    llm.engine.remove_lora("second")
+    assert runner.graphs.lora_slots == 1
+
+
 def test_drafts_verify_on_triton_attention(model_dirs, triton_everywhere):
     """Speculative drafts as decode rows of one sequence, on the graph path."""
     path = model_dirs["llama"]
@@ -149,6 +180,34 @@ def test_a_step_never_waits_for_the_gpu(model_dirs):
         inputs = runner.inputs.prepare(decodes)
         forwards, size = runner.graphs.forwards_for(inputs)
         assert forwards is runner.graphs.decodes and size == 2 and 2 in forwards.graphs
+        forwards.run(inputs, size)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_step_with_adapters_never_waits_for_the_gpu(model_dirs, tmp_path):
+    """Adapter rows beside base-model rows, eager and graph-replayed, read nothing back."""
+    from kvserve.core.scheduler.output import ScheduledRequest
+    from kvserve.worker.forward_context import forward_context
+    from tests.models.test_lora import write_adapter
+
+    write_adapter(model_dirs["llama"], tmp_path / "a", seed=1)
+    runner = LLM(str(model_dirs["llama"]), device="cuda",
+                 lora_modules={"a": str(tmp_path / "a")}).engine.core.runner
+    step = [ScheduledRequest("a", [5] * 40, 0, [0, 1, 2], False),
+            ScheduledRequest("b", [6], 20, [3, 4], True)]
+    slots = {"a": runner.loras.slots["a"]}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        inputs = runner.inputs.prepare(step, lora_slot_of=slots)
+        with forward_context(inputs.attn_metadata, runner.loras.batch(inputs.lora_slots)):
+            runner.model(inputs.input_ids, inputs.positions)
+        inputs = runner.inputs.prepare(step, lora_slot_of=slots)
+        forwards, size = runner.graphs.forwards_for(inputs)
+        assert size in forwards.graphs
         forwards.run(inputs, size)
     finally:
         torch.cuda.set_sync_debug_mode(0)

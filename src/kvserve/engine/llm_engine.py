@@ -45,8 +45,8 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.request_limits())
         self.lora_names: set[str] = set()
         self._lora_loads: dict[str, int] = {}  # name -> times loaded, for the KV's hashes
-        for name, path in config.lora_modules.items():
-            self.add_lora(name, path)
+        for name in config.lora_modules:  # the runner loaded them as it started
+            self._register_lora(name)
         self._parents: dict[str, ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[ParentRequest, CompletionState]] = {}
         self.step_seconds = 0.0
@@ -128,6 +128,9 @@ class LLMEngine:
     def add_lora(self, name: str, path: str) -> None:
         """Loads a PEFT LoRA adapter that requests then pick by `lora_name`."""
         self.core.runner.add_lora(name, path)
+        self._register_lora(name)
+
+    def _register_lora(self, name: str) -> None:
         self.lora_names.add(name)
         self._lora_loads[name] = self._lora_loads.get(name, 0) + 1
 

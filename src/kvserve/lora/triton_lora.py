@@ -3,7 +3,8 @@ their adapter's slot on the device (no sync), and each program multiplies a tile
 adapter's rows by that adapter's A (shrink), then by its B (expand), adding into the layer's
 output. Where the mask form (batch.py) multiplies every row by every loaded adapter, this
 reads each adapter's weights once per tile of its own rows and does none of the other
-adapters' work. Base-model rows (slot -1) are skipped."""
+adapters' work. Base-model rows (slot -1) are skipped. Nothing reads a device value back,
+so a CUDA graph captures it: the grid depends only on the rows and the slots."""
 
 from __future__ import annotations
 
@@ -73,9 +74,12 @@ def add_lora(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     num_rows, in_features = x.shape
     width = a.shape[1] // num_slots
     x = x.contiguous()
-    # Rows grouped by slot, base-model rows (slot -1) first and never visited.
+    # Rows grouped by slot, base-model rows (slot -1) first and never visited. Counted by a
+    # scatter: bincount reads its input's maximum back to the host, which a CUDA graph
+    # cannot capture and an eager step waits for.
     order = torch.argsort(slot_of_row, stable=True)
-    counts = torch.bincount(slot_of_row + 1, minlength=num_slots + 1)
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=slot_of_row.device)
+    counts.scatter_add_(0, slot_of_row + 1, torch.ones_like(slot_of_row))
     starts = torch.cumsum(counts, 0)  # segment s is order[starts[s] : starts[s + 1]]
     block_m, block_r = 16, max(16, triton.next_power_of_2(width))
     shrunk = x.new_empty(num_rows, width)

@@ -11,7 +11,10 @@ persistent input buffers, and a step replays the smallest graph that holds it:
   128 up to `max_graph_tokens`), with every sequence in the varlen attention launch, whose
   grid depends only on the rows and the sequence buffers; padding rows write no KV, and
   padding sequences have no rows.
-Larger steps, steps with LoRA adapters or blended prompts, and steps with a decode of over
+While LoRA adapters are loaded, every graph runs their kernels over the rows' adapter slots
+(a row of the base model has none), so steps with and without adapters replay the same
+graphs; they are captured again when adapters come or go.
+Larger steps, steps with blended prompts, and steps with a decode of over
 `LONG_DECODE` tokens of context run eagerly: in the varlen launch a decode's context is
 read by one program per KV head, where the eager step's split-K decode spreads it over the
 GPU. Estimated by bandwidth alone (llama3-8b on an H100, guessing 40 GB/s a program; not
@@ -30,6 +33,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from kvserve.lora.batch import LoRABatch
 from kvserve.worker.forward_context import forward_context
 from kvserve.worker.input_batch import InputBuffers, ModelInputs
 
@@ -56,11 +60,13 @@ def graph_token_sizes(max_tokens: int) -> list[int]:
 class PaddedForwards:
     """One forward per padded size, captured in a graph or (without capture) run eagerly.
     `pad(inputs, size)` sets the buffers' padding for a step (`None`: a step of nothing) and
-    returns the padded inputs."""
+    returns the padded inputs; with `lora_slots` adapter slots, those give each row's."""
 
     def __init__(self, model: torch.nn.Module, sizes: list[int],
-                 pad: Callable[[ModelInputs | None, int], ModelInputs]) -> None:
+                 pad: Callable[[ModelInputs | None, int], ModelInputs],
+                 lora_slots: int = 0) -> None:
         self.model, self.sizes, self.pad = model, sizes, pad
+        self.lora_slots = lora_slots
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -75,20 +81,26 @@ class PaddedForwards:
         if size in self.graphs:
             self.graphs[size].replay()
             return self.outputs[size][:rows]
-        with forward_context(padded.attn_metadata):
-            return self.model(padded.input_ids, padded.positions)[:rows]
+        return self._forward(padded)[:rows]
+
+    def _forward(self, padded: ModelInputs) -> torch.Tensor:
+        # A LoRABatch of its own each time: a captured one must not reuse what an earlier
+        # forward computed from the slots.
+        lora = (LoRABatch(padded.lora_slots, self.lora_slots)
+                if padded.lora_slots is not None else None)
+        with forward_context(padded.attn_metadata, lora):
+            return self.model(padded.input_ids, padded.positions)
 
     def capture(self, pool: tuple[int, int] | None, desc: str) -> tuple[int, int] | None:
         """Captures every size, the largest first, into `pool` (None: a new one): the smaller
         graphs then fit in the memory the first one took. Returns the pool."""
         for size in tqdm(sorted(self.sizes, reverse=True), desc=desc, unit=" graphs"):
             padded = self.pad(None, size)
-            with forward_context(padded.attn_metadata):
-                self.model(padded.input_ids, padded.positions)  # warm-up: compile, autotune
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = self.model(padded.input_ids, padded.positions)
+            self._forward(padded)  # warm-up: compile, autotune
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._forward(padded)
             pool = graph.pool()
             self.graphs[size] = graph
         return pool
@@ -96,24 +108,30 @@ class PaddedForwards:
 
 class StepGraphs:
     def __init__(self, model: torch.nn.Module, buffers: InputBuffers, max_num_seqs: int,
-                 max_graph_tokens: int, capture: bool = True) -> None:
+                 max_graph_tokens: int, lora_slots: int = 0, capture: bool = True) -> None:
         """`max_graph_tokens`: the largest step with chunks that replays a graph (0: such
-        steps run eagerly)."""
+        steps run eagerly); `lora_slots`: the loaded adapters' slots (0: none)."""
+        self.lora_slots = lora_slots
+        lora = lora_slots > 0
         self.decodes = PaddedForwards(
             model, graph_batch_sizes(max_num_seqs),
             lambda inputs, size: buffers.padded_decode(
-                inputs.attn_metadata.num_decodes if inputs is not None else 0, size))
+                inputs.attn_metadata.num_decodes if inputs is not None else 0, size, lora),
+            lora_slots)
         self.mixed = PaddedForwards(
             model, graph_token_sizes(max_graph_tokens) if max_graph_tokens else [],
             lambda inputs, size: buffers.padded_mixed(
                 len(inputs.scheduled) if inputs is not None else 0,
-                inputs.input_ids.shape[0] if inputs is not None else 0, size))
+                inputs.input_ids.shape[0] if inputs is not None else 0, size, lora),
+            lora_slots)
         if capture:
             self._capture_all()
 
     def forwards_for(self, inputs: ModelInputs) -> tuple[PaddedForwards, int] | None:
         """The forwards that run this step and their size; None if it must run eagerly."""
         meta = inputs.attn_metadata
+        if (inputs.lora_slots is not None) != (self.lora_slots > 0):
+            return None  # captured for another set of adapters: the runner recaptures
         if not meta.prefills:
             forwards, rows = self.decodes, meta.num_decodes
         elif inputs.blends or meta.seq_lens_host[:meta.num_decodes].max(

@@ -44,6 +44,10 @@ class ModelInputs:
     scheduled: list[ScheduledRequest]  # in row order: decodes (drafts split), then chunks
     query_start_host: np.ndarray  # first row of each of `scheduled`, then the row count
     blends: list[BlendedPrompt] = field(default_factory=list)  # its blended prompts
+    # [rows] each row's LoRA adapter slot (-1: the base model), given while adapters are
+    # loaded; `uses_lora`: whether any row has one
+    lora_slots: torch.Tensor | None = None
+    uses_lora: bool = False
 
 
 class StagedTensor:
@@ -84,6 +88,7 @@ class InputBuffers:
         # Rows whose token the previous step samples, and where its output holds it.
         self.pending_rows = StagedTensor((max_num_seqs,), dev)
         self.pending_sources = StagedTensor((max_num_seqs,), dev)
+        self.lora_slots = StagedTensor((max_num_tokens,), dev)
         # Zeros at first, later stale entries of earlier steps: always valid block ids.
         self.block_tables = StagedTensor((max_num_seqs, max_blocks_per_seq), dev)
         # Marks where the device stream took the last uploads: host staging is rewritten only
@@ -98,9 +103,11 @@ class InputBuffers:
         if self.uploaded is not None:
             self.uploaded.record()
 
-    def prepare(self, scheduled: list[ScheduledRequest],
-                previous: SampledIds | None = None) -> ModelInputs:
-        """`previous`: the output of the step in flight, which holds the `PENDING_TOKEN`s."""
+    def prepare(self, scheduled: list[ScheduledRequest], previous: SampledIds | None = None,
+                lora_slot_of: dict[str, int] | None = None) -> ModelInputs:
+        """`previous`: the output of the step in flight, which holds the `PENDING_TOKEN`s;
+        `lora_slot_of`, while adapters are loaded: the adapter slot of each request that
+        runs one."""
         self._wait_for_uploads()
         decodes = [s for s in scheduled if len(s.token_ids) == 1]
         drafted = [s for s in scheduled if s.num_draft_tokens]
@@ -155,6 +162,12 @@ class InputBuffers:
         input_ids = self.input_ids.upload(num_tokens)
         if previous is not None:
             self._fill_pending(input_ids, ordered, previous)
+        lora_slots = None
+        if lora_slot_of is not None:
+            slots = self.lora_slots.host[:num_tokens]
+            slots[:] = np.repeat([lora_slot_of.get(s.request_id, -1) for s in ordered],
+                                 num_new)
+            lora_slots = self.lora_slots.upload(num_tokens)
         inputs = ModelInputs(
             input_ids=input_ids,
             positions=self.positions.upload(num_tokens),
@@ -165,6 +178,8 @@ class InputBuffers:
             query_start_host=query_start.copy(),
             blends=[_blended(i, int(query_start[i]), s) for i, s in enumerate(ordered)
                     if s.reused_spans],
+            lora_slots=lora_slots,
+            uses_lora=lora_slots is not None and bool((slots >= 0).any()),
         )
         self._mark_uploads()
         return inputs
@@ -184,21 +199,19 @@ class InputBuffers:
         input_ids.index_copy_(0, self.pending_rows.upload(len(rows)),
                               previous.token_ids[self.pending_sources.upload(len(rows))])
 
-    def padded_decode(self, num_seqs: int, batch_size: int) -> ModelInputs:
+    def padded_decode(self, num_seqs: int, batch_size: int, lora: bool = False) -> ModelInputs:
         """The inputs of a decode-only step whose first `num_seqs` rows `prepare()` has
         filled, padded to `batch_size` rows that write no KV (slot -1) and attend to nothing
         (length 0). The views cover fixed addresses and whole block-table rows, and claim the
         longest possible context for shapes: what a captured graph replays over. Only the
         padding rows are uploaded: `prepare()` uploaded (and filled, for pending tokens) the
-        others, and its query starts are the same 0, 1, 2, ...."""
-        pad = slice(num_seqs, batch_size)
-        self.input_ids.host[pad] = 0
-        self.positions.host[pad] = 0
-        self.slot_mapping.host[pad] = -1
-        self.seq_lens.host[pad] = 0
+        others, and its query starts are the same 0, 1, 2, .... With `lora`, the rows' adapter
+        slots too (padding: none)."""
+        self.seq_lens.host[num_seqs:batch_size] = 0
         self.query_start_loc.host[:batch_size + 1] = np.arange(batch_size + 1)
+        rows = self._padded_rows(num_seqs, batch_size, lora)
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping.upload(batch_size, first=num_seqs),
+            slot_mapping=rows.slot_mapping,
             query_start_loc=self.query_start_loc.upload(batch_size + 1),
             seq_lens=self.seq_lens.upload(batch_size, first=num_seqs),
             block_tables=self.block_tables.device[:batch_size],
@@ -207,28 +220,20 @@ class InputBuffers:
             prefills=[],
             sliding_window=self.sliding_window,
         )
-        inputs = ModelInputs(input_ids=self.input_ids.upload(batch_size, first=num_seqs),
-                             positions=self.positions.upload(batch_size, first=num_seqs),
-                             attn_metadata=meta,
-                             sample_rows=self.sample_rows.device[:0], sample_requests=[],
-                             scheduled=[], query_start_host=np.arange(batch_size + 1))
-        self._mark_uploads()
-        return inputs
+        return self._padded_inputs(rows, meta, np.arange(batch_size + 1))
 
-    def padded_mixed(self, num_seqs: int, num_tokens: int, padded_tokens: int) -> ModelInputs:
+    def padded_mixed(self, num_seqs: int, num_tokens: int, padded_tokens: int,
+                     lora: bool = False) -> ModelInputs:
         """The inputs of a step with chunks whose `num_seqs` sequences and `num_tokens` rows
         `prepare()` has filled, at the fixed shape of `padded_tokens` rows and every
         sequence buffer (`AttentionMetadata.padded_mixed`): padding rows write no KV (slot
         -1), and the sequences past `num_seqs` start at row `num_tokens`, so they have none.
         Only the padding is uploaded."""
-        pad = slice(num_tokens, padded_tokens)
-        self.input_ids.host[pad] = 0
-        self.positions.host[pad] = 0
-        self.slot_mapping.host[pad] = -1
         max_seqs = len(self.seq_lens.host)
         self.query_start_loc.host[num_seqs + 1:] = num_tokens
+        rows = self._padded_rows(num_tokens, padded_tokens, lora)
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping.upload(padded_tokens, first=num_tokens),
+            slot_mapping=rows.slot_mapping,
             query_start_loc=self.query_start_loc.upload(max_seqs + 1, first=num_seqs + 1),
             seq_lens=self.seq_lens.device,
             block_tables=self.block_tables.device,
@@ -238,13 +243,40 @@ class InputBuffers:
             sliding_window=self.sliding_window,
             padded_mixed=True,
         )
-        inputs = ModelInputs(input_ids=self.input_ids.upload(padded_tokens, first=num_tokens),
-                             positions=self.positions.upload(padded_tokens, first=num_tokens),
-                             attn_metadata=meta,
-                             sample_rows=self.sample_rows.device[:0], sample_requests=[],
-                             scheduled=[], query_start_host=self.query_start_loc.host.copy())
+        return self._padded_inputs(rows, meta, self.query_start_loc.host.copy())
+
+    def _padded_rows(self, num_rows: int, size: int, lora: bool) -> PaddedRows:
+        """Rows `num_rows` to `size` as padding: token 0 at position 0, no KV slot, no
+        adapter. Uploads them; returns the device views of all `size` rows."""
+        pad = slice(num_rows, size)
+        self.input_ids.host[pad] = 0
+        self.positions.host[pad] = 0
+        self.slot_mapping.host[pad] = -1
+        if lora:
+            self.lora_slots.host[pad] = -1
+        return PaddedRows(self.input_ids.upload(size, first=num_rows),
+                          self.positions.upload(size, first=num_rows),
+                          self.slot_mapping.upload(size, first=num_rows),
+                          self.lora_slots.upload(size, first=num_rows) if lora else None)
+
+    def _padded_inputs(self, rows: PaddedRows, meta: AttentionMetadata,
+                       query_start_host: np.ndarray) -> ModelInputs:
         self._mark_uploads()
-        return inputs
+        return ModelInputs(input_ids=rows.input_ids, positions=rows.positions,
+                           attn_metadata=meta, sample_rows=self.sample_rows.device[:0],
+                           sample_requests=[], scheduled=[],
+                           query_start_host=query_start_host, lora_slots=rows.lora_slots,
+                           uses_lora=rows.lora_slots is not None)
+
+
+@dataclass(slots=True, frozen=True)
+class PaddedRows:
+    """The per-row inputs of a padded step, as device views of its size."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    lora_slots: torch.Tensor | None
 
 
 def _blended(seq: int, first_row: int, scheduled: ScheduledRequest) -> BlendedPrompt:

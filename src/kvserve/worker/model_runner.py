@@ -56,6 +56,12 @@ class ModelRunner:
         spec = config.speculative
         draft_weights = (load_draft_model(config)
                          if spec is not None and spec.draft is not None else None)
+        # The startup adapters before the pool is sized, so that it leaves them room, and
+        # before graphs are captured, so that they are captured once.
+        self.loras = LoRAManager(self.model, config.max_loras)
+        for name, path in config.lora_modules.items():
+            self.loras.add(name, path)
+        self.lora_slots: dict[str, int] = {}  # request id -> its adapter's slot
         self.block_size = config.cache.block_size
         self.num_blocks = self._num_pool_blocks()
         self.kv_cache = allocate_kv_pool(self.model, mc, self.num_blocks, self.block_size,
@@ -80,8 +86,6 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, self.device,
                                GrammarMatchers(mc.path, mc.vocab_size))
         self.states: dict[str, SamplingState] = {}
-        self.loras = LoRAManager(self.model, config.max_loras)
-        self.lora_slots: dict[str, int] = {}  # request id -> its adapter's slot
         self.drafter = Drafter(spec) if spec is not None and spec.draft is None else None
         self.draft_model = (DraftModel(config, draft_weights, self.num_blocks, self.sampler)
                             if draft_weights is not None else None)
@@ -117,9 +121,10 @@ class ModelRunner:
         if sched.is_empty:
             return PendingOutput(ModelRunnerOutput([], [], failed_promotions=failed))
         inputs = self.inputs.prepare(sched.scheduled,
-                                     previous.sampled if previous is not None else None)
-        lora = self._lora_batch(inputs)
-        hidden = None if lora is not None else self._fast_forward(inputs)
+                                     previous.sampled if previous is not None else None,
+                                     self.lora_slots if self.loras.adapters else None)
+        lora = self.loras.batch(inputs.lora_slots) if inputs.uses_lora else None
+        hidden = self._fast_forward(inputs, lora)
         if hidden is None:
             blend = (SelectiveRecompute(inputs.blends, inputs.attn_metadata, inputs.positions,
                                         lora, self.config.cache.blend_recompute_ratio)
@@ -201,20 +206,18 @@ class ModelRunner:
 
     def add_lora(self, name: str, path: str) -> None:
         self.loras.add(name, path)
+        self._recapture_graphs()
 
     def remove_lora(self, name: str) -> None:
         self.loras.remove(name)
+        self._recapture_graphs()
 
-    def _lora_batch(self, inputs: ModelInputs) -> LoRABatch | None:
-        """The adapter of each row of the step; None when all run the base model. (Steps
-        with adapters run eagerly.)"""
-        if not self.lora_slots:
-            return None
-        slots = [self.lora_slots.get(s.request_id, -1) for s in inputs.scheduled]
-        if max(slots, default=-1) < 0:
-            return None
-        slot_of_row = np.repeat(slots, np.diff(inputs.query_start_host))
-        return self.loras.batch(torch.from_numpy(slot_of_row).to(inputs.input_ids.device))
+    def _recapture_graphs(self) -> None:
+        """Graphs hold the adapters' packed weights and slot count: a change of adapters
+        captures them again."""
+        if self.graphs is not None:
+            self.graphs = None  # its memory goes back before the new graphs take theirs
+            self.graphs = self._step_graphs()
 
     def _transfer(self, transfers: KVTransfers) -> list[bytes]:
         """Makes the step's KV copies in the order `KVTransfers` gives; returns the hashes of
@@ -302,12 +305,15 @@ class ModelRunner:
                                                       rotation))
         flat[:, 1].index_copy_(2, dst_t, flat[:, 1].index_select(2, src_t))
 
-    def _fast_forward(self, inputs: ModelInputs) -> torch.Tensor | None:
-        """The step's hidden states from a CUDA graph or (decode-only steps) the CPU decode
-        stack; None for a step to run eagerly."""
+    def _fast_forward(self, inputs: ModelInputs, lora: LoRABatch | None
+                      ) -> torch.Tensor | None:
+        """The step's hidden states from a CUDA graph or (decode-only steps without
+        adapters) the CPU decode stack; None for a step to run eagerly."""
         if self.graphs is not None:
             return self.graphs.run(inputs)
-        return self.cpu_decode.run(inputs) if self.cpu_decode is not None else None
+        if lora is None and self.cpu_decode is not None:
+            return self.cpu_decode.run(inputs)
+        return None
 
     def _num_pool_blocks(self) -> int:
         """The pool's size: the config's, or on a GPU what the loaded weights leave of
@@ -330,4 +336,5 @@ class ModelRunner:
         sched = self.config.scheduler
         return StepGraphs(self.model, self.inputs, sched.max_num_seqs,
                           min(self.config.max_graph_tokens, sched.max_num_tokens_per_step),
+                          self.loras.num_slots if self.loras.adapters else 0,
                           capture=torch.device(self.device).type == "cuda")
