@@ -19,6 +19,8 @@
 #   preemption   swap against recompute on a pool too small for the batch
 #   speculative  prompt-lookup drafts at batch 1
 #   lora         8 adapters in one batch against the base model
+#   structured   JSON-schema output against free output of the same tokens (needs
+#                llguidance and jsonschema importable)
 #   serve        llama3-8b's server under Poisson load, chunked prefill against
 #                prefill-first (needs fastapi, uvicorn and pydantic importable)
 #
@@ -37,10 +39,11 @@ if [ $# -lt 2 ]; then
   sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 2
 fi
-PARTS=(tests quantized kernels latency latency4 step throughput nano preemption speculative lora serve)
+PARTS=(tests quantized kernels latency latency4 step throughput nano preemption speculative lora
+       structured serve)
 declare -A DEFAULT_LIMIT=([tests]=300 [quantized]=120 [kernels]=90 [latency]=240 [latency4]=240
                           [step]=200 [throughput]=300 [nano]=240 [preemption]=180
-                          [speculative]=180 [lora]=180 [serve]=300)
+                          [speculative]=180 [lora]=180 [structured]=180 [serve]=300)
 SELF=$(realpath "$0")
 RESULTS=$(realpath -m "$1")
 shift
@@ -151,6 +154,11 @@ part_serve() {
 part_lora() {
   kvserve bench lora --model "$(model "$BIG")" --device "$DEVICE" --num-adapters 8 \
     --json "$RESULTS/lora.json"
+}
+
+part_structured() {
+  kvserve bench structured --model "$(model "$BIG")" --device "$DEVICE" \
+    --num-prompts "$PROMPTS" --json "$RESULTS/structured.json"
 }
 
 if [ "$1" = --one ]; then  # one part, run by the loop below under its limit

@@ -10,6 +10,7 @@ that it compiles; `--baseline vllm llamacpp` adds those engines (see `peers.py`)
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 from collections.abc import Callable
 
@@ -22,6 +23,8 @@ from kvserve.benchmarks.workloads import fixed
 from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 def ttft_and_tpot(request_seconds: Callable[[int], float], output_len: int, runs: int
                   ) -> tuple[float, float]:
@@ -30,6 +33,10 @@ def ttft_and_tpot(request_seconds: Callable[[int], float], output_len: int, runs
     request_seconds(4)  # first-use costs
     ttft = statistics.median(request_seconds(1) for _ in range(runs))
     full = statistics.median(request_seconds(output_len) for _ in range(runs))
+    if full <= ttft:
+        logger.warning("a %d-token request took no longer than a 1-token one (%.1f against "
+                       "%.1f ms): the machine is too busy to time this, and TPOT comes out "
+                       "at or below 0", output_len, full * 1e3, ttft * 1e3)
     return ttft, (full - ttft) / (output_len - 1)
 
 
@@ -53,11 +60,13 @@ def run(args: argparse.Namespace) -> None:
     read_floor = nbytes / read_bandwidth
 
     def row(engine: str, ttft_s: float, tpot_s: float) -> dict[str, object]:
+        timed_ok = tpot_s > 0 and tpot > 0  # else too noisy for rates and ratios
         return {"engine": engine, "TTFT ms": round(ttft_s * 1e3, 1),
-                "TPOT ms": round(tpot_s * 1e3, 2), "decode tok/s": round(1 / tpot_s, 1),
+                "TPOT ms": round(tpot_s * 1e3, 2),
+                "decode tok/s": round(1 / tpot_s, 1) if timed_ok else None,
                 "TPOT / floor": round(tpot_s / floor, 2),
                 "TPOT / read floor": round(tpot_s / read_floor, 2),
-                "kvserve TPOT speedup": round(tpot_s / tpot, 2)}
+                "kvserve TPOT speedup": round(tpot_s / tpot, 2) if timed_ok else None}
 
     rows = [row(f"kvserve {str(cfg.dtype).removeprefix('torch.')}", ttft, tpot)]
     if "hf" in args.baseline:
