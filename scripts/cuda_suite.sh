@@ -7,7 +7,8 @@
 # Parts, in the order they are worth running:
 #   tests        the Triton kernel tests compiled, and every test marked `gpu`
 #   quantized    W4A16 GEMV and tensor-core kernels against cuBLAS, 1-32 rows
-#   kernels      paged decode attention against its KV floor: 4 and 8 warps a program
+#   kernels      paged decode attention against its KV floor: 4 and 8 warps a program, and
+#                the unsplit varlen kernel of mixed-step graphs, up to 32k-token contexts
 #   latency      llama3-8b batch-1 TPOT against its floor, async scheduling off and on
 #   latency4     the same on its 4-bit RTN copy
 #   step         decode steps against their roofline, with a kernel profile, steps with
@@ -96,6 +97,8 @@ part_quantized() {
 
 part_kernels() {
   kvserve bench kernels --device "$DEVICE" --json "$RESULTS/kernels.json"
+  kvserve bench kernels --device "$DEVICE" --contexts 16384 32768 --batches 1 4 \
+    --json "$RESULTS/kernels-long.json"
 }
 
 part_latency() {

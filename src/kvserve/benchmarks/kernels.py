@@ -3,11 +3,12 @@
 Decode attention reads every cached key and value of the batch once, so its floor is those
 bytes at the copy bandwidth measured in the same run. Each kernel the device has is timed on
 the same random paged cache: on CUDA the Triton split-K kernel with the exact softmax merge
-(4 warps a program, the engine's, and 8, which spill no registers at head_dim 128) and with
-FlashDecoding++'s unified maximum, on CPU the C++ kernel; everywhere the plain-torch
-reference, which gathers the blocks first. On CUDA the calls replay from a CUDA graph, as in a
-decode step, over enough copies of the cache that none is read from the L2 cache; on CPU each
-call follows a read that empties the caches.
+(4 warps a program, the engine's, and 8, which spill no registers at head_dim 128), with
+FlashDecoding++'s unified maximum, and the varlen kernel that a graph-replayed step with
+chunks runs its decodes in (one program per sequence and KV head, no split); on CPU the C++
+kernel; everywhere the plain-torch reference, which gathers the blocks first. On CUDA the
+calls replay from a CUDA graph, as in a decode step, over enough copies of the cache that
+none is read from the L2 cache; on CPU each call follows a read that empties the caches.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def decode_kernels(args: argparse.Namespace) -> dict[str, DecodeFn]:
     kernels: dict[str, DecodeFn] = {}
     if torch.device(args.device).type == "cuda":
         from kvserve.attention.triton.decode import num_splits_for, paged_decode_attention
+        from kvserve.attention.triton.varlen import paged_varlen_attention
 
         sms = torch.cuda.get_device_properties(args.device).multi_processor_count
 
@@ -71,6 +73,10 @@ def decode_kernels(args: argparse.Namespace) -> dict[str, DecodeFn]:
         kernels["triton, exact merge"] = triton_decode(None)
         kernels["triton, exact merge, 8 warps"] = triton_decode(None, num_warps=8)
         kernels[f"triton, unified max {args.unified_max:g}"] = triton_decode(args.unified_max)
+        # A graph-replayed step with chunks runs its decodes here, unsplit.
+        kernels["triton varlen, as in a mixed graph"] = lambda q, cache, meta: (
+            paged_varlen_attention(q, cache, meta.block_tables, meta.query_start_loc,
+                                   meta.seq_lens, scale, None, torch.empty_like(q), 2 * sms))
     elif cpu_kernels() is not None:
         cpu = CpuPagedAttention(cpu_kernels())
         kernels["cpu kernel"] = lambda q, cache, meta: cpu.decode(q, cache, meta, scale)
