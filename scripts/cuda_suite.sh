@@ -87,7 +87,8 @@ quantized_model() {
 part_tests() {
   "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels
   "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/models/test_hf_equivalence.py \
-    tests/models/test_async_scheduling.py tests/unit/test_bench_device.py
+    tests/models/test_async_scheduling.py tests/unit/test_bench_device.py \
+    tests/unit/test_engine_args.py
 }
 
 part_quantized() {
