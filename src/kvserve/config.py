@@ -517,6 +517,14 @@ class EngineConfig:
         return self.cache.kv_offload_disk // self.kv_bytes_per_block
 
     @property
+    def graph_tokens(self) -> int:
+        """The largest step with prefill chunks that replays a CUDA graph, where graphs run
+        (not under enforce_eager or tensor parallelism): 0 when none does."""
+        if self.enforce_eager or self.tensor_parallel_size > 1:
+            return 0
+        return min(self.max_graph_tokens, self.scheduler.max_num_tokens_per_step)
+
+    @property
     def sized_by_device_memory(self) -> bool:
         """Whether the model runner sizes the pool from the GPU's free memory once the weights
         are loaded (`kv_pool.blocks_in_device_memory`), rather than `num_kv_blocks`."""

@@ -45,7 +45,7 @@ class ModelInputs:
     query_start_host: np.ndarray  # first row of each of `scheduled`, then the row count
     blends: list[BlendedPrompt] = field(default_factory=list)  # its blended prompts
     # [rows] each row's LoRA adapter slot (-1: the base model), given while adapters are
-    # loaded; `uses_lora`: whether any row has one
+    # loaded; `uses_lora`: whether any of prepare()'s rows has one
     lora_slots: torch.Tensor | None = None
     uses_lora: bool = False
 
@@ -162,12 +162,12 @@ class InputBuffers:
         input_ids = self.input_ids.upload(num_tokens)
         if previous is not None:
             self._fill_pending(input_ids, ordered, previous)
-        lora_slots = None
+        lora_slots, uses_lora = None, False
         if lora_slot_of is not None:
             slots = self.lora_slots.host[:num_tokens]
             slots[:] = np.repeat([lora_slot_of.get(s.request_id, -1) for s in ordered],
                                  num_new)
-            lora_slots = self.lora_slots.upload(num_tokens)
+            lora_slots, uses_lora = self.lora_slots.upload(num_tokens), bool((slots >= 0).any())
         inputs = ModelInputs(
             input_ids=input_ids,
             positions=self.positions.upload(num_tokens),
@@ -179,7 +179,7 @@ class InputBuffers:
             blends=[_blended(i, int(query_start[i]), s) for i, s in enumerate(ordered)
                     if s.reused_spans],
             lora_slots=lora_slots,
-            uses_lora=lora_slots is not None and bool((slots >= 0).any()),
+            uses_lora=uses_lora,
         )
         self._mark_uploads()
         return inputs
@@ -265,8 +265,7 @@ class InputBuffers:
         return ModelInputs(input_ids=rows.input_ids, positions=rows.positions,
                            attn_metadata=meta, sample_rows=self.sample_rows.device[:0],
                            sample_requests=[], scheduled=[],
-                           query_start_host=query_start_host, lora_slots=rows.lora_slots,
-                           uses_lora=rows.lora_slots is not None)
+                           query_start_host=query_start_host, lora_slots=rows.lora_slots)
 
 
 @dataclass(slots=True, frozen=True)

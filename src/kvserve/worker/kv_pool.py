@@ -45,10 +45,7 @@ def graph_pool_bytes(config: EngineConfig) -> int:
     """What the CUDA graphs of steps with chunks keep for themselves: the largest one's
     activations (logits are computed outside the graphs). The decode graphs' pool is small
     beside it, within DEVICE_HEADROOM."""
-    if config.enforce_eager or config.tensor_parallel_size > 1:
-        return 0
-    tokens = min(config.max_graph_tokens, config.scheduler.max_num_tokens_per_step)
-    return tokens * _activation_bytes_per_token(config)
+    return config.graph_tokens * _activation_bytes_per_token(config)
 
 
 def reserved_bytes(config: EngineConfig) -> int:
@@ -78,8 +75,7 @@ def blocks_in_device_memory(config: EngineConfig, free: int, total: int) -> int:
             f"gpu_memory_utilization {utilization} of the device's {total / GiB:.1f} GiB leaves "
             f"no room for the KV cache: {in_use / GiB:.1f} GiB are in use with the weights "
             f"loaded and {reserve / GiB:.1f} GiB are kept for a step's activations and CUDA "
-            f"graphs; raise "
-            f"gpu_memory_utilization, or give kv_cache_memory")
+            f"graphs; raise gpu_memory_utilization, or give kv_cache_memory")
     num_blocks = min(budget // per_block, config.most_blocks_used)
     logger.info("KV cache: %.1f GiB of %.1f GiB (gpu_memory_utilization %.2f) once %.1f GiB "
                 "in use and %.1f GiB for activations and CUDA graphs are set aside",

@@ -333,8 +333,7 @@ class ModelRunner:
         if (self.config.enforce_eager or not backend.takes_padding_rows
                 or self.config.tensor_parallel_size > 1):
             return None
-        sched = self.config.scheduler
-        return StepGraphs(self.model, self.inputs, sched.max_num_seqs,
-                          min(self.config.max_graph_tokens, sched.max_num_tokens_per_step),
+        return StepGraphs(self.model, self.inputs, self.config.scheduler.max_num_seqs,
+                          self.config.graph_tokens,
                           self.loras.num_slots if self.loras.adapters else 0,
                           capture=torch.device(self.device).type == "cuda")
