@@ -30,29 +30,15 @@ TILE_ROWS = 64
 
 
 @triton.jit
-def _sequence_of_tile(query_start_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
-    """The last sequence whose first tile is at or before `tile`."""
+def _count_at_or_below(query_start_ptr, num_seqs, target, DIVISOR: tl.constexpr,
+                       STEP: tl.constexpr):
+    """How many of the first `num_seqs` sequences s have query_start[s] // DIVISOR + s * STEP
+    at or below `target`: a binary search, the key rising with s."""
     low = tl.zeros([], tl.int32)
     high = low + num_seqs
     while low < high:
         mid = (low + high) // 2
-        if tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= tile:
-            low = mid + 1
-        else:
-            high = mid
-    return low - 1
-
-
-@triton.jit
-def _sequences_with_rows(query_start_ptr, num_seqs):
-    """The sequences before the first that starts at the last row's end: every sequence but
-    a padded step's trailing ones, which have no rows."""
-    end = tl.load(query_start_ptr + num_seqs)
-    low = tl.zeros([], tl.int32)
-    high = low + num_seqs
-    while low < high:
-        mid = (low + high) // 2
-        if tl.load(query_start_ptr + mid) < end:
+        if tl.load(query_start_ptr + mid) // DIVISOR + mid * STEP <= target:
             low = mid + 1
         else:
             high = mid
@@ -69,13 +55,16 @@ def _varlen_kernel(
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_POSITIONS: tl.constexpr,
 ):
     """Each program takes every num_programs-th (tile, KV head) pair in turn."""
-    num_seqs = _sequences_with_rows(query_start_ptr, num_seqs)
+    # Every sequence but a padded step's trailing ones, which start at the last row's end.
+    num_seqs = _count_at_or_below(query_start_ptr, num_seqs,
+                                  tl.load(query_start_ptr + num_seqs) - 1, 1, 0)
     first_tile = tl.load(query_start_ptr) // BLOCK_Q
     num_tiles = tl.load(query_start_ptr + num_seqs) // BLOCK_Q + num_seqs - first_tile
     for work in range(tl.program_id(0), num_tiles * NUM_KV_HEADS, tl.num_programs(0)):
         tile = work // NUM_KV_HEADS + first_tile
         kv_head = work % NUM_KV_HEADS
-        seq = _sequence_of_tile(query_start_ptr, tile, num_seqs, BLOCK_Q)
+        # The last sequence whose first tile is at or before this one.
+        seq = _count_at_or_below(query_start_ptr, num_seqs, tile, BLOCK_Q, 1) - 1
         query_start = tl.load(query_start_ptr + seq)
         num_queries = tl.load(query_start_ptr + seq + 1) - query_start
         first_query = (tile - query_start // BLOCK_Q - seq) * BLOCK_Q
