@@ -33,7 +33,8 @@ def varlen_usage(head_dim: int, group: int) -> dict[str, int]:
                  "BLOCK_M": max(varlen.TILE_ROWS, triton.next_power_of_2(group)),
                  "PRECISION": dot_precision(torch.bfloat16), "HAS_POSITIONS": False}
     compiled = compile_for_h100(varlen._varlen_kernel, _with_strides(varlen._varlen_kernel),
-                                constants, {"num_warps": config["num_warps"]})
+                                constants, {"num_warps": config["num_warps"]},
+                                _head_strides(varlen._varlen_kernel))
     return {"warps": config["num_warps"], "BLOCK_N": config["BLOCK_N"], **resources(compiled)}
 
 
@@ -44,12 +45,19 @@ def decode_usage(head_dim: int, group: int) -> dict[str, int]:
                  "UNIFIED": False, "UNIFIED_RANGE": 60.0}
     compiled = compile_for_h100(decode._decode_split_kernel,
                                 _with_strides(decode._decode_split_kernel), constants,
-                                {"num_warps": 4})
+                                {"num_warps": 4}, _head_strides(decode._decode_split_kernel))
     return {"warps": 4, "BLOCK_N": decode.BLOCK_N, **resources(compiled)}
 
 
 def _with_strides(kernel: triton.JITFunction) -> dict[str, str]:
     return TYPES | {name: "i32" for name in kernel.arg_names if name.startswith("stride")}
+
+
+def _head_strides(kernel: triton.JITFunction) -> tuple[str, ...]:
+    """The strides a launch finds divisible by 16: whole heads. A block table's row is as
+    long as the longest sequence's blocks, any number."""
+    return tuple(name for name in kernel.arg_names
+                 if name.startswith("stride") and name != "stride_bt")
 
 
 def main() -> None:

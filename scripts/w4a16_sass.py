@@ -42,7 +42,8 @@ def compiled_sass(gemv: bool, rows: int, block_n: int, block_k: int, warps: int)
         constants |= {"PRECISION": dot_precision(torch.bfloat16),
                       "BLOCK_M": 16 if rows <= 16 else 32 if rows <= 32 else 64}
     options = {"num_warps": warps, "num_stages": 1 if gemv else 3}
-    return get_sass(compile_for_h100(kernel, TYPES, constants, options).asm["cubin"])
+    return get_sass(compile_for_h100(kernel, TYPES, constants, options,
+                                     divisible=("N", "K")).asm["cubin"])
 
 
 def main_loop(sass: str) -> list[str]:

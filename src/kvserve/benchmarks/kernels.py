@@ -3,7 +3,7 @@
 Decode attention reads every cached key and value of the batch once, so its floor is those
 bytes at the copy bandwidth measured in the same run. Each kernel the device has is timed on
 the same random paged cache: on CUDA the Triton split-K kernel with the exact softmax merge
-(4 warps a program, the engine's, and 8, which spill no registers at head_dim 128), with
+(4 warps a program, the engine's, and 8, with half the registers a thread), with
 FlashDecoding++'s unified maximum, and the varlen kernel that a graph-replayed step with
 chunks runs its decodes in (one program per sequence and KV head, no split); on CPU the C++
 kernel; everywhere the plain-torch reference, which gathers the blocks first. On CUDA the

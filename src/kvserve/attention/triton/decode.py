@@ -151,8 +151,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            num_warps: int = 4) -> torch.Tensor:
     """q: [B, Hq, D] (head-contiguous rows); kv_cache: [2, Hkv, num_blocks, block_size, D];
     block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B]. Returns [B, Hq, D].
-    `unified_max` switches to the asynchronized softmax around that fixed value. At
-    head_dim 128, 4 warps spill 88-104 bytes a thread on an H100 and 8 spill none
+    `unified_max` switches to the asynchronized softmax around that fixed value. Compiled
+    for an H100, neither 4 nor 8 warps spill up to head_dim 256
     (`scripts/attention_sm90.py`); `bench kernels` times both."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
