@@ -44,3 +44,32 @@ def check_split_groups(num_groups: int) -> None:
     if num_groups > MAX_GROUPS:
         raise ValueError(f"a split launch takes at most {MAX_GROUPS} groups of programs, "
                          f"got {num_groups}")
+
+
+@triton.jit
+def store_split_tile(acc, rows, cols, M, N, out_ptr, partials_ptr, counter_ptr, split,
+                     num_splits):
+    """Stores a split-K GEMM's [BM, BN] float32 tile of the [M, N] output: directly, or as one
+    split's partial sum that the last split of the tile to arrive adds up."""
+    offsets = rows[:, None] * N + cols[None, :]
+    out_ok = (rows < M)[:, None] & (cols < N)[None, :]
+    if num_splits > 1:
+        tl.store(partials_ptr + split * M * N + offsets, acc, mask=out_ok)
+        if arrives_last(counter_ptr, num_splits):
+            acc = tl.zeros(acc.shape, tl.float32)
+            for other in range(num_splits):
+                acc += tl.load(partials_ptr + other * M * N + offsets, mask=out_ok, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+            rearm(counter_ptr)
+    else:
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+def splits_for_tiles(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int,
+                     num_programs: int) -> int:
+    """Splits of the input dimension that bring the launch near `num_programs` programs,
+    each at least four input tiles long and none empty."""
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    splits = max(1, min(-(-num_programs // tiles), k // (4 * block_k)))
+    return triton.cdiv(k, triton.cdiv(triton.cdiv(k, splits), block_k) * block_k)

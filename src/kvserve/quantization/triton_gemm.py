@@ -42,7 +42,13 @@ from kvserve.quantization.gptq import QuantizedWeight, sorted_by_group
 from kvserve.quantization.packing import pack_rows
 from kvserve.quantization.squeezellm import LutWeight
 from kvserve.triton_precision import dot_precision
-from kvserve.triton_splits import arrives_last, check_split_groups, rearm, split_counters
+from kvserve.triton_splits import (
+    check_split_groups,
+    split_counters,
+    splits_for_tiles,
+    store_split_tile,
+)
+from kvserve.triton_timing import fastest
 
 MIN_BLOCK_K = 32  # a group must hold whole tiles of the input dimension
 
@@ -118,25 +124,6 @@ def _dequantized(q, k0, cols, col_ok, scales_ptr, zeros_ptr, N, GROUP_SIZE: tl.c
 
 
 @triton.jit
-def _write_tile(acc, rows, cols, M, N, out_ptr, partials_ptr, counter_ptr, split, num_splits):
-    """Stores a [BM, BN] float32 tile: directly, or as one split's partial sum that the last
-    split of the tile to arrive adds up (`triton_splits`)."""
-    offsets = rows[:, None] * N + cols[None, :]
-    out_ok = (rows < M)[:, None] & (cols < N)[None, :]
-    if num_splits > 1:
-        tl.store(partials_ptr + split * M * N + offsets, acc, mask=out_ok)
-        if arrives_last(counter_ptr, num_splits):
-            acc = tl.zeros(acc.shape, tl.float32)
-            for other in range(num_splits):
-                acc += tl.load(partials_ptr + other * M * N + offsets, mask=out_ok, other=0.0,
-                               cache_modifier=".cg")
-            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
-            rearm(counter_ptr)
-    else:
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
-
-
-@triton.jit
 def _weight_only_gemm_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zeros_ptr,
                              table_ptr, out_ptr, partials_ptr, counters_ptr,
                              M, N, K, GROUP_SIZE: tl.constexpr,
@@ -168,7 +155,7 @@ def _weight_only_gemm_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
             w = _dequantized(q, k0, cols[None, :], col_ok[None, :], scales_ptr, zeros_ptr, N,
                              GROUP_SIZE, BITS)
         acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
-    _write_tile(acc, rows, cols, M, N, out_ptr, partials_ptr,
+    store_split_tile(acc, rows, cols, M, N, out_ptr, partials_ptr,
                 counters_ptr + pid_m * tl.num_programs(1) + pid_n, split, num_splits)
 
 
@@ -244,7 +231,7 @@ def _weight_only_gemv_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
             acc += tile
         else:
             acc += scale[None, None, :] * tile
-    _write_tile(tl.sum(acc, axis=1), rows, cols, M, N, out_ptr, partials_ptr,
+    store_split_tile(tl.sum(acc, axis=1), rows, cols, M, N, out_ptr, partials_ptr,
                 counters_ptr + pid_n, split, num_splits)
 
 
@@ -294,9 +281,6 @@ def _tuned(kernel: triton.JITFunction, configs: list[triton.Config]
 _tuned_gemm = _tuned(_weight_only_gemm_kernel, TILE_CONFIGS)
 _tuned_gemv = _tuned(_weight_only_gemv_kernel, GEMV_CONFIGS)
 GEMV_MAX_ROWS = 8  # each row costs the GEMV a multiply-add per weight: beyond, tensor cores
-# The faster kernel for up to GEMV_MAX_ROWS rows, timed at a layer shape's first call with
-# that many rows (rounded up to a power of two): (layer kind and shape, rows) -> GEMV?
-_gemv_timed_faster: dict[tuple, bool] = {}
 
 
 def chosen_tile(gemv: bool) -> str:
@@ -307,15 +291,6 @@ def chosen_tile(gemv: bool) -> str:
         return ""
     return (f"N{tile.kwargs['BLOCK_N']} K{tile.kwargs['BLOCK_K']} "
             f"w{tile.num_warps} s{tile.kwargs.get('STAGES', tile.num_stages)}")
-
-
-def _num_splits(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int,
-                num_programs: int) -> int:
-    """Splits of the input dimension that bring the launch near `num_programs` programs,
-    each at least four input tiles long and none empty."""
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    splits = max(1, min(-(-num_programs // tiles), k // (4 * block_k)))
-    return triton.cdiv(k, triton.cdiv(triton.cdiv(k, splits), block_k) * block_k)
 
 
 @dataclass(frozen=True)
@@ -365,16 +340,11 @@ class TritonQuantizedWeight:
             return m == 1
         if not rows.is_cuda:
             return True
-        key = (self.words.shape, self.bits, self.group_size, self.table is not None,
-               self.input_order is not None, triton.next_power_of_2(m), rows.dtype,
-               rows.device)
-        if key not in _gemv_timed_faster:
-            if torch.cuda.is_current_stream_capturing():
-                return False
-            gemv, tensor_cores = (triton.testing.do_bench(
-                lambda g=g: self._launch(rows, g), warmup=5, rep=25) for g in (True, False))
-            _gemv_timed_faster[key] = gemv <= tensor_cores
-        return _gemv_timed_faster[key]
+        key = ("w4a16 gemv", self.words.shape, self.bits, self.group_size,
+               self.table is not None, self.input_order is not None,
+               triton.next_power_of_2(m), rows.dtype, rows.device)
+        return fastest(key, [lambda g=g: self._launch(rows, g) for g in (True, False)],
+                       untimed=1) == 0
 
     def _launch(self, rows: torch.Tensor, gemv: bool) -> torch.Tensor:
         m, k = rows.shape
@@ -384,7 +354,7 @@ class TritonQuantizedWeight:
         tuned = _tuned_gemv if gemv else _tuned_gemm
 
         def splits(block_n: int, block_k: int) -> int:
-            return _num_splits(m, n, k, block_m, block_n, block_k, self.num_programs)
+            return splits_for_tiles(m, n, k, block_m, block_n, block_k, self.num_programs)
 
         def grid(tile: dict) -> tuple[int, ...]:
             tiles = (triton.cdiv(n, tile["BLOCK_N"]), splits(tile["BLOCK_N"], tile["BLOCK_K"]))
