@@ -6,10 +6,12 @@
 #
 # Parts, in the order they are worth running:
 #   tests        the Triton kernel tests compiled, and every test marked `gpu`
-#   quantized    W4A16 GEMV and tensor-core kernels against cuBLAS, 1-32 rows
+#   quantized    W4A16 GEMV and tensor-core kernels, and the dense split-K kernel, against
+#                cuBLAS, 1-32 rows
 #   kernels      paged decode attention against its KV floor: 4 and 8 warps a program, and
 #                the unsplit varlen kernel of mixed-step graphs, up to 32k-token contexts
-#   latency      llama3-8b batch-1 TPOT against its floor, async scheduling off and on
+#   latency      llama3-8b batch-1 TPOT against its floor, async scheduling off and on, and
+#                with every linear layer on cuBLAS (no split-K kernel)
 #   latency4     the same on its 4-bit RTN copy
 #   step         decode steps against their roofline, with a kernel profile, steps with
 #                prefill chunks replayed from CUDA graphs against eager, and the JSON that
@@ -42,7 +44,7 @@ if [ $# -lt 2 ]; then
 fi
 PARTS=(tests quantized kernels latency latency4 step throughput nano preemption speculative lora
        structured serve)
-declare -A DEFAULT_LIMIT=([tests]=300 [quantized]=120 [kernels]=90 [latency]=240 [latency4]=240
+declare -A DEFAULT_LIMIT=([tests]=300 [quantized]=180 [kernels]=90 [latency]=330 [latency4]=240
                           [step]=200 [throughput]=300 [nano]=240 [preemption]=180
                           [speculative]=180 [lora]=180 [structured]=180 [serve]=300)
 SELF=$(realpath "$0")
@@ -107,6 +109,9 @@ part_latency() {
     kvserve bench latency --model "$(model "$BIG")" --device "$DEVICE" --baseline none --runs 3 \
       --output-len 128 $async --json "$RESULTS/latency-${async#--}.json"
   done
+  KVSERVE_DENSE_KERNEL=cublas kvserve bench latency --model "$(model "$BIG")" \
+    --device "$DEVICE" --baseline none --runs 3 --output-len 128 --async-scheduling \
+    --json "$RESULTS/latency-cublas.json"
 }
 
 part_latency4() {

@@ -127,6 +127,21 @@ def test_the_varlen_attention_kernel_compiles_for_an_h100_without_spilling():
     assert run.stdout.count("decode head_dim") == 2
 
 
+def test_the_split_k_linear_tiles_stream_their_weights_through_cp_async_on_an_h100():
+    """Without a launch's alignment facts, or with a change that defeats the pipeliner, the
+    loop loads each weight tile into registers and waits for it."""
+    pytest.importorskip("triton")
+    script = Path(__file__).parents[2] / "scripts" / "linear_sm90.py"
+    compiling = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, env=compiling)
+    assert run.returncode == 0, run.stderr
+    tiles = re.findall(r"^tile .* (\d+) bytes spilled a thread, (\d+) LDGSTS$", run.stdout,
+                       re.MULTILINE)
+    assert len(tiles) == 16
+    assert all(int(copies) > 0 and int(spilled) <= 64 for spilled, copies in tiles)
+
+
 def test_bench_prefix_reports_every_config_and_saves_json(llama_dir, tmp_path):
 
     out = tmp_path / "prefix.json"

@@ -11,6 +11,11 @@ On CUDA the calls replay from a CUDA graph, as in a decode step, over enough cop
 weight that none is read from the L2 cache; on CPU each call follows a read that empties the
 caches (`device.device_seconds`). Triton's two kernels are
 timed apart, the GEMV up to the rows it takes; each row names the tile its autotuner picked.
+
+On CUDA the dense layer is timed twice up to 16 rows: cuBLAS (the baseline) and the split-K
+kernel the engine picks instead where it times faster (`layers/triton_linear.py`); for `down`,
+both also of a [gate | up] input, with SiLU-and-mul's own launch before cuBLAS and fused into
+the split-K kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from kvserve.arg_types import positive_int
 from kvserve.benchmarks.device import device_seconds, memory_bandwidth, past_cache_copies
@@ -40,15 +46,43 @@ LLAMA3_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
              "down": (14336, 4096)}
 
 
-def _kernels(weight: torch.Tensor, args: argparse.Namespace, dtype: torch.dtype
-             ) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
-    """name -> (matmul, weight bytes) for the dense layer and every quantized kernel."""
+@dataclasses.dataclass
+class DenseOnCuda:
+    """The dense layer on CUDA, run by cuBLAS or by the split-K kernel (`triton_linear`).
+    `gated`: of a [gate | up] input, SiLU-and-mul's launch before cuBLAS, or fused into the
+    split-K kernel's loads."""
+    weight: torch.Tensor
+    split_k: bool
+    gated: bool
+    num_programs: int
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        from kvserve.layers import triton_linear
+
+        if self.split_k:
+            return triton_linear.split_k_linear(x, self.weight, self.num_programs, self.gated)
+        return F.linear(triton_linear.silu_and_mul(x) if self.gated else x, self.weight)
+
+
+def _kernels(weight: torch.Tensor, layer: str, args: argparse.Namespace, dtype: torch.dtype
+             ) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int, int]]:
+    """name -> (matmul, weight bytes, input width) for the dense layer (on CUDA: cuBLAS
+    first, then the split-K kernel, and for `down` both of a gated input) and every quantized
+    kernel."""
     out_features, in_features = weight.shape
     with torch.device(args.device):
         dense = Linear(in_features, [out_features], False, dtype)
     dense.load("weight", 0, weight.to(args.device, dtype))
     dense.prepare()
-    kernels = {"dense": (dense.forward, dense.weight_bytes)}
+    kernels = {"dense": (dense.forward, dense.weight_bytes, in_features)}
+    if dense.form == "out_major":  # CUDA
+        kernels = {}
+        for gated in (False, True) if layer == "down" else (False,):
+            for split_k in (False, True):
+                name = (f"dense{' of gate, up' if gated else ''} "
+                        f"({'Triton split-K' if split_k else 'cuBLAS'})")
+                run = DenseOnCuda(dense.weight, split_k, gated, dense.num_programs)
+                kernels[name] = (run.matmul, dense.weight_bytes, (1 + gated) * in_features)
     quantized: dict[str, QuantizedWeight] = {
         f"int4 g{args.group_size}": rtn(weight, 4, args.group_size, sym=True),
         "int8 per-channel": rtn(weight, 8, in_features, sym=True)}
@@ -60,17 +94,19 @@ def _kernels(weight: torch.Tensor, args: argparse.Namespace, dtype: torch.dtype
             triton = pack_for_triton([q], dtype, device, num_programs(device))
             for gemv, kind in ((True, "Triton GEMV"), (False, "Triton tensor cores")):
                 kernel = dataclasses.replace(triton, gemv=gemv)
-                kernels[f"{name} ({kind})"] = (kernel.matmul, kernel.num_bytes)
+                kernels[f"{name} ({kind})"] = (kernel.matmul, kernel.num_bytes, in_features)
             continue
         for kernel in cpu_candidates([q]).packed():
             if kernel is not None:
-                kernels[f"{name} ({type(kernel).__name__})"] = (kernel.matmul, kernel.num_bytes)
+                kernels[f"{name} ({type(kernel).__name__})"] = (kernel.matmul, kernel.num_bytes,
+                                                                in_features)
             if isinstance(kernel, WxA8Weight) and amx_int8_runs(kernel):
                 amx = dataclasses.replace(kernel, amx_from=1)
-                kernels[f"{name} (AMX int8 tiles)"] = (amx.matmul, kernel.num_bytes)
+                kernels[f"{name} (AMX int8 tiles)"] = (amx.matmul, kernel.num_bytes, in_features)
             if isinstance(kernel, WxA8Weight) and dequantized_gemm_runs(in_features, dtype):
                 dequantized = dataclasses.replace(kernel, dequantized_from=1)
-                kernels[f"{name} (dequantized GEMM)"] = (dequantized.matmul, kernel.num_bytes)
+                kernels[f"{name} (dequantized GEMM)"] = (dequantized.matmul, kernel.num_bytes,
+                                                         in_features)
     return kernels
 
 
@@ -83,17 +119,20 @@ def run(args: argparse.Namespace) -> None:
         if args.layers and layer not in args.layers:
             continue
         weight = torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5
-        kernels = _kernels(weight, args, dtype)
+        kernels = _kernels(weight, layer, args, dtype)
         for batch in args.batches:
-            x = torch.randn(batch, in_features, generator=gen).to(args.device, dtype)
+            x = torch.randn(batch, 2 * in_features, generator=gen).to(args.device, dtype)
             dense_seconds = 0.0
             first_row = len(rows)
-            for name, (matmul, num_bytes) in kernels.items():
+            for name, (matmul, num_bytes, width) in kernels.items():
                 if "Triton" in name:  # CUDA only, where Triton is installed
+                    from kvserve.layers.triton_linear import MAX_ROWS
                     from kvserve.quantization.triton_gemm import GEMV_MAX_ROWS, chosen_tile
-                    if "GEMV" in name and batch > GEMV_MAX_ROWS:
+                    if ("GEMV" in name and batch > GEMV_MAX_ROWS
+                            or "split-K" in name and batch > MAX_ROWS):
                         continue
-                calls = [functools.partial(m, x)
+                rows_in = x[:, :width].contiguous()
+                calls = [functools.partial(m, rows_in)
                          for m in past_cache_copies(matmul, num_bytes, args.device)]
                 seconds = device_seconds(calls, args.device, args.repeats)
                 dense_seconds = dense_seconds or seconds
@@ -101,7 +140,7 @@ def run(args: argparse.Namespace) -> None:
                              "kernel": name, "ms": round(seconds * 1e3, 3),
                              "speed-up vs dense": round(dense_seconds / seconds, 2),
                              "time / own floor": round(seconds * bandwidth / num_bytes, 2)})
-                if "Triton" in name:
+                if "Triton" in name and "split-K" not in name:
                     rows[-1]["tile"] = chosen_tile(gemv="GEMV" in name)
             print_table(rows[first_row:])
     print_table(rows, title=(

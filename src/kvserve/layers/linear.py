@@ -12,7 +12,8 @@ loading, `prepare()` builds the execution form from them:
   than `x @ W_t` in float32 for 1-64 rows on an AVX-512 machine, 2.5-4x in bfloat16 on one
   with AVX512-BF16, and never slower for prefill-sized inputs;
 - on CUDA, the checkpoint's `[out, in]` layout with `F.linear`, which is what cuBLAS is
-  tuned for;
+  tuned for; over a few rows, a split-K Triton kernel on the same weight where it times
+  faster (`triton_linear.py`);
 - elsewhere the contiguous transposed weight itself (`x @ W_t`), which on CPU is also up to 2x
   faster than `F.linear(x, W)` for 8-32 rows.
 Shards of quantized checkpoints arrive as integers (`QuantizedWeight`: GPTQ, AWQ) or table
@@ -34,10 +35,20 @@ from kvserve.cpp_extension import cpu_kernels
 from kvserve.layers.activation import silu_and_mul
 from kvserve.lora.batch import LoRABatch
 from kvserve.quantization.gptq import QuantizedWeight
-from kvserve.quantization.kernels import QuantizedKernel, choose_kernel
+from kvserve.quantization.kernels import QuantizedKernel, choose_kernel, num_programs
 from kvserve.quantization.squeezellm import LutWeight
 from kvserve.worker.forward_context import get_lora_batch
 from kvserve.worker.tensor_parallel import all_reduce, rank_bounds, rank_slice, tp_group
+
+
+@functools.cache
+def _triton_linear() -> ModuleType | None:
+    """The split-K kernel for a few rows on CUDA, where Triton is installed."""
+    try:
+        from kvserve.layers import triton_linear
+    except ImportError:
+        return None
+    return triton_linear
 
 
 @functools.cache
@@ -87,30 +98,52 @@ class Linear(nn.Module):
         # (see lora/batch.py), in the layer's GEMM form; None: no adapter targets it.
         self.lora: tuple[torch.Tensor, torch.Tensor] | None = None
         self.lora_columns = 0  # slots x width
+        self.num_programs = 0  # the split-K kernel's aim on CUDA (see triton_linear.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(x, gated=False)
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """This layer of silu(gate) * up, for the output of a [gate | up] layer. On CUDA,
+        over a few rows, the split-K kernel computes the activation as it loads its input
+        (`triton_linear`): no launch of its own."""
+        return self._linear(gate_up, gated=True)
+
+    def _linear(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
         summed = self.parallel == "row" and tp_group().size > 1
         bias = None if summed else self.bias  # added once, after the ranks' sum
-        if self.kernel is not None:
-            out = self.kernel.matmul(x)
-            out = out if bias is None else out + bias
-        elif self.gemm is not None:
-            out = self.gemm.blocked_linear(x.contiguous(), self.weight, self.out_features, bias)
-        elif self.form == "packed":
-            out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, bias,
-                                                     "none", [], "")
-        elif self.form == "out_major":
-            out = F.linear(x, self.weight, bias)
-        else:
-            out = x @ self.weight if bias is None else torch.addmm(bias, x, self.weight)
         batch = get_lora_batch() if self.lora is not None else None
-        if batch is not None:  # before the ranks' sum: a row-parallel rank's part is partial
-            self._add_lora(x, out, batch)
+        split_k = (_triton_linear() if self.form == "out_major" and self.kernel is None
+                   and batch is None else None)
+        rows = x.reshape(-1, x.shape[-1])
+        if split_k is not None and split_k.split_k_runs(rows, self.weight, self.num_programs,
+                                                        gated):
+            out = split_k.split_k_linear(rows, self.weight, self.num_programs, gated)
+            out = out.reshape(*x.shape[:-1], out.shape[-1])
+            out = out if bias is None else out + bias
+        else:
+            x = silu_and_mul(x) if gated else x
+            out = self._matmul(x, bias)
+            if batch is not None:  # before the ranks' sum: a row-parallel rank's part is partial
+                self._add_lora(x, out, batch)
         if summed:
             all_reduce(out)
             if self.bias is not None:
                 out = out + self.bias
         return out
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.kernel is not None:
+            out = self.kernel.matmul(x)
+            return out if bias is None else out + bias
+        if self.gemm is not None:
+            return self.gemm.blocked_linear(x.contiguous(), self.weight, self.out_features, bias)
+        if self.form == "packed":
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, bias,
+                                                      "none", [], "")
+        if self.form == "out_major":
+            return F.linear(x, self.weight, bias)
+        return x @ self.weight if bias is None else torch.addmm(bias, x, self.weight)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this [gate | up] layer's output. On the blocked GEMM it is one
@@ -210,6 +243,7 @@ class Linear(nn.Module):
             self.form = "packed"
         elif self.weight.device.type == "cuda":
             self.form = "out_major"
+            self.num_programs = num_programs(self.weight.device)
         else:
             self.form = "transposed"
         shards = self._quantized_shards()

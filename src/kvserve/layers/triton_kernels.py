@@ -44,15 +44,21 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
+def silu_times(gate, up):
+    """silu(gate) * up in their dtype, rounded where the reference rounds."""
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (silu * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, width, BLOCK: tl.constexpr):
     row, col = tl.program_id(0), tl.program_id(1)
     i = col * BLOCK + tl.arange(0, BLOCK)
     mask = i < width
     gate = tl.load(gate_up_ptr + row * 2 * width + i, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * 2 * width + width + i, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * width + i, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    tl.store(out_ptr + row * width + i, silu_times(gate, up), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,11 @@ class MLP(nn.Module):
                                 parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
+        """down(silu(gate) * up): the activation fused into gate_up's output on the CPU's
+        blocked GEMM, into down's input elsewhere (see Linear)."""
+        if self.gate_up_proj.form == "blocked":
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
+        return self.down_proj.gated(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
