@@ -41,7 +41,9 @@ def varlen_usage(head_dim: int, group: int) -> dict[str, int]:
 def decode_usage(head_dim: int, group: int) -> dict[str, int]:
     constants = {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)),
                  "HEAD_DIM": head_dim, "BLOCK_SIZE": BLOCK_SIZE, "BLOCK_N": decode.BLOCK_N,
-                 "NUM_SPLITS": 4, "SPLITS_POW2": 4, "PRECISION": dot_precision(torch.bfloat16),
+                 "NUM_SPLITS": decode.MAX_SPLITS, "SPLITS_POW2": decode.MAX_SPLITS,
+                 "MERGE_HEADS": decode.merge_heads(group, decode.MAX_SPLITS, head_dim),
+                 "PRECISION": dot_precision(torch.bfloat16),
                  "UNIFIED": False, "UNIFIED_RANGE": 60.0}
     compiled = compile_for_h100(decode._decode_split_kernel,
                                 _with_strides(decode._decode_split_kernel), constants,

@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 from kvserve.attention.backend import PrefillChunk, QKNorm  # noqa: E402
 from kvserve.attention.torch_ref import TorchPagedAttention  # noqa: E402
 from kvserve.attention.triton.backend import TritonPagedAttention  # noqa: E402
-from kvserve.attention.triton.decode import paged_decode_attention  # noqa: E402
+from kvserve.attention.triton.decode import merge_heads, paged_decode_attention  # noqa: E402
 from kvserve.core.scheduler.output import ScheduledRequest  # noqa: E402
 from kvserve.layers.norm import RMSNorm  # noqa: E402
 from kvserve.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -164,9 +164,14 @@ def test_query_and_key_norms_run_in_the_rotary_pass(dtype):
             torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
 
 
-def test_decode_splits_agree_and_an_empty_row_gives_zero():
-    qk, _, _, cache, meta = make_step([(90, 1), (300, 1), (1, 1)], 8, 2, 64, 16)
-    q = qk[:, :8]
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (16, 1, 128)])
+def test_decode_splits_agree_and_an_empty_row_gives_zero(num_heads, num_kv_heads, head_dim):
+    group = num_heads // num_kv_heads
+    if group == 16:  # the merge then takes the group's heads in two loads
+        assert merge_heads(group, 7, head_dim) == 8
+    qk, _, _, cache, meta = make_step([(90, 1), (300, 1), (1, 1)], num_heads, num_kv_heads,
+                                      head_dim, 16)
+    q = qk[:, :num_heads]
     seq_lens = meta.seq_lens.clone()
     seq_lens[2] = 0  # a padding row, as in a replayed CUDA graph
     one = paged_decode_attention(q, cache, meta.block_tables, seq_lens, 0.3, None, 1)

@@ -33,7 +33,8 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_POW2: tl.constexpr, PRECISION: tl.constexpr, UNIFIED: tl.constexpr,
+    SPLITS_POW2: tl.constexpr, MERGE_HEADS: tl.constexpr, PRECISION: tl.constexpr,
+    UNIFIED: tl.constexpr,
     UNIFIED_RANGE: tl.constexpr,
     unified_max,
 ):
@@ -99,30 +100,35 @@ def _decode_split_kernel(
         tl.store(lse_ptr + rows + split, lse, mask=keep)
         counter = counters_ptr + seq * tl.num_programs(1) + kv_head
         if arrives_last(counter, NUM_SPLITS):
-            for g_merge in tl.static_range(GROUP):
-                _merge_splits(part_ptr, lse_ptr, (seq * num_heads + kv_head * GROUP + g_merge)
-                              * NUM_SPLITS, out_ptr + seq * stride_ob
-                              + (kv_head * GROUP + g_merge) * stride_oh + d, d, NUM_SPLITS,
-                              SPLITS_POW2, HEAD_DIM)
+            for head0 in tl.static_range(0, GROUP, MERGE_HEADS):
+                merged = head0 + tl.arange(0, MERGE_HEADS)
+                merged_ok = merged < GROUP
+                merged_head = kv_head * GROUP + merged
+                merged_out = _merge_splits(part_ptr, lse_ptr, (seq * num_heads + merged_head)
+                                           * NUM_SPLITS, merged_ok, d, NUM_SPLITS,
+                                           SPLITS_POW2, HEAD_DIM)
+                tl.store(out_ptr + seq * stride_ob + merged_head[:, None] * stride_oh
+                         + d[None, :], merged_out.to(out_ptr.dtype.element_ty),
+                         mask=merged_ok[:, None])
             rearm(counter)
 
 
 @triton.jit
-def _merge_splits(part_ptr, lse_ptr, row, out_ptrs, d, NUM_SPLITS: tl.constexpr,
+def _merge_splits(part_ptr, lse_ptr, rows, row_ok, d, NUM_SPLITS: tl.constexpr,
                   SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One head's output from its splits' parts, weighted by each split's share of the
-    softmax sum. Every split is read in one load: a loop of dependent L2 reads would
-    serialize their latency."""
+    """The outputs [len(rows), HEAD_DIM] of heads whose splits' parts start at `rows`, each
+    split weighted by its share of the softmax sum. Every split of every head is read in one
+    load: one head after another, each head's read would wait for the store before it."""
     s = tl.arange(0, SPLITS_POW2)
-    lse = tl.load(lse_ptr + row + s, mask=s < NUM_SPLITS, other=float("-inf"),
-                  cache_modifier=".cg")
-    part = tl.load(part_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :],
-                   mask=(s < NUM_SPLITS)[:, None], other=0.0, cache_modifier=".cg")
-    top = tl.max(lse, 0)
-    weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # all empty: all 0
-    total = tl.sum(weight, 0)
-    out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty))
+    ok = row_ok[:, None] & (s < NUM_SPLITS)[None, :]
+    parts = rows[:, None] + s[None, :]
+    lse = tl.load(lse_ptr + parts, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(part_ptr + parts[:, :, None] * HEAD_DIM + d[None, None, :],
+                   mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+    top = tl.max(lse, 1)
+    weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top)[:, None])  # all empty: 0
+    total = tl.sum(weight, 1)
+    return tl.sum(part * weight[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]
 
 
 MAX_SPLITS = 16
@@ -135,6 +141,13 @@ def unified_range(dtype: torch.dtype) -> float:
     to the KV dtype for the second product, must stay normal numbers: float16 tops out at
     65504 (e^11), bfloat16 has float32's range."""
     return 8.0 if dtype == torch.float16 else 60.0
+
+
+def merge_heads(group: int, num_splits: int, head_dim: int) -> int:
+    """Heads of a group merged in one load: all of them, as long as their parts come to at
+    most 8,192 floats (64 registers a thread in 4 warps)."""
+    fitting = max(1, 8192 // (triton.next_power_of_2(num_splits) * head_dim))
+    return min(triton.next_power_of_2(group), fitting)
 
 
 def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int,
@@ -176,6 +189,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=max(BLOCK_N, block_size), NUM_SPLITS=num_splits,
         SPLITS_POW2=triton.next_power_of_2(num_splits),
+        MERGE_HEADS=merge_heads(group, num_splits, head_dim),
         PRECISION=dot_precision(q.dtype),
         UNIFIED=unified_max is not None, UNIFIED_RANGE=unified_range(q.dtype),
         unified_max=unified_max or 0.0, num_warps=num_warps)
