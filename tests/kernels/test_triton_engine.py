@@ -46,6 +46,33 @@ def test_greedy_matches_transformers_on_triton_attention(model_dirs, triton_ever
     assert llm.get_stats().prefix_cache_hits > 0
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_matches_transformers_on_split_k_linears(model_dirs, triton_everywhere,
+                                                        monkeypatch, arch):
+    """Every linear layer of up to 16 rows (decodes, small chunks, the LM head's rows) on
+    the split-K kernel, the MLP's activation fused into down's loads; Qwen2 adds the
+    projections' biases."""
+    from kvserve.layers import triton_linear
+
+    monkeypatch.setenv("KVSERVE_DENSE_KERNEL", "triton")
+    path = model_dirs[arch]
+    calls = []
+    monkeypatch.setattr(triton_linear, "split_k_linear", _counting(
+        triton_linear.split_k_linear, calls))
+    llm = LLM(str(path), device=DEVICE, dtype="float32", max_num_batched_tokens=16)
+    prompts = random_prompts([5, 23], seed=6)
+    assert run_greedy(llm, prompts, max_tokens=6) == [
+        hf_greedy(path, tuple(p), MAX_TOKENS)[:6] for p in prompts]
+    assert any(gated for gated in calls) and not all(calls)
+
+
+def _counting(split_k_linear, calls):  # noqa: ANN001, ANN202
+    def counted(x, weight, num_programs, gated=False):  # noqa: ANN001, ANN202
+        calls.append(gated)
+        return split_k_linear(x, weight, num_programs, gated)
+    return counted
+
+
 def test_async_scheduling_on_triton_attention(model_dirs, triton_everywhere):
     """Steps launched before the one they follow has brought its tokens back, as on a GPU:
     pending tokens of decodes riding beside chunks, on the graph paths, padded mixed steps

@@ -237,7 +237,11 @@ class Linear(nn.Module):
         the kernels against it (once per layer shape)."""
         cpu = self.weight.device.type == "cpu"
         gemm = cpu_kernels() if cpu else None
-        if gemm is not None and gemm.gemm_supports(self.weight):
+        split_k = _triton_linear()
+        if split_k is not None and split_k.kernel_choice() == "triton":
+            self.form = "out_major"  # the split-K kernel on any device (see triton_linear.py)
+            self.num_programs = num_programs(self.weight.device)
+        elif gemm is not None and gemm.gemm_supports(self.weight):
             self.gemm, self.form = gemm, "blocked"
         elif cpu and _onednn_packs(self.weight.dtype):
             self.form = "packed"

@@ -12,8 +12,8 @@ takes no launch either.
 
 Which of this kernel and cuBLAS runs a shape at a number of rows is timed at its first call
 (`triton_timing`). `KVSERVE_DENSE_KERNEL` overrides the choice: `auto` (the default),
-`cublas`, or `triton` (this kernel at up to MAX_ROWS rows; on a CPU under Triton's
-interpreter, for tests).
+`cublas`, or `triton` (this kernel at up to MAX_ROWS rows on any device, with the weight in
+CUDA's layout: on a CPU under Triton's interpreter, for tests).
 """
 
 from __future__ import annotations
