@@ -156,7 +156,7 @@ def _weight_only_gemm_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
                              GROUP_SIZE, BITS)
         acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
     store_split_tile(acc, rows, cols, M, N, out_ptr, partials_ptr,
-                counters_ptr + pid_m * tl.num_programs(1) + pid_n, split, num_splits)
+                     counters_ptr + pid_m * tl.num_programs(1) + pid_n, split, num_splits)
 
 
 @triton.jit
@@ -232,7 +232,7 @@ def _weight_only_gemv_kernel(x_ptr, input_order_ptr, words_ptr, scales_ptr, zero
         else:
             acc += scale[None, None, :] * tile
     store_split_tile(tl.sum(acc, axis=1), rows, cols, M, N, out_ptr, partials_ptr,
-                counters_ptr + pid_n, split, num_splits)
+                     counters_ptr + pid_n, split, num_splits)
 
 
 def _configs(block_ns: tuple[int, ...], shapes: tuple[tuple[int, int], ...]
