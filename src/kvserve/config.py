@@ -169,6 +169,14 @@ def resolve_dtype(dtype: str | torch.dtype, raw: dict[str, Any], device: str = "
     return _DTYPES[dtype]
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """Environment variable `name`, which must be one of `choices` (the first, when unset)."""
+    choice = os.environ.get(name, choices[0])
+    if choice not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {choice!r}")
+    return choice
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bfloat16 matmul instructions (AVX512-BF16 or AMX-BF16), from
     /proc/cpuinfo's flags (False where there is none). `KVSERVE_CPU_BF16=0` or `1` overrides

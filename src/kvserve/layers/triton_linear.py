@@ -18,13 +18,12 @@ CUDA's layout: on a CPU under Triton's interpreter, for tests).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kvserve.config import env_choice
 from kvserve.layers.triton_kernels import silu_and_mul, silu_times
 from kvserve.triton_precision import dot_precision
 from kvserve.triton_splits import (
@@ -118,11 +117,7 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, num_programs: int,
 
 
 def kernel_choice() -> str:
-    choice = os.environ.get("KVSERVE_DENSE_KERNEL", "auto")
-    if choice not in CHOICES:
-        raise ValueError(f"KVSERVE_DENSE_KERNEL must be one of {', '.join(CHOICES)}, "
-                         f"got {choice!r}")
-    return choice
+    return env_choice("KVSERVE_DENSE_KERNEL", CHOICES)
 
 
 def split_k_runs(x: torch.Tensor, weight: torch.Tensor, num_programs: int,

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from kvserve.config import env_choice
 from kvserve.quantization.cpu_kernels import cpu_candidates, fastest
 from kvserve.quantization.gptq import QuantizedWeight
 from kvserve.quantization.squeezellm import LutWeight
@@ -37,11 +37,7 @@ class QuantizedKernel(Protocol):
 
 
 def kernel_choice() -> str:
-    choice = os.environ.get("KVSERVE_QUANTIZED_KERNEL", "auto")
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"KVSERVE_QUANTIZED_KERNEL must be one of {', '.join(KERNEL_CHOICES)}, "
-                         f"got {choice!r}")
-    return choice
+    return env_choice("KVSERVE_QUANTIZED_KERNEL", KERNEL_CHOICES)
 
 
 def choose_kernel(shards: list[QuantizedWeight] | list[LutWeight],
