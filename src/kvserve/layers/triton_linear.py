@@ -127,9 +127,10 @@ def split_k_runs(x: torch.Tensor, weight: torch.Tensor, num_programs: int,
     own launch before it, for `gated`) at the first call of the shape with as many rows
     (rounded up to a power of two). A call inside a CUDA graph capture, which cannot time,
     takes cuBLAS."""
+    if len(x) > MAX_ROWS or weight.shape[1] % MIN_BLOCK_K or not x.is_contiguous():
+        return False
     choice = kernel_choice()
-    if (choice == "cublas" or len(x) > MAX_ROWS or weight.shape[1] % MIN_BLOCK_K
-            or not x.is_contiguous()):
+    if choice == "cublas":
         return False
     if choice == "triton" or not x.is_cuda:
         return choice == "triton"
