@@ -115,7 +115,7 @@ class Linear(nn.Module):
         batch = get_lora_batch() if self.lora is not None else None
         split_k = (_triton_linear() if self.form == "out_major" and self.kernel is None
                    and batch is None else None)
-        rows = x.reshape(-1, x.shape[-1])
+        rows = x.reshape(-1, x.shape[-1]) if split_k is not None else x
         if split_k is not None and split_k.split_k_runs(rows, self.weight, self.num_programs,
                                                         gated):
             out = split_k.split_k_linear(rows, self.weight, self.num_programs, gated)
