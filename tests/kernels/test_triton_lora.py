@@ -29,5 +29,14 @@ def test_segmented_lora_matches_the_mask_form(in_features, out_features, width, 
     mask = LoRABatch(slot_of_row, num_slots).mask(width, torch.float32)
     expected = out + ((x @ a) * mask) @ b
     got = out.to(DEVICE)
-    add_lora(x.to(DEVICE), got, a.to(DEVICE), b.to(DEVICE), slot_of_row.to(DEVICE), num_slots)
+    add_lora(x.to(DEVICE), got, a.to(DEVICE), b.to(DEVICE),
+             LoRABatch(slot_of_row.to(DEVICE), num_slots))
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_step_groups_its_rows_by_adapter_once_for_every_layer():
+    batch = LoRABatch(torch.tensor([1, -1, 0, 1, -1]), num_slots=3)
+    order, starts = batch.segments()
+    assert order.tolist() == [1, 4, 2, 0, 3]  # base rows, then slot 0's, then slot 1's
+    assert starts.tolist() == [2, 3, 5, 5]  # slot s: order[starts[s]:starts[s + 1]]
+    assert batch.segments()[0] is order

@@ -15,6 +15,7 @@ class LoRABatch:
         self.slot_of_row = slot_of_row
         self.num_slots = num_slots
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._segments: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
         """[rows, slots x width]: 1 where a column belongs to the row's adapter."""
@@ -24,3 +25,17 @@ class LoRABatch:
                                        device=self.slot_of_row.device) // width
             self._masks[key] = (column_slot == self.slot_of_row.unsqueeze(1)).to(dtype)
         return self._masks[key]
+
+    def segments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(order, starts): the rows grouped by slot, base-model rows (slot -1) first, slot
+        s's rows being order[starts[s] : starts[s + 1]] (the segmented kernels' form). Made
+        once a step for every layer, and counted by a scatter: bincount reads its input's
+        maximum back to the host, which a CUDA graph cannot capture and an eager step waits
+        for."""
+        if self._segments is None:
+            slots = self.slot_of_row
+            order = torch.argsort(slots, stable=True)
+            counts = torch.zeros(self.num_slots + 1, dtype=torch.long, device=slots.device)
+            counts.scatter_add_(0, slots + 1, torch.ones_like(slots))
+            self._segments = order, torch.cumsum(counts, 0)
+        return self._segments

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.lora.batch import LoRABatch
 from kvserve.triton_precision import dot_precision
 
 
@@ -68,19 +69,14 @@ def _expand_kernel(t_ptr, b_ptr, out_ptr, order_ptr, starts_ptr, out_features, w
 
 
 def add_lora(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             slot_of_row: torch.Tensor, num_slots: int) -> None:
+             batch: LoRABatch) -> None:
     """out += x A_s B_s for each row whose adapter is slot s >= 0. a: [in, slots x width],
     b: [slots x width, out] (scaled), as the layer packs them."""
     num_rows, in_features = x.shape
+    num_slots = batch.num_slots
     width = a.shape[1] // num_slots
     x = x.contiguous()
-    # Rows grouped by slot, base-model rows (slot -1) first and never visited. Counted by a
-    # scatter: bincount reads its input's maximum back to the host, which a CUDA graph
-    # cannot capture and an eager step waits for.
-    order = torch.argsort(slot_of_row, stable=True)
-    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=slot_of_row.device)
-    counts.scatter_add_(0, slot_of_row + 1, torch.ones_like(slot_of_row))
-    starts = torch.cumsum(counts, 0)  # segment s is order[starts[s] : starts[s + 1]]
+    order, starts = batch.segments()
     block_m, block_r = 16, max(16, triton.next_power_of_2(width))
     shrunk = x.new_empty(num_rows, width)
     tiles = triton.cdiv(num_rows, block_m)
