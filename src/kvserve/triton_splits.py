@@ -66,10 +66,8 @@ def store_split_tile(acc, rows, cols, M, N, out_ptr, partials_ptr, counter_ptr, 
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
-def splits_for_tiles(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int,
-                     num_programs: int) -> int:
-    """Splits of the input dimension that bring the launch near `num_programs` programs,
-    each at least four input tiles long and none empty."""
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    splits = max(1, min(-(-num_programs // tiles), k // (4 * block_k)))
+def splits_for_tiles(num_tiles: int, k: int, block_k: int, num_programs: int) -> int:
+    """Splits of the input dimension (k) that bring a launch of `num_tiles` output tiles near
+    `num_programs` programs, each split at least four input tiles long and none empty."""
+    splits = max(1, min(-(-num_programs // num_tiles), k // (4 * block_k)))
     return triton.cdiv(k, triton.cdiv(triton.cdiv(k, splits), block_k) * block_k)

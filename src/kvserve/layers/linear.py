@@ -177,7 +177,7 @@ class Linear(nn.Module):
         a, b = self.lora
         kernels = _triton_lora() if out.is_cuda else None
         if kernels is not None:
-            kernels.add_lora(x, out, a, b, batch)
+            kernels.add_lora(x, out, a, b, batch, self.num_programs)
             return
         mask = batch.mask(self.lora_columns // batch.num_slots, out.dtype)
         if self.gemm is not None and a.dim() != 2:  # packed

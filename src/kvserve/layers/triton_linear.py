@@ -103,7 +103,7 @@ def split_k_linear(x: torch.Tensor, weight: torch.Tensor, num_programs: int,
     check_split_groups(num_programs)  # split only while tiles are fewer than num_programs
 
     def splits(tile: dict) -> int:
-        return splits_for_tiles(m, n, k, MAX_ROWS, tile["BLOCK_N"], tile["BLOCK_K"],
+        return splits_for_tiles(triton.cdiv(n, tile["BLOCK_N"]), k, tile["BLOCK_K"],
                                 num_programs)
 
     most_splits = max(splits(c.kwargs) for c in TILE_CONFIGS)  # room for any tile

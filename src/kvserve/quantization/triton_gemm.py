@@ -354,7 +354,8 @@ class TritonQuantizedWeight:
         tuned = _tuned_gemv if gemv else _tuned_gemm
 
         def splits(block_n: int, block_k: int) -> int:
-            return splits_for_tiles(m, n, k, block_m, block_n, block_k, self.num_programs)
+            tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+            return splits_for_tiles(tiles, k, block_k, self.num_programs)
 
         def grid(tile: dict) -> tuple[int, ...]:
             tiles = (triton.cdiv(n, tile["BLOCK_N"]), splits(tile["BLOCK_N"], tile["BLOCK_K"]))
