@@ -127,9 +127,10 @@ def test_the_varlen_attention_kernel_compiles_for_an_h100_without_spilling():
     assert run.stdout.count("decode head_dim") == 2
 
 
-def test_the_split_k_linear_tiles_stream_their_weights_through_cp_async_on_an_h100():
-    """Without a launch's alignment facts, or with a change that defeats the pipeliner, the
-    loop loads each weight tile into registers and waits for it."""
+def test_the_split_k_linear_and_lora_kernels_compile_for_an_h100():
+    """The interpreter runs what the compiler may refuse. Without a launch's alignment facts,
+    or with a change that defeats the pipeliner, the split-K loop would load each weight tile
+    into registers and wait for it."""
     pytest.importorskip("triton")
     script = Path(__file__).parents[2] / "scripts" / "linear_sm90.py"
     compiling = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -140,6 +141,9 @@ def test_the_split_k_linear_tiles_stream_their_weights_through_cp_async_on_an_h1
                        re.MULTILINE)
     assert len(tiles) == 16
     assert all(int(copies) > 0 and int(spilled) <= 64 for spilled, copies in tiles)
+    lora = re.findall(r"^lora (shrink|expand) width \d+: .* (\d+) bytes spilled", run.stdout,
+                      re.MULTILINE)
+    assert len(lora) == 4 and all(int(spilled) <= 64 for _, spilled in lora)
 
 
 def test_bench_prefix_reports_every_config_and_saves_json(llama_dir, tmp_path):
