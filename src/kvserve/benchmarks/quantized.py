@@ -26,7 +26,6 @@ import functools
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.arg_types import positive_int
 from kvserve.benchmarks.device import device_seconds, memory_bandwidth, past_cache_copies
@@ -61,7 +60,7 @@ class DenseOnCuda:
 
         if self.split_k:
             return triton_linear.split_k_linear(x, self.weight, self.num_programs, self.gated)
-        return F.linear(triton_linear.silu_and_mul(x) if self.gated else x, self.weight)
+        return triton_linear.cublas_linear(x, self.weight, self.gated)
 
 
 def _kernels(weight: torch.Tensor, layer: str, args: argparse.Namespace, dtype: torch.dtype
@@ -74,9 +73,10 @@ def _kernels(weight: torch.Tensor, layer: str, args: argparse.Namespace, dtype: 
         dense = Linear(in_features, [out_features], False, dtype)
     dense.load("weight", 0, weight.to(args.device, dtype))
     dense.prepare()
-    kernels = {"dense": (dense.forward, dense.weight_bytes, in_features)}
-    if dense.form == "out_major":  # CUDA
-        kernels = {}
+    kernels = {}
+    if dense.form != "out_major":  # CPU
+        kernels["dense"] = (dense.forward, dense.weight_bytes, in_features)
+    else:
         for gated in (False, True) if layer == "down" else (False,):
             for split_k in (False, True):
                 name = (f"dense{' of gate, up' if gated else ''} "

@@ -240,16 +240,16 @@ class Linear(nn.Module):
         split_k = _triton_linear()
         if split_k is not None and split_k.kernel_choice() == "triton":
             self.form = "out_major"  # the split-K kernel on any device (see triton_linear.py)
-            self.num_programs = num_programs(self.weight.device)
         elif gemm is not None and gemm.gemm_supports(self.weight):
             self.gemm, self.form = gemm, "blocked"
         elif cpu and _onednn_packs(self.weight.dtype):
             self.form = "packed"
         elif self.weight.device.type == "cuda":
             self.form = "out_major"
-            self.num_programs = num_programs(self.weight.device)
         else:
             self.form = "transposed"
+        if self.form == "out_major":
+            self.num_programs = num_programs(self.weight.device)
         shards = self._quantized_shards()
         if not shards:
             assert len(self.shards) == len(self.output_sizes), "prepare() before load()"
