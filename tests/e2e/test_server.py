@@ -131,6 +131,65 @@ def test_prompt_logprobs_as_vllm_returns_them(client: openai.OpenAI, llm: LLM) -
             assert abs(entry["logprob"] - want.logprob) < 1e-5 and entry["rank"] == want.rank
 
 
+def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, llm: LLM) -> None:
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs 1, one token (or none)."""
+    ids = [5, 6, 7, 8, 9]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1)
+    expected = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    want = [None] + [expected.prompt_logprobs[k][ids[k]].logprob for k in range(1, len(ids))]
+    sampled = expected.outputs[0].token_ids[0]
+    want_sampled = expected.outputs[0].logprobs[0][sampled].logprob
+    for max_tokens, stream in ((1, False), (1, True), (0, False), (0, True)):
+        got = client.completions.create(model=MODEL, prompt=[ids], max_tokens=max_tokens,
+                                        temperature=0, logprobs=1, echo=True, stream=stream)
+        choice = next(iter(got)).choices[0] if stream else got.choices[0]
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) \
+            == len(lp.text_offset) == len(ids) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for k in range(1, len(ids)):
+            assert abs(lp.token_logprobs[k] - want[k]) < 1e-5
+            assert max(lp.top_logprobs[k].values()) >= lp.token_logprobs[k]
+        if max_tokens:
+            assert abs(lp.token_logprobs[-1] - want_sampled) < 1e-5
+        else:
+            assert choice.text == llm.get_tokenizer().decode(ids)
+            assert choice.finish_reason == "length"
+            assert stream or got.usage.completion_tokens == 0
+        assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    unscored = client.completions.create(model=MODEL, prompt="import os", max_tokens=0,
+                                         echo=True)
+    assert unscored.choices[0].text == "import os" and unscored.choices[0].logprobs is None
+
+
+def test_tokenize_detokenize_tokenizer_info(server: str, client: openai.OpenAI,
+                                            llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    text = "def fibonacci(n):"
+    got = httpx.post(f"{server}/tokenize", json={"model": MODEL, "prompt": text,
+                                                  "return_token_strs": True}).json()
+    assert got["tokens"] == tokenizer.encode(text) and got["count"] == len(got["tokens"])
+    assert got["token_strs"] == tokenizer.convert_ids_to_tokens(got["tokens"])
+    assert got["max_model_len"] == llm.engine.inputs.max_model_len
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    counted = httpx.post(f"{server}/tokenize", json={"messages": messages}).json()
+    assert counted["count"] == chat.usage.prompt_tokens
+    back = httpx.post(f"{server}/detokenize", json={"tokens": got["tokens"]}).json()
+    assert back["prompt"] == tokenizer.decode(got["tokens"])
+    info = httpx.get(f"{server}/tokenizer_info").json()
+    assert info["eos_token"] == tokenizer.eos_token
+    assert info["chat_template"] == tokenizer.chat_template
+    for path, body, param, words in (
+            ("/detokenize", {"tokens": [1, 10**7]}, "tokens", "vocabulary"),
+            ("/tokenize", {"prompt": "x", "messages": messages}, "prompt", "exactly one"),
+            ("/tokenize", {"prompt": "x", "model": "gpt-5"}, "model", "does not exist")):
+        response = httpx.post(f"{server}{path}", json=body)
+        error = response.json()["error"]
+        assert response.status_code in (400, 404) and error["param"] == param
+        assert words in error["message"]
+
+
 def test_chat_sync_and_stream(client: openai.OpenAI, llm: LLM) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=10,
@@ -269,6 +328,7 @@ COMPLETIONS = "/v1/completions"
     (COMPLETIONS, {"prompt": "x", "stop_token_ids": [10**7]}, 400, "stop_token_ids",
      "vocabulary"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens", "max_model_len"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "only with echo"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", "empty"),
     (COMPLETIONS, {"prompt": [[1, 2], [10**7]]}, 400, None, "vocabulary"),
     (COMPLETIONS, {"prompt": "x", "model": "gpt-5"}, 404, "model", "does not exist"),

@@ -105,7 +105,7 @@ class InputProcessor:
                 raise ValueError(f"{field_name} must not be empty")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = self._check_token_ids(prompt["prompt_token_ids"],
+            ids = self.check_token_ids(prompt["prompt_token_ids"],
                                         f"{field_name}.prompt_token_ids")
             return prompt.get("prompt"), ids
         raise ValueError(f"{field_name} must be a string or a dict with 'prompt' or "
@@ -128,7 +128,7 @@ class InputProcessor:
             if isinstance(segment, str) and segment:
                 tokens = self.tokenizer.encode(segment, add_special_tokens=i == 0)
             elif isinstance(segment, list | tuple):
-                tokens = self._check_token_ids(segment, f"{field_name}[{i}]")
+                tokens = self.check_token_ids(segment, f"{field_name}[{i}]")
             else:
                 raise ValueError(f"{field_name}[{i}] must be a non-empty string or list of "
                                  "token ids")
@@ -139,7 +139,7 @@ class InputProcessor:
         text = "".join(segments) if all(isinstance(s, str) for s in segments) else None
         return text, ids, tuple(lens)
 
-    def _check_token_ids(self, ids: Any, field_name: str) -> list[int]:
+    def check_token_ids(self, ids: Any, field_name: str) -> list[int]:
         if not isinstance(ids, list | tuple) or not ids:
             raise ValueError(f"{field_name} must be a non-empty list")
         vocab = self.limits.vocab_size
@@ -178,7 +178,7 @@ class InputProcessor:
                              "this model's is a slow one")
         limits = self.limits
         if params.stop_token_ids:
-            self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+            self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         if limits.window_blocks:
             max_tokens = sys.maxsize if params.max_tokens is None else params.max_tokens
         else:

@@ -120,6 +120,11 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's extra: each choice gets `prompt_logprobs`
 
+    @property
+    def echo_only(self) -> bool:
+        """OpenAI's way to score a prompt: echo it, generate nothing."""
+        return self.echo and self.max_tokens == 0
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -151,6 +156,27 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): a prompt, or messages through the chat template, as the
+    completions and chat routes would tokenize them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True  # for `prompt`; the chat template places its own
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class ErrorInfo(BaseModel):

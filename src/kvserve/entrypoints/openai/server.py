@@ -27,15 +27,18 @@ from kvserve.config import DEFAULT_MAX_REQUEST_BYTES
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
     LoadLoRARequest,
     MigrateRequest,
+    TokenizeRequest,
     UnloadLoRARequest,
 )
 from kvserve.entrypoints.openai.serving import ServingBackend, now, sse
 from kvserve.entrypoints.openai.serving_chat import ChatServer
 from kvserve.entrypoints.openai.serving_completions import CompletionServer
+from kvserve.entrypoints.openai.serving_tokenization import TokenizationServer
 from kvserve.errors import EngineOverloadedError, RequestFailedError
 
 logger = logging.getLogger(__name__)
@@ -150,6 +153,7 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="kvserve", version=kvserve.__version__)
     completions = CompletionServer(llm, config.model_name)
     chat = ChatServer(llm, config.model_name)
+    tokenization = TokenizationServer(llm, config.model_name)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
 
     @app.exception_handler(APIError)
@@ -242,6 +246,20 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
                            "invalid_request_error", "lora_name", "model_not_found")
         await llm.unload_lora_adapter(body.lora_name)
         return Response(f"unloaded LoRA adapter {body.lora_name!r}", status_code=200)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        return tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        check_model(body.model)
+        return tokenization.detokenize(body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return tokenization.tokenizer_info()
 
     async def respond(server: CompletionServer | ChatServer,
                       body: CompletionRequest | ChatCompletionRequest, request: Request) -> Any:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import dataclasses
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from itertools import accumulate
 from typing import Any
 
 from kvserve.entrypoints.openai.protocol import CompletionRequest
@@ -19,7 +21,7 @@ from kvserve.entrypoints.openai.serving import (
     stop_hold,
     usage,
 )
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 
@@ -49,14 +51,46 @@ def prompt_logprobs_field(out: RequestOutput) -> dict[str, Any]:
         for entry in out.prompt_logprobs]}
 
 
+def prompt_only(out: RequestOutput) -> RequestOutput:
+    """`echo` with `max_tokens: 0` scores the prompt: the engine samples one token, which the
+    answer leaves out."""
+    return dataclasses.replace(out, outputs=[dataclasses.replace(
+        c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+        finish_reason="length" if c.finish_reason in ("stop", "length") else c.finish_reason,
+        stop_reason=None) for c in out.outputs])
+
+
+def legacy_logprobs(decode: Callable[[list[int]], str],
+                    scored: list[tuple[int, dict[int, Logprob] | None]],
+                    offset: int) -> dict[str, Any]:
+    """OpenAI's legacy completions layout for (token id, its logprobs) pairs whose text starts
+    at character `offset`; None stands for the prompt's first token, which nothing predicts."""
+    tokens = [decode([t]) for t, _ in scored]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if e is None else e[t].logprob for t, e in scored],
+        "top_logprobs": [None if e is None else {(x.decoded_token or ""): x.logprob
+                                                 for x in e.values()} for _, e in scored],
+        "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=offset))
+        if tokens else [],
+    }
+
+
 class CompletionServer(Serving):
     def start(self, request: CompletionRequest) -> tuple[SamplingParams, list]:
-        """Validates and queues the request (raising before anything runs)."""
-        if request.echo and request.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported; prompt_logprobs gives the "
-                             "prompt tokens' logprobs")
-        params = request.sampling_params(request.max_tokens, request.logprobs,
-                                         request.prompt_logprobs)
+        """Validates and queues the request (raising before anything runs).
+
+        With `echo`, `logprobs` covers the prompt's tokens too (as OpenAI's legacy API and
+        vLLM do: what lm-evaluation-harness scores answers with), and `max_tokens: 0` returns
+        the scored prompt alone."""
+        if request.max_tokens == 0 and not request.echo:
+            raise ValueError("max_tokens must be >= 1 (0 only with echo, which scores the "
+                             "prompt), got 0")
+        prompt_logprobs = request.prompt_logprobs
+        if request.echo and prompt_logprobs is None:
+            prompt_logprobs = request.logprobs
+        params = request.sampling_params(1 if request.echo_only else request.max_tokens,
+                                         request.logprobs, prompt_logprobs)
         return params, self.llm.add_requests(prompts_of(request), params)
 
     def _echo(self, request: CompletionRequest, out: RequestOutput) -> str:
@@ -66,17 +100,34 @@ class CompletionServer(Serving):
             return out.prompt
         return self.llm.inputs.tokenizer.decode(out.prompt_token_ids)
 
+    def _choice(self, request: CompletionRequest, out: RequestOutput, c: CompletionOutput,
+                text: str, start: int, end: int) -> dict[str, Any]:
+        """One choice (or a streamed chunk of one) carrying generated tokens [start, end);
+        the first also carries the echoed prompt and its logprobs."""
+        echo = self._echo(request, out)
+        choice: dict[str, Any] = {"text": echo + text if start == 0 else text,
+                                  "logprobs": None, "finish_reason": finish_reason(c)}
+        if c.logprobs is not None:
+            decode = self.llm.inputs.tokenizer.decode
+            scored = list(zip(c.token_ids[start:end], c.logprobs[start:end], strict=True))
+            offset = len(echo) + len(decode(c.token_ids[:start]))
+            if start == 0 and echo and out.prompt_logprobs is not None:
+                scored = list(zip(out.prompt_token_ids, out.prompt_logprobs,
+                                  strict=True)) + scored
+                offset = 0
+            choice["logprobs"] = legacy_logprobs(decode, scored, offset)
+        if start == 0 and request.prompt_logprobs is not None:
+            choice.update(prompt_logprobs_field(out))
+        return choice
+
     async def full(self, request: CompletionRequest) -> dict[str, Any]:
         params, streams = self.start(request)
         outputs = await collect(streams)
-        choices = []
-        for i, out in enumerate(outputs):
-            echo = self._echo(request, out)
-            for c in out.outputs:
-                choices.append({
-                    "index": i * params.n + c.index, "text": echo + c.text,
-                    "logprobs": self._logprobs(c, 0, len(c.token_ids)),
-                    "finish_reason": finish_reason(c), **prompt_logprobs_field(out)})
+        if request.echo_only:
+            outputs = [prompt_only(out) for out in outputs]
+        choices = [{"index": i * params.n + c.index,
+                    **self._choice(request, out, c, c.text, 0, len(c.token_ids))}
+                   for i, out in enumerate(outputs) for c in out.outputs]
         return {"id": new_id("cmpl"), "object": "text_completion", "created": now(),
                 "model": self.model_name, "choices": choices, "usage": usage(outputs)}
 
@@ -93,38 +144,18 @@ class CompletionServer(Serving):
         final: dict[int, RequestOutput] = {}
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
+                if request.echo_only:
+                    out = prompt_only(out)
                 for c in out.outputs:
                     delta = tracker.delta(i, c)
                     if delta is None:
                         continue
                     text, first, end = delta
-                    if first == 0:
-                        text = self._echo(request, out) + text
-                    choice = {"index": i * params.n + c.index, "text": text,
-                              "logprobs": self._logprobs(c, first, end),
-                              "finish_reason": finish_reason(c),
-                              **(prompt_logprobs_field(out) if first == 0 else {})}
-                    yield sse({**head, "choices": [choice]})
+                    choice = self._choice(request, out, c, text, first, end)
+                    yield sse({**head, "choices": [{"index": i * params.n + c.index,
+                                                    **choice}]})
                 if out.finished:
                     final[i] = out
         if request.include_usage:
             yield sse({**head, "choices": [], "usage": usage(list(final.values()))})
         yield sse("[DONE]")
-
-    def _logprobs(self, c: CompletionOutput, start: int, end: int) -> dict[str, Any] | None:
-        """OpenAI's legacy completions layout for tokens [start, end)."""
-        if c.logprobs is None:
-            return None
-        decode = self.llm.inputs.tokenizer.decode
-        tokens = [decode([t]) for t in c.token_ids[start:end]]
-        offsets, position = [], len(decode(c.token_ids[:start]))
-        for token in tokens:
-            offsets.append(position)
-            position += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [c.logprobs[k][c.token_ids[k]].logprob for k in range(start, end)],
-            "top_logprobs": [{(e.decoded_token or ""): e.logprob for e in c.logprobs[k].values()}
-                             for k in range(start, end)],
-            "text_offset": offsets,
-        }
