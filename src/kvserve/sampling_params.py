@@ -9,6 +9,7 @@ from typing import Any
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: +100 all but forces a token, -100 all but bans it
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # Scaling factors (temperature, repetition_penalty) stay within these, so that scaled logits
 # stay finite in float32 and a masked (-inf) logit stays masked: beyond them, one scaled to
@@ -91,6 +92,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-k's
     skip_special_tokens: bool = True
     structured_output: StructuredOutputParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -127,6 +129,15 @@ class SamplingParams:
                "must be non-empty strings", self.stop)
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", "must be non-negative integers", self.stop_token_ids)
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if self.logit_bias is not None:
+            _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                       for t in self.logit_bias), "logit_bias",
+                   "keys must be token ids (non-negative integers)", list(self.logit_bias))
+            _check(all(isinstance(b, int | float) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                       for b in self.logit_bias.values()), "logit_bias",
+                   f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                   list(self.logit_bias.values()))
         _check(not (self.structured_output and self.ignore_eos), "ignore_eos",
                "cannot be set with structured_output (the grammar ends the output with EOS)",
                self.ignore_eos)
@@ -143,8 +154,10 @@ class SamplingParams:
     @property
     def allows_drafts(self) -> bool:
         """Whether speculative drafts can be verified for the request: its next token
-        depends on the logits alone (no penalties, grammar or logprobs; min_tokens aside)."""
+        depends on the raw logits alone (no penalties, bias, grammar or logprobs; min_tokens
+        aside)."""
         return (self.structured_output is None and self.logprobs is None
+                and self.logit_bias is None
                 and self.repetition_penalty == 1.0 and not self.presence_penalty
                 and not self.frequency_penalty)
 

@@ -47,6 +47,9 @@ def assert_engine_intact(llm):
     ("min_tokens", -1, "min_tokens must be >= 0, got -1"),
     ("stop", [""], "stop must be non-empty strings"),
     ("stop_token_ids", [-1], "stop_token_ids must be non-negative integers"),
+    ("logit_bias", {5: 100.5}, r"logit_bias values must be in \[-100, 100\], got \[100.5\]"),
+    ("logit_bias", {5: float("nan")}, r"logit_bias values must be in \[-100, 100\]"),
+    ("logit_bias", {-1: 1.0}, r"logit_bias keys must be token ids \(non-negative integers\)"),
     ("seed", 2**64, r"seed must be in \[-9223372036854775808, 9223372036854775807\] "
                     r"\(64-bit\), got 18446744073709551616"),
 ])
@@ -102,6 +105,13 @@ def test_a_stop_token_outside_the_vocabulary(llm):
                                          r"vocabulary \[0, 3000\)"):
         llm.generate("x", SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[3000]),
                      use_tqdm=False)
+    assert_engine_intact(llm)
+
+
+def test_a_biased_token_outside_the_vocabulary(llm):
+    with pytest.raises(ValueError, match=r"logit_bias: token id 3000 is out of the "
+                                         r"vocabulary \[0, 3000\)"):
+        llm.generate("x", SamplingParams(max_tokens=4, logit_bias={3000: 5.0}), use_tqdm=False)
     assert_engine_intact(llm)
 
 

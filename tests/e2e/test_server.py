@@ -190,6 +190,21 @@ def test_tokenize_detokenize_tokenizer_info(server: str, client: openai.OpenAI,
         assert words in error["message"]
 
 
+def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI, llm: LLM) -> None:
+    ids = [5, 6, 7]
+    top = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1),
+                       use_tqdm=False)[0].outputs[0].token_ids[0]
+    for bias, check in (({42: 100}, lambda out: out == [42] * 4),
+                        ({top: -100}, lambda out: out[0] != top)):
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias=bias)
+        expected = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+        assert check(expected.token_ids)
+        got = client.completions.create(model=MODEL, prompt=[ids], max_tokens=4, temperature=0,
+                                        logit_bias={str(t): b for t, b in bias.items()},
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == expected.text
+
+
 def test_chat_sync_and_stream(client: openai.OpenAI, llm: LLM) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=10,
@@ -329,6 +344,8 @@ COMPLETIONS = "/v1/completions"
      "vocabulary"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens", "max_model_len"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "only with echo"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"7": 101}}, 400, "logit_bias", "[-100, 100]"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", "empty"),
     (COMPLETIONS, {"prompt": [[1, 2], [10**7]]}, 400, None, "vocabulary"),
     (COMPLETIONS, {"prompt": "x", "model": "gpt-5"}, 404, "model", "does not exist"),

@@ -65,5 +65,21 @@ def test_the_extremes_of_each_setting_draw_tokens_of_the_vocabulary():
         assert sampler(LOGITS.repeat(50, 1), states).token_ids == [winner] * 50
 
 
+def test_logit_bias_shifts_the_logits_the_sampler_draws_from():
+    """+3 on token 1 (0.5 -> 3.5) makes it the argmax; -100 on token 5 all but bans it; the
+    reported logprobs stay the raw logits' (as in vLLM)."""
+    params = SamplingParams(temperature=0.0, logit_bias={1: 3.0, 5: -100.0}, logprobs=0)
+    sampler = Sampler(seed=0, device="cpu", grammars=GrammarMatchers("", 0))
+    out = sampler(LOGITS.repeat(3, 1), [sampler.new_state(params, [1], ()) for _ in range(3)])
+    assert out.token_ids == [1] * 3
+    assert abs(out.logprobs[0][2] - torch.log_softmax(LOGITS, dim=-1)[1].item()) < 1e-6
+    freq = sample_many(SamplingParams(temperature=1.0, logit_bias={5: -100.0, 6: 2.0}))
+    biased = LOGITS.clone()
+    biased[5] -= 100.0
+    biased[6] += 2.0
+    assert torch.allclose(freq, torch.softmax(biased, dim=-1), atol=0.015)
+    assert not SamplingParams(logit_bias={1: 1.0}).allows_drafts
+
+
 def freq_support(freq: torch.Tensor) -> set[int]:
     return set(freq.nonzero().flatten().tolist())

@@ -179,6 +179,8 @@ class InputProcessor:
         limits = self.limits
         if params.stop_token_ids:
             self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.logit_bias:
+            self.check_token_ids(list(params.logit_bias), "logit_bias")
         if limits.window_blocks:
             max_tokens = sys.maxsize if params.max_tokens is None else params.max_tokens
         else:

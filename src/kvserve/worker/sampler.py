@@ -1,7 +1,7 @@
 """Turns the logits of each sampling request into its next token.
 
 Order of operations (as in vLLM): raw logprobs are taken first; then the grammar's mask of a
-structured output, min_tokens masking, repetition / presence / frequency penalties,
+structured output, min_tokens masking, logit_bias, repetition / presence / frequency penalties,
 temperature, top-k, top-p and min-p. Random choice inverts the cumulative distribution at
 one uniform draw per row, taken from the request's own generator when it has a seed, so its
 text does not depend on what else is in the batch. One draw per row instead of one per
@@ -33,6 +33,7 @@ class SamplingState:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     matcher: Any = None  # llguidance's, for a structured output
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias: (token ids, values)
 
 
 @dataclass(slots=True)
@@ -65,8 +66,12 @@ class Sampler:
         if params.structured_output is not None:
             matcher = self.grammars.new(params.structured_output, eos_token_ids,
                                         output_token_ids)
+        bias = None
+        if params.logit_bias:
+            bias = (torch.tensor(list(params.logit_bias), device=self.device),
+                    torch.tensor(list(params.logit_bias.values()), device=self.device))
         return SamplingState(params, prompt_token_ids, stop_ids, list(output_token_ids),
-                             generator, matcher)
+                             generator, matcher, bias)
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         logprobs = self._raw_logprobs(logits, states)
@@ -81,11 +86,14 @@ class Sampler:
         return SamplerOutput(sampled, _gather_logprobs(logprobs, sampled, states))
 
     def token_ids(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """Each row's next token, left on the device: min_tokens, penalties, then greedy or
-        random choice (no grammar, no logprobs; `__call__` adds those)."""
+        """Each row's next token, left on the device: min_tokens, logit_bias, penalties,
+        then greedy or random choice (no grammar, no logprobs; `__call__` adds those)."""
         for row, st in enumerate(states):
             if len(st.output_token_ids) < st.params.min_tokens and st.stop_ids:
                 logits[row, st.stop_ids] = float("-inf")
+            if st.bias is not None:
+                ids, values = st.bias
+                logits[row, ids] += values.to(logits.dtype)
             _apply_penalties(logits[row], st)
         token_ids = greedy_tokens(logits)
         random_rows = [row for row, st in enumerate(states) if not st.params.is_greedy]

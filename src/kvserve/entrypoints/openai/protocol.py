@@ -1,7 +1,7 @@
 """OpenAI's request schemas (plus vLLM's sampling extras), as pydantic models.
 
 Unknown fields are ignored, as OpenAI clients send some this server has no use for
-(`logit_bias`...). `user` names the tenant that the fair scheduling policy shares the
+(`store`, `metadata`...). `user` names the tenant that the fair scheduling policy shares the
 token budget among. Field values are checked twice: types here, ranges in `SamplingParams`.
 """
 
@@ -51,6 +51,7 @@ class SamplingRequest(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as JSON keys) -> bias
     cache_salt: str | None = Field(default=None, min_length=1)
     priority: int = 0  # under --scheduling-policy priority, lower values go first
     user: str | None = Field(default=None, min_length=1)  # OpenAI's end-user id: the tenant
@@ -81,7 +82,16 @@ class SamplingRequest(BaseModel):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            structured_output=self.structured_output())
+            structured_output=self.structured_output(), logit_bias=self.token_biases())
+
+    def token_biases(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got "
+                             f"{sorted(self.logit_bias)}") from None
 
     def structured_output(self) -> StructuredOutputParams | None:
         """The output's constraint: `response_format` or one of vLLM's `guided_*` extras;
