@@ -129,18 +129,25 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
-def _speculative_config(model: str | None, num_speculative_tokens: int,
-                        prompt_lookup_min: int, prompt_lookup_max: int, dtype: str,
-                        device: str) -> SpeculativeConfig | None:
-    """`model`: None (off), "ngram", or a draft model's checkpoint folder."""
+def _speculative_config(model: str | None, num_speculative_tokens: int | None,
+                        prompt_lookup_min: int | None, prompt_lookup_max: int | None,
+                        dtype: str, device: str) -> SpeculativeConfig | None:
+    """`model`: None (off), "ngram", or a draft model's checkpoint folder. The other options
+    tune it, so giving one without it is an error rather than a silent no-op."""
+    tuning = {name: value for name, value in (
+        ("num_speculative_tokens", num_speculative_tokens),
+        ("prompt_lookup_min", prompt_lookup_min), ("prompt_lookup_max", prompt_lookup_max))
+        if value is not None}
     if model is None:
+        if tuning:
+            raise ValueError(f"{', '.join(tuning)}: speculative decoding is off; set "
+                             f"speculative_model ('ngram' or a draft model's folder) too")
         return None
     if model != "ngram" and not Path(model).is_dir():
         raise ValueError(f"speculative_model must be 'ngram' or a draft model's checkpoint "
                          f"folder, got {model!r}")
     draft = None if model == "ngram" else ModelConfig.from_pretrained(model, dtype, device)
-    return SpeculativeConfig(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max,
-                             draft)
+    return SpeculativeConfig(**tuning, draft=draft)
 
 
 def resolve_dtype(dtype: str | torch.dtype, raw: dict[str, Any], device: str = "cpu"
@@ -440,8 +447,9 @@ class EngineConfig:
                kv_offload_dir: str | None = None, kv_offload_disk: int = 16 * GiB,
                streaming_window: int = 0, attention_sinks: int | None = None,
                prefill_only: bool = False, tensor_parallel_size: int = 1,
-               speculative_model: str | None = None, num_speculative_tokens: int = 4,
-               prompt_lookup_min: int = 2, prompt_lookup_max: int = 4,
+               speculative_model: str | None = None,
+               num_speculative_tokens: int | None = None,
+               prompt_lookup_min: int | None = None, prompt_lookup_max: int | None = None,
                lora_modules: dict[str, str] | None = None, max_loras: int = 8,
                blend_recompute_ratio: float = 0.15,
                async_scheduling: bool | None = None) -> EngineConfig:

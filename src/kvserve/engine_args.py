@@ -98,11 +98,11 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                       "tokens, from prompt lookup (ngram) or a small model "
                                       "with the same tokenizer (its checkpoint folder); "
                                       "default: off")),
-    ("--num-speculative-tokens", dict(type=int, default=4,
+    ("--num-speculative-tokens", dict(type=int, default=None,
                                       help="most drafts a decode step verifies (default 4)")),
-    ("--prompt-lookup-min", dict(type=int, default=2,
+    ("--prompt-lookup-min", dict(type=int, default=None,
                                  help="ngram: the shortest suffix looked up (default 2)")),
-    ("--prompt-lookup-max", dict(type=int, default=4,
+    ("--prompt-lookup-max", dict(type=int, default=None,
                                  help="ngram: the longest suffix looked up (default 4)")),
     ("--lora-modules", dict(nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                             help="PEFT LoRA adapters to load, each served as model NAME")),

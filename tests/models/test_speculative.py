@@ -108,6 +108,9 @@ def test_speculative_options_are_checked(llama_dir):
         LLM(str(llama_dir), speculative_model="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         LLM(str(llama_dir), speculative_model="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="num_speculative_tokens, prompt_lookup_max: "
+                                         "speculative decoding is off"):
+        LLM(str(llama_dir), num_speculative_tokens=3, prompt_lookup_max=3)
     with pytest.raises(ValueError, match="streaming_window"):
         LLM(str(llama_dir), speculative_model="ngram", streaming_window=4,
             enable_prefix_caching=False)

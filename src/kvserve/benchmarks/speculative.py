@@ -45,6 +45,10 @@ def workloads(llm: Any, num_prompts: int, prompt_len: int) -> dict[str, list[lis
             "random tokens": fixed(num_prompts, prompt_len, 1, vocab_size).prompts}
 
 
+# The options that tune speculative decoding, which the plain engine must not be given.
+_TUNING = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
 @dataclass
 class _Samples:
     """One workload and temperature's TPOTs without and with drafts, and the drafts' fate."""
@@ -68,12 +72,14 @@ def run(args: argparse.Namespace) -> None:
         runs = (args.runs + speculative_first) // 2
         if not runs:
             continue
-        builds = [options, {**options, "speculative_model": None}]
+        builds = [options, {**{k: v for k, v in options.items() if k not in _TUNING},
+                            "speculative_model": None}]
         if speculative_first:
             speculative, plain = (LLM(**o) for o in builds)
         else:
             plain, speculative = (LLM(**o) for o in builds[::-1])
         cfg = plain.engine.config
+        num_drafts = speculative.engine.config.num_speculative_tokens
         for name, prompts in workloads(plain, args.num_prompts, args.prompt_len).items():
             for temperature in args.temperatures:
                 measure(plain, speculative, prompts, temperature, args.output_len, runs,
@@ -94,13 +100,13 @@ def run(args: argparse.Namespace) -> None:
             "drafts per token": round(got.drafted / (len(got.spec) * args.output_len), 2)})
     print_table(rows, title=(
         f"speculative decoding ({options['speculative_model']}, up to "
-        f"{args.num_speculative_tokens} drafts), {args.model}, {cfg.model.dtype}, {cfg.device}:"
+        f"{num_drafts} drafts), {args.model}, {cfg.model.dtype}, {cfg.device}:"
         f" batch 1, {args.num_prompts} prompts of {args.prompt_len} tokens, "
         f"{args.output_len} new tokens each; medians of {args.runs} runs per prompt, split "
         f"between the two engines' build orders"))
     save_json(args.json, {"benchmark": "speculative", "model": args.model,
                           "method": options["speculative_model"],
-                          "num_speculative_tokens": args.num_speculative_tokens, "rows": rows})
+                          "num_speculative_tokens": num_drafts, "rows": rows})
 
 
 def measure(plain: Any, speculative: Any, prompts: list[list[int]], temperature: float,
