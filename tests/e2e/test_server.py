@@ -345,6 +345,10 @@ COMPLETIONS = "/v1/completions"
     (COMPLETIONS, {"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens", "max_model_len"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "only with echo"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids"),
+    (COMPLETIONS, {"prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
+    (COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of", "use n"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"7": 101}}, 400, "logit_bias", "[-100, 100]"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", "empty"),
     (COMPLETIONS, {"prompt": [[1, 2], [10**7]]}, 400, None, "vocabulary"),

@@ -129,6 +129,9 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's extra: each choice gets `prompt_logprobs`
+    # OpenAI's fields this server cannot honor, refused by name rather than ignored.
+    suffix: str | None = None
+    best_of: int | None = None
 
     @property
     def echo_only(self) -> bool:
@@ -166,6 +169,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # Function calling, refused by name rather than ignored (the model would never see them).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
 
 
 class TokenizeRequest(BaseModel):

@@ -27,6 +27,9 @@ from kvserve.sampling_params import SamplingParams
 class ChatServer(Serving):
     def start(self, request: ChatCompletionRequest) -> tuple[SamplingParams, RequestStream]:
         """Validates and queues the request; returns its sampling params and its stream."""
+        if request.tools or request.tool_choice not in (None, "none"):
+            raise ValueError("tools (and tool_choice) are not supported: function calling "
+                             "is not implemented")
         if request.top_logprobs is not None and not request.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None

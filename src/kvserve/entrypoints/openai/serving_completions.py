@@ -83,6 +83,12 @@ class CompletionServer(Serving):
         With `echo`, `logprobs` covers the prompt's tokens too (as OpenAI's legacy API and
         vLLM do: what lm-evaluation-harness scores answers with), and `max_tokens: 0` returns
         the scored prompt alone."""
+        if request.suffix:
+            raise ValueError("suffix is not supported: no fill-in-the-middle format is known "
+                             "for the served model")
+        if request.best_of is not None and request.best_of != request.n:
+            raise ValueError(f"best_of is not supported (every sampled choice is returned: "
+                             f"use n), got {request.best_of}")
         if request.max_tokens == 0 and not request.echo:
             raise ValueError("max_tokens must be >= 1 (0 only with echo, which scores the "
                              "prompt), got 0")
