@@ -1,7 +1,9 @@
+import pytest
 import torch
 
+from kvserve.cpp_extension import cpu_kernels
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker.sampler import Sampler, greedy_tokens
+from kvserve.worker.sampler import Sampler, greedy_tokens, logsumexp_and_greater, token_logprobs
 from kvserve.worker.structured_output import GrammarMatchers
 
 LOGITS = torch.tensor([2.0, 0.5, float("-inf"), 1.0, -1.0, 3.0, 0.0, float("-inf")])
@@ -83,3 +85,36 @@ def test_logit_bias_shifts_the_logits_the_sampler_draws_from():
 
 def freq_support(freq: torch.Tensor) -> set[int]:
     return set(freq.nonzero().flatten().tolist())
+
+
+def test_logsumexp_and_greater_is_torchs_with_nans_and_infinities():
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.logsumexp_and_greater_supported():
+        pytest.skip("the C++ pass is built for AVX-512 CPUs; elsewhere torch's ops run")
+    logits = torch.randn(8, 1003, generator=torch.Generator().manual_seed(3)) * 5
+    logits[1, 5] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 7] = float("inf")
+    logits[4, :500] = float("-inf")
+    logits[7, 1002] = 1e4  # the last, partial vector
+    thresholds = logits[:, 3].clone()
+    thresholds[5], thresholds[6] = float("-inf"), float("inf")
+    lse, greater = logsumexp_and_greater(logits, thresholds)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=1), rtol=1e-6, atol=1e-6,
+                               equal_nan=True)
+    assert greater.tolist() == (logits > thresholds.unsqueeze(1)).sum(dim=1).tolist()
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_token_logprobs_are_the_log_softmax_at_the_token_and_the_top_k(k):
+    logits = torch.randn(6, 4099, generator=torch.Generator().manual_seed(k)) * 4
+    tokens = torch.tensor([0, 17, 4098, 5, 5, 2000])
+    logits[4, 5] = logits[4].max() + 1  # a token that is the argmax: rank 1
+    reference = torch.log_softmax(logits, dim=-1)
+    for row, (ids, values, logprob, rank) in enumerate(token_logprobs(logits, tokens, [k] * 6)):
+        token = int(tokens[row])
+        assert abs(logprob - reference[row, token].item()) < 1e-5
+        assert rank == int((reference[row] > reference[row, token]).sum()) + 1
+        top = torch.topk(reference[row], k)
+        assert ids == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor(values), top.values, rtol=0, atol=1e-5)

@@ -43,6 +43,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "-inf, in place, for the tokens a grammar's bitmask row leaves out");
   m.def("greedy_tokens", &kvserve::greedy_tokens, release,
         "each row's torch.argmax of [rows, vocab] float32 logits");
+  m.def("logsumexp_and_greater_supported", &kvserve::logsumexp_and_greater_supported,
+        "whether this CPU build has logsumexp_and_greater");
+  m.def("logsumexp_and_greater", &kvserve::logsumexp_and_greater, release,
+        "each row's logsumexp, and how many of its logits exceed the row's threshold");
   m.def("wxa8_matmul", &kvserve::wxa8_matmul, release,
         "x @ W^T for a W4A8/W8A8 weight, x's rows quantized to int8 per group");
   m.def("wxa8_amx_matmul", &kvserve::wxa8_amx_matmul, release,

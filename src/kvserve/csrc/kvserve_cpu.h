@@ -69,8 +69,11 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::
 void apply_token_bitmask(torch::Tensor logits, const torch::Tensor& bitmask,
                          const torch::Tensor& rows);
 
-// greedy.cpp
+// logits.cpp
 torch::Tensor greedy_tokens(const torch::Tensor& logits);
+bool logsumexp_and_greater_supported();  // built with AVX-512
+std::tuple<torch::Tensor, torch::Tensor> logsumexp_and_greater(const torch::Tensor& logits,
+                                                               const torch::Tensor& thresholds);
 
 // llama_decode.cpp: a linear layer of the decode stack, run as the eager forward runs it: a
 // weight packed by pack_weight (bits 0), or a W4A8/W8A8 one, on wxa8_linear.

@@ -42,8 +42,7 @@ def prompt_logprobs(model: torch.nn.Module, hidden: torch.Tensor, inputs: ModelI
         part = slice(start, start + MAX_ROWS)
         index = torch.tensor(rows[part], device=hidden.device)
         logits = model.compute_logits(hidden[index])
-        entries += token_logprobs(torch.log_softmax(logits, dim=-1),
-                                  torch.tensor(targets[part], device=hidden.device),
+        entries += token_logprobs(logits, torch.tensor(targets[part], device=hidden.device),
                                   num_top[part])
     result, offset = {}, 0
     for request_id, position, count in spans:

@@ -74,7 +74,8 @@ class Sampler:
                              generator, matcher, bias)
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
-        logprobs = self._raw_logprobs(logits, states)
+        scored = [row for row, st in enumerate(states) if st.params.logprobs is not None]
+        raw = logits[scored] if scored else None  # a copy: what follows changes logits in place
         constrained = [row for row, st in enumerate(states) if st.matcher is not None]
         if constrained:
             self.grammars.mask_disallowed(logits, constrained,
@@ -83,7 +84,7 @@ class Sampler:
         if constrained:
             self.grammars.advance([states[r].matcher for r in constrained],
                                   [sampled[r] for r in constrained])
-        return SamplerOutput(sampled, _gather_logprobs(logprobs, sampled, states))
+        return SamplerOutput(sampled, _gather_logprobs(raw, scored, sampled, states))
 
     def token_ids(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Each row's next token, left on the device: min_tokens, logit_bias, penalties,
@@ -112,12 +113,6 @@ class Sampler:
                 and len(st.output_token_ids) >= p.min_tokens  # the host's count lags
                 and p.repetition_penalty == 1.0 and not p.presence_penalty
                 and not p.frequency_penalty)
-
-    def _raw_logprobs(self, logits: torch.Tensor, states: list[SamplingState]
-                      ) -> torch.Tensor | None:
-        if all(st.params.logprobs is None for st in states):
-            return None
-        return torch.log_softmax(logits, dim=-1)
 
     def verify(self, logits: torch.Tensor, states: list[SamplingState],
                drafts: list[list[int]], draft_probs: list[torch.Tensor | None] | None = None
@@ -260,29 +255,48 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> None:
         logits.masked_fill_(probs < p.min_p * probs.max(), float("-inf"))
 
 
-def _gather_logprobs(logprobs: torch.Tensor | None, sampled: list[int],
+def _gather_logprobs(raw: torch.Tensor | None, rows: list[int], sampled: list[int],
                      states: list[SamplingState]) -> list[TokenLogprobs | None]:
-    if logprobs is None:
-        return [None] * len(states)
-    rows = [row for row, st in enumerate(states) if st.params.logprobs is not None]
-    entries = token_logprobs(logprobs[rows],
-                             torch.tensor([sampled[r] for r in rows], device=logprobs.device),
-                             [states[r].params.logprobs or 0 for r in rows])
+    """The logprobs of the rows that asked for them, from those rows' raw logits."""
     result: list[TokenLogprobs | None] = [None] * len(states)
+    if raw is None:
+        return result
+    entries = token_logprobs(raw, torch.tensor([sampled[r] for r in rows], device=raw.device),
+                             [states[r].params.logprobs or 0 for r in rows])
     for row, entry in zip(rows, entries, strict=True):
         result[row] = entry
     return result
 
 
-def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
                    ) -> list[TokenLogprobs]:
-    """For each row of log-softmaxed logits: the logprob and rank of `token_ids[row]` and the
-    `num_top[row]` best tokens, brought to the host in one go per field."""
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
-    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    """For each row of raw logits: the log-softmax value and rank of `token_ids[row]` and the
+    `num_top[row]` best tokens', brought to the host in one go per field. Log-softmax values
+    are formed at those entries only (logit - logsumexp), never over the whole row."""
+    chosen = logits.gather(1, token_ids.unsqueeze(1))
+    lse, greater = logsumexp_and_greater(logits, chosen.squeeze(1))
+    lse = lse.unsqueeze(1)
+    ranks = (greater + 1).tolist()
     k = max(num_top, default=0)
-    top = torch.topk(logprobs, k) if k else None
-    top_ids = top.indices.tolist() if top is not None else [[]] * len(num_top)
-    top_values = top.values.tolist() if top is not None else [[]] * len(num_top)
+    if k:
+        top_logits, top_indices = (logits.max(dim=1, keepdim=True) if k == 1
+                                   else torch.topk(logits, k))  # max: a third of topk's time
+        top_ids, top_values = top_indices.tolist(), (top_logits - lse).tolist()
+    else:
+        top_ids = top_values = [[]] * len(num_top)
     return [(ids[:n], values[:n], lp, rank) for ids, values, lp, rank, n in
-            zip(top_ids, top_values, chosen.squeeze(1).tolist(), ranks, num_top, strict=True)]
+            zip(top_ids, top_values, (chosen - lse).squeeze(1).tolist(), ranks, num_top,
+                strict=True)]
+
+
+def logsumexp_and_greater(logits: torch.Tensor, thresholds: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's logsumexp, and how many of its logits exceed `thresholds[row]`. On CPUs with
+    AVX-512 one C++ pass per row does both: torch's logsumexp and comparison took 41 and
+    64 ms for [512, 49152] float32 rows on a 2-core AVX-512 EPYC."""
+    kernels = cpu_kernels() if logits.device.type == "cpu" else None
+    if (kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.is_contiguous() and kernels.logsumexp_and_greater_supported()):
+        return kernels.logsumexp_and_greater(logits, thresholds.contiguous())
+    return (torch.logsumexp(logits, dim=1),
+            (logits > thresholds.unsqueeze(1)).sum(dim=1))
