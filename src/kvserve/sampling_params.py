@@ -21,29 +21,31 @@ MIN_REPETITION_PENALTY = 1 / MAX_SCALE
 @dataclass
 class StructuredOutputParams:
     """Keeps the output inside a grammar (vLLM's `guided_*` extras, OpenAI's
-    `response_format`): exactly one of a JSON schema, any JSON object, a regular expression
-    or a choice among strings. JSON is compact (no free whitespace), so a schema whose
-    values are bounded also bounds the output."""
+    `response_format`): exactly one of a JSON schema, any JSON object, a regular expression,
+    a choice among strings or a Lark grammar (llguidance's dialect). JSON is compact (no free
+    whitespace), so a schema whose values are bounded also bounds the output."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None  # Lark
 
     def __post_init__(self) -> None:
         given = [name for name, value in (("json", self.json), ("json_object", self.json_object),
-                                          ("regex", self.regex), ("choice", self.choice))
+                                          ("regex", self.regex), ("choice", self.choice),
+                                          ("grammar", self.grammar))
                  if value not in (None, False)]
         _check(len(given) == 1, "structured_output",
-               "takes exactly one of json, json_object, regex and choice", given)
+               "takes exactly one of json, json_object, regex, choice and grammar", given)
         if self.choice is not None:
             _check(isinstance(self.choice, list) and bool(self.choice)
                    and all(isinstance(c, str) and c for c in self.choice), "choice",
                    "must be a non-empty list of non-empty strings", self.choice)
-        self.grammar  # noqa: B018 (compiles it: a bad schema or regex fails here, by name)
+        self.compiled  # noqa: B018 (compiles it: a bad schema or regex fails here, by name)
 
     @functools.cached_property
-    def grammar(self) -> str:
+    def compiled(self) -> str:
         """The constraint as an llguidance grammar."""
         from llguidance import LLMatcher
 
@@ -60,6 +62,8 @@ class StructuredOutputParams:
             grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=compact)
         elif self.regex is not None:
             field_name, grammar = "regex", LLMatcher.grammar_from_regex(self.regex)
+        elif self.grammar is not None:
+            field_name, grammar = "grammar", LLMatcher.grammar_from_lark(self.grammar)
         else:
             field_name = "choice"
             grammar = LLMatcher.grammar_from_lark(
@@ -91,6 +95,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-k's
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text
     structured_output: StructuredOutputParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
 

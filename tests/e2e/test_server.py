@@ -369,6 +369,12 @@ COMPLETIONS = "/v1/completions"
      "response_format", "json_schema is required"),
     (COMPLETIONS, {"prompt": "x", "guided_regex": "[a-"}, 400, "guided_regex", "regex"),
     (COMPLETIONS, {"prompt": "x", "guided_choice": []}, 400, "guided_choice", "non-empty"),
+    (COMPLETIONS, {"prompt": "x", "guided_grammar": "start: ("}, 400, "guided_grammar",
+     "grammar"),
+    (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [5]}, 400, "allowed_token_ids",
+     "not supported"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, 400,
+     "use_beam_search", "not supported"),
     (COMPLETIONS, {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, 400, None,
      "at most one"),
 ])
@@ -397,6 +403,24 @@ def test_structured_outputs_parse(client: openai.OpenAI) -> None:
     picked = client.completions.create(model=MODEL, prompt="x", max_tokens=10,
                                        extra_body={"guided_choice": ["up", "down"]})
     assert picked.choices[0].text in ("up", "down")
+    lark = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,3}/'
+    grammar = client.completions.create(model=MODEL, prompt="x", n=4, max_tokens=40,
+                                        extra_body={"guided_grammar": lark})
+    assert all(re.fullmatch(r"\(\d{1,3}(,\d{1,3})*\)", c.text) for c in grammar.choices)
+
+
+def test_a_stop_string_can_stay_in_the_text(client: openai.OpenAI, llm: LLM) -> None:
+    ids = [5, 6, 7]
+    text = llm.generate({"prompt_token_ids": ids}, SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    stop = text[4:6]
+    for stream in (False, True):
+        got = client.completions.create(model=MODEL, prompt=[ids], max_tokens=12,
+                                        temperature=0, stop=stop, stream=stream,
+                                        extra_body={"ignore_eos": True,
+                                                    "include_stop_str_in_output": True})
+        out = "".join(c.choices[0].text for c in got) if stream else got.choices[0].text
+        assert out == text[:text.index(stop) + len(stop)]
 
 
 def test_a_grammar_past_the_parsers_limits_is_a_request_error(server: str) -> None:

@@ -32,6 +32,12 @@ def test_stop_string_across_tokens_is_cut():
     assert detok.text == "hello"
 
 
+def test_a_kept_stop_string_ends_the_text():
+    detok = IncrementalDetokenizer(ByteTokenizer(), True, ["END"], 0, keep_stop=True)
+    assert detok.update(list(b"helloENDmore")) == "END"
+    assert detok.text == "helloEND"
+
+
 def test_stop_strings_wait_for_min_tokens():
     detok = IncrementalDetokenizer(ByteTokenizer(), True, ["a"], 2)
     assert detok.update([ord("a")]) is None

@@ -22,9 +22,10 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool,
-                 stop: list[str], check_stop_after: int) -> None:
+                 stop: list[str], check_stop_after: int, keep_stop: bool = False) -> None:
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
+        self.keep_stop = keep_stop
         self.check_stop_after = check_stop_after
         self.token_ids: list[int] = []
         self.text = ""
@@ -49,7 +50,7 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Appends tokens and extends `text`; returns the stop string hit, if any (the text is
-        then cut just before it)."""
+        then cut just before it, or just after it with `keep_stop`)."""
         self.token_ids.extend(new_token_ids)
         before = len(self.text)
         if self.stream is not None:
@@ -86,7 +87,7 @@ class IncrementalDetokenizer:
         if not hits:
             return None
         index, stop = min(hits)
-        self.text = self.text[:index]
+        self.text = self.text[:index + len(stop) if self.keep_stop else index]
         return stop
 
     def _decode(self, token_ids: list[int]) -> str:

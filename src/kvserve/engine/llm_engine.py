@@ -118,7 +118,8 @@ class LLMEngine:
                 tenant=parent.tenant,
             )
             seq = CompletionState(request, IncrementalDetokenizer(
-                self.tokenizer, params.skip_special_tokens, params.stop, params.min_tokens),
+                self.tokenizer, params.skip_special_tokens, params.stop, params.min_tokens,
+                params.include_stop_str_in_output),
                 CompletionOutput(index, "", [], logprobs=[] if params.logprobs is not None
                                  else None))
             parent.sequences.append(seq)

@@ -46,7 +46,7 @@ class GrammarMatchers:
             hf = load_tokenizer(self.model_path)
             self._tokenizer = llguidance.hf.from_tokenizer(
                 hf, n_vocab=self.vocab_size, eos_token=list(eos_token_ids) or None)
-        matcher = LLMatcher(self._tokenizer, params.grammar)
+        matcher = LLMatcher(self._tokenizer, params.compiled)
         if output_token_ids:
             matcher.consume_tokens(list(output_token_ids))
         return matcher

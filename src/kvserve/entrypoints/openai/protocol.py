@@ -59,6 +59,14 @@ class SamplingRequest(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # a Lark grammar
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # vLLM's extras this server cannot honor, refused by name rather than ignored.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    use_beam_search: bool = False
     # The LoRA adapter that `model` names, set by the server.
     _lora_name: str | None = PrivateAttr(default=None)
 
@@ -75,6 +83,12 @@ class SamplingRequest(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        unsupported = [name for name, value in (
+            ("allowed_token_ids", self.allowed_token_ids), ("bad_words", self.bad_words),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens),
+            ("use_beam_search", self.use_beam_search)) if value not in (None, False)]
+        if unsupported:
+            raise ValueError(f"{unsupported[0]} is not supported by this server")
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty,
@@ -82,6 +96,8 @@ class SamplingRequest(BaseModel):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             structured_output=self.structured_output(), logit_bias=self.token_biases())
 
     def token_biases(self) -> dict[int, float] | None:
@@ -95,15 +111,16 @@ class SamplingRequest(BaseModel):
 
     def structured_output(self) -> StructuredOutputParams | None:
         """The output's constraint: `response_format` or one of vLLM's `guided_*` extras;
-        an error names the field that holds the bad schema, regex or choice."""
+        an error names the field that holds the bad schema, regex, choice or grammar."""
         given: dict[str, Any] = {name: value for name, value in (
             ("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
-            ("guided_choice", self.guided_choice)) if value is not None}
+            ("guided_choice", self.guided_choice), ("guided_grammar", self.guided_grammar))
+            if value is not None}
         if self.response_format is not None and self.response_format.type != "text":
             given["response_format"] = self.response_format
         if len(given) > 1:
-            raise ValueError(f"response_format, guided_json, guided_regex and guided_choice: "
-                             f"at most one may be given, got {sorted(given)}")
+            raise ValueError(f"response_format, guided_json, guided_regex, guided_choice and "
+                             f"guided_grammar: at most one may be given, got {sorted(given)}")
         if not given:
             return None
         ((name, value),) = given.items()
