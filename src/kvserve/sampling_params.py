@@ -98,6 +98,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
     structured_output: StructuredOutputParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample among these tokens only
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -143,6 +144,17 @@ class SamplingParams:
                        for b in self.logit_bias.values()), "logit_bias",
                    f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
                    list(self.logit_bias.values()))
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            _check(bool(self.allowed_token_ids)
+                   and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                           for t in self.allowed_token_ids), "allowed_token_ids",
+                   "must be a non-empty list of token ids", self.allowed_token_ids)
+            # Either could ban every allowed token, leaving nothing to sample.
+            _check(not self.min_tokens, "allowed_token_ids",
+                   "cannot be set with min_tokens", self.allowed_token_ids)
+            _check(self.structured_output is None, "allowed_token_ids",
+                   "cannot be set with structured_output", self.allowed_token_ids)
         _check(not (self.structured_output and self.ignore_eos), "ignore_eos",
                "cannot be set with structured_output (the grammar ends the output with EOS)",
                self.ignore_eos)
@@ -159,10 +171,10 @@ class SamplingParams:
     @property
     def allows_drafts(self) -> bool:
         """Whether speculative drafts can be verified for the request: its next token
-        depends on the raw logits alone (no penalties, bias, grammar or logprobs; min_tokens
-        aside)."""
+        depends on the raw logits alone (no penalties, bias, allowed set, grammar or logprobs;
+        min_tokens aside)."""
         return (self.structured_output is None and self.logprobs is None
-                and self.logit_bias is None
+                and self.logit_bias is None and self.allowed_token_ids is None
                 and self.repetition_penalty == 1.0 and not self.presence_penalty
                 and not self.frequency_penalty)
 

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, SamplingParams
 from kvserve.errors import CheckpointError
+from kvserve.sampling_params import StructuredOutputParams
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,8 @@ def assert_engine_intact(llm):
     ("logit_bias", {5: 100.5}, r"logit_bias values must be in \[-100, 100\], got \[100.5\]"),
     ("logit_bias", {5: float("nan")}, r"logit_bias values must be in \[-100, 100\]"),
     ("logit_bias", {-1: 1.0}, r"logit_bias keys must be token ids \(non-negative integers\)"),
+    ("allowed_token_ids", [], "allowed_token_ids must be a non-empty list of token ids"),
+    ("allowed_token_ids", [-2], "allowed_token_ids must be a non-empty list of token ids"),
     ("seed", 2**64, r"seed must be in \[-9223372036854775808, 9223372036854775807\] "
                     r"\(64-bit\), got 18446744073709551616"),
 ])
@@ -108,10 +111,21 @@ def test_a_stop_token_outside_the_vocabulary(llm):
     assert_engine_intact(llm)
 
 
+def test_allowed_token_ids_that_could_leave_nothing_to_sample():
+    for extra in ({"min_tokens": 2},
+                  {"structured_output": StructuredOutputParams(choice=["a", "b"])}):
+        with pytest.raises(ValueError, match="allowed_token_ids cannot be set with"):
+            SamplingParams(allowed_token_ids=[5], **extra)
+
+
 def test_a_biased_token_outside_the_vocabulary(llm):
     with pytest.raises(ValueError, match=r"logit_bias: token id 3000 is out of the "
                                          r"vocabulary \[0, 3000\)"):
         llm.generate("x", SamplingParams(max_tokens=4, logit_bias={3000: 5.0}), use_tqdm=False)
+    assert_engine_intact(llm)
+    with pytest.raises(ValueError, match=r"allowed_token_ids: token id 3000 is out of the "):
+        llm.generate("x", SamplingParams(max_tokens=4, allowed_token_ids=[5, 3000]),
+                     use_tqdm=False)
     assert_engine_intact(llm)
 
 

@@ -190,18 +190,21 @@ def test_tokenize_detokenize_tokenizer_info(server: str, client: openai.OpenAI,
         assert words in error["message"]
 
 
-def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI, llm: LLM) -> None:
+def test_logit_bias_and_allowed_token_ids(client: openai.OpenAI, llm: LLM) -> None:
     ids = [5, 6, 7]
     top = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1),
                        use_tqdm=False)[0].outputs[0].token_ids[0]
-    for bias, check in (({42: 100}, lambda out: out == [42] * 4),
-                        ({top: -100}, lambda out: out[0] != top)):
-        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias=bias)
+    for bias, allowed, check in (({42: 100}, None, lambda out: out == [42] * 4),
+                                 ({top: -100}, None, lambda out: out[0] != top),
+                                 ({}, [42, 43], lambda out: set(out) <= {42, 43})):
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias=bias,
+                                allowed_token_ids=allowed)
         expected = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
         assert check(expected.token_ids)
         got = client.completions.create(model=MODEL, prompt=[ids], max_tokens=4, temperature=0,
                                         logit_bias={str(t): b for t, b in bias.items()},
-                                        extra_body={"ignore_eos": True})
+                                        extra_body={"ignore_eos": True,
+                                                    "allowed_token_ids": allowed})
         assert got.choices[0].text == expected.text
 
 
@@ -371,8 +374,7 @@ COMPLETIONS = "/v1/completions"
     (COMPLETIONS, {"prompt": "x", "guided_choice": []}, 400, "guided_choice", "non-empty"),
     (COMPLETIONS, {"prompt": "x", "guided_grammar": "start: ("}, 400, "guided_grammar",
      "grammar"),
-    (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [5]}, 400, "allowed_token_ids",
-     "not supported"),
+    (COMPLETIONS, {"prompt": "x", "bad_words": ["x"]}, 400, "bad_words", "not supported"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, 400,
      "use_beam_search", "not supported"),
     (COMPLETIONS, {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, 400, None,

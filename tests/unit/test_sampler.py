@@ -83,6 +83,15 @@ def test_logit_bias_shifts_the_logits_the_sampler_draws_from():
     assert not SamplingParams(logit_bias={1: 1.0}).allows_drafts
 
 
+def test_allowed_token_ids_are_the_only_ones_drawn():
+    greedy = sample_many(SamplingParams(temperature=0.0, allowed_token_ids=[1, 3, 4]), rows=5)
+    assert greedy[3] == 1.0  # the best allowed one, not token 5
+    freq = sample_many(SamplingParams(temperature=1.0, allowed_token_ids=[1, 3, 4]))
+    assert torch.allclose(freq[[1, 3, 4]], torch.softmax(LOGITS[[1, 3, 4]], dim=-1), atol=0.015)
+    assert freq_support(freq) == {1, 3, 4}
+    assert not SamplingParams(allowed_token_ids=[1]).allows_drafts
+
+
 def freq_support(freq: torch.Tensor) -> set[int]:
     return set(freq.nonzero().flatten().tolist())
 

@@ -181,6 +181,8 @@ class InputProcessor:
             self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         if params.logit_bias:
             self.check_token_ids(list(params.logit_bias), "logit_bias")
+        if params.allowed_token_ids:
+            self.check_token_ids(params.allowed_token_ids, "allowed_token_ids")
         if limits.window_blocks:
             max_tokens = sys.maxsize if params.max_tokens is None else params.max_tokens
         else:

@@ -1,7 +1,8 @@
 """Turns the logits of each sampling request into its next token.
 
 Order of operations (as in vLLM): raw logprobs are taken first; then the grammar's mask of a
-structured output, min_tokens masking, logit_bias, repetition / presence / frequency penalties,
+structured output, allowed_token_ids, min_tokens masking, logit_bias, repetition / presence /
+frequency penalties,
 temperature, top-k, top-p and min-p. Random choice inverts the cumulative distribution at
 one uniform draw per row, taken from the request's own generator when it has a seed, so its
 text does not depend on what else is in the batch. One draw per row instead of one per
@@ -34,6 +35,7 @@ class SamplingState:
     generator: torch.Generator | None = None
     matcher: Any = None  # llguidance's, for a structured output
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias: (token ids, values)
+    allowed: torch.Tensor | None = None  # allowed_token_ids, the only tokens it may sample
 
 
 @dataclass(slots=True)
@@ -70,8 +72,11 @@ class Sampler:
         if params.logit_bias:
             bias = (torch.tensor(list(params.logit_bias), device=self.device),
                     torch.tensor(list(params.logit_bias.values()), device=self.device))
+        allowed = None
+        if params.allowed_token_ids is not None:
+            allowed = torch.tensor(params.allowed_token_ids, device=self.device)
         return SamplingState(params, prompt_token_ids, stop_ids, list(output_token_ids),
-                             generator, matcher, bias)
+                             generator, matcher, bias, allowed)
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         scored = [row for row, st in enumerate(states) if st.params.logprobs is not None]
@@ -87,9 +92,14 @@ class Sampler:
         return SamplerOutput(sampled, _gather_logprobs(raw, scored, sampled, states))
 
     def token_ids(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """Each row's next token, left on the device: min_tokens, logit_bias, penalties,
-        then greedy or random choice (no grammar, no logprobs; `__call__` adds those)."""
+        """Each row's next token, left on the device: allowed_token_ids, min_tokens,
+        logit_bias, penalties, then greedy or random choice (no grammar, no logprobs;
+        `__call__` adds those)."""
         for row, st in enumerate(states):
+            if st.allowed is not None:
+                kept = logits[row, st.allowed]
+                logits[row] = float("-inf")
+                logits[row, st.allowed] = kept
             if len(st.output_token_ids) < st.params.min_tokens and st.stop_ids:
                 logits[row, st.stop_ids] = float("-inf")
             if st.bias is not None:

@@ -62,8 +62,8 @@ class SamplingRequest(BaseModel):
     guided_grammar: str | None = None  # a Lark grammar
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # vLLM's extras this server cannot honor, refused by name rather than ignored.
     allowed_token_ids: list[int] | None = None
+    # vLLM's extras this server cannot honor, refused by name rather than ignored.
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     use_beam_search: bool = False
@@ -84,7 +84,7 @@ class SamplingRequest(BaseModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         unsupported = [name for name, value in (
-            ("allowed_token_ids", self.allowed_token_ids), ("bad_words", self.bad_words),
+            ("bad_words", self.bad_words),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens),
             ("use_beam_search", self.use_beam_search)) if value not in (None, False)]
         if unsupported:
@@ -98,7 +98,8 @@ class SamplingRequest(BaseModel):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_output=self.structured_output(), logit_bias=self.token_biases())
+            structured_output=self.structured_output(), logit_bias=self.token_biases(),
+            allowed_token_ids=self.allowed_token_ids)
 
     def token_biases(self) -> dict[int, float] | None:
         if self.logit_bias is None:
