@@ -225,6 +225,13 @@ def test_chat_sync_and_stream(client: openai.OpenAI, llm: LLM) -> None:
     assert text == expected.outputs[0].text
     assert chunks[-1].usage.completion_tokens == 10
     assert chunks[-1].usage.prompt_tokens == len(expected.prompt_token_ids)
+    continuous = [c for c in client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=10, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}) if c.choices and c.choices[0].delta.role is None]
+    counts = [c.usage.completion_tokens for c in continuous]
+    assert counts == sorted(counts) and counts[0] > 0 and counts[-1] == 10
+    assert all(c.usage.prompt_tokens == len(expected.prompt_token_ids) for c in continuous)
 
 
 def test_stop_strings_and_n_stream_like_full(client: openai.OpenAI) -> None:
@@ -237,6 +244,11 @@ def test_stop_strings_and_n_stream_like_full(client: openai.OpenAI) -> None:
             streamed[choice.index] += choice.text
     assert streamed == [c.text for c in sorted(full.choices, key=lambda c: c.index)]
     assert all("e" not in text and "ar" not in text for text in streamed)
+    usages = [chunk.usage for chunk in client.completions.create(
+        **args, stream=True, stream_options={"include_usage": True,
+                                             "continuous_usage_stats": True})]
+    assert all(u is not None for u in usages)
+    assert usages[-1].completion_tokens == full.usage.completion_tokens
 
 
 def test_concurrent_streams_and_disconnects_free_all_blocks(server: str) -> None:

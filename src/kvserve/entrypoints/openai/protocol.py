@@ -16,6 +16,7 @@ from kvserve.sampling_params import SamplingParams, StructuredOutputParams
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage on every chunk
 
 
 class JsonSchemaFormat(BaseModel):
@@ -73,6 +74,10 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def engine_prompt(self, prompt: dict[str, Any]) -> dict[str, Any]:
         """A prompt for the engine, with this request's cache salt, priority, tenant and

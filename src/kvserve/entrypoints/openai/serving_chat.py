@@ -78,7 +78,8 @@ class ChatServer(Serving):
                     yield sse({**head, "choices": [{
                         "index": c.index, "delta": {"content": text} if text else {},
                         "logprobs": self._logprobs(request, c, first, end),
-                        "finish_reason": finish_reason(c)}]})
+                        "finish_reason": finish_reason(c)}],
+                        **({"usage": usage([out])} if request.continuous_usage else {})})
         if request.include_usage and last is not None:
             yield sse({**head, "choices": [], "usage": usage([last])})
         yield sse("[DONE]")

@@ -147,11 +147,12 @@ class CompletionServer(Serving):
         head = {"id": new_id("cmpl"), "object": "text_completion", "created": now(),
                 "model": self.model_name}
         tracker = DeltaTracker(stop_hold(params.stop))
-        final: dict[int, RequestOutput] = {}
+        latest: dict[int, RequestOutput] = {}
         async with aclosing(merge(streams)) as outputs:
             async for i, out in outputs:
                 if request.echo_only:
                     out = prompt_only(out)
+                latest[i] = out
                 for c in out.outputs:
                     delta = tracker.delta(i, c)
                     if delta is None:
@@ -159,9 +160,9 @@ class CompletionServer(Serving):
                     text, first, end = delta
                     choice = self._choice(request, out, c, text, first, end)
                     yield sse({**head, "choices": [{"index": i * params.n + c.index,
-                                                    **choice}]})
-                if out.finished:
-                    final[i] = out
+                                                    **choice}],
+                               **({"usage": usage(list(latest.values()))}
+                                  if request.continuous_usage else {})})
         if request.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(list(final.values()))})
+            yield sse({**head, "choices": [], "usage": usage(list(latest.values()))})
         yield sse("[DONE]")
