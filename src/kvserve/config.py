@@ -129,15 +129,18 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+# The options that tune speculative decoding: only meaningful with a speculative model.
+SPECULATIVE_TUNING = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
 def _speculative_config(model: str | None, num_speculative_tokens: int | None,
                         prompt_lookup_min: int | None, prompt_lookup_max: int | None,
                         dtype: str, device: str) -> SpeculativeConfig | None:
     """`model`: None (off), "ngram", or a draft model's checkpoint folder. The other options
     tune it, so giving one without it is an error rather than a silent no-op."""
-    tuning = {name: value for name, value in (
-        ("num_speculative_tokens", num_speculative_tokens),
-        ("prompt_lookup_min", prompt_lookup_min), ("prompt_lookup_max", prompt_lookup_max))
-        if value is not None}
+    tuning = {name: value for name, value in zip(
+        SPECULATIVE_TUNING, (num_speculative_tokens, prompt_lookup_min, prompt_lookup_max),
+        strict=True) if value is not None}
     if model is None:
         if tuning:
             raise ValueError(f"{', '.join(tuning)}: speculative decoding is off; set "

@@ -137,8 +137,7 @@ class SamplingParams:
                "stop_token_ids", "must be non-negative integers", self.stop_token_ids)
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         if self.logit_bias is not None:
-            _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                       for t in self.logit_bias), "logit_bias",
+            _check(_are_token_ids(self.logit_bias), "logit_bias",
                    "keys must be token ids (non-negative integers)", list(self.logit_bias))
             _check(all(isinstance(b, int | float) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
                        for b in self.logit_bias.values()), "logit_bias",
@@ -146,9 +145,8 @@ class SamplingParams:
                    list(self.logit_bias.values()))
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
-            _check(bool(self.allowed_token_ids)
-                   and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                           for t in self.allowed_token_ids), "allowed_token_ids",
+            _check(bool(self.allowed_token_ids) and _are_token_ids(self.allowed_token_ids),
+                   "allowed_token_ids",
                    "must be a non-empty list of token ids", self.allowed_token_ids)
             # Either could ban every allowed token, leaving nothing to sample.
             _check(not self.min_tokens, "allowed_token_ids",
@@ -177,6 +175,12 @@ class SamplingParams:
                 and self.logit_bias is None and self.allowed_token_ids is None
                 and self.repetition_penalty == 1.0 and not self.presence_penalty
                 and not self.frequency_penalty)
+
+
+def _are_token_ids(values: Any) -> bool:
+    """Whether every value is a non-negative int (not a bool); the vocabulary is checked
+    where the model is known."""
+    return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in values)
 
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:

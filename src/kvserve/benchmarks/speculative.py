@@ -18,6 +18,7 @@ from kvserve.arg_types import non_negative_float, positive_int
 from kvserve.benchmarks.device import on_one_gpu, synchronize
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.benchmarks.workloads import fixed
+from kvserve.config import SPECULATIVE_TUNING
 from kvserve.engine_args import add_engine_args, engine_kwargs
 from kvserve.sampling_params import SamplingParams
 
@@ -45,10 +46,6 @@ def workloads(llm: Any, num_prompts: int, prompt_len: int) -> dict[str, list[lis
             "random tokens": fixed(num_prompts, prompt_len, 1, vocab_size).prompts}
 
 
-# The options that tune speculative decoding, which the plain engine must not be given.
-_TUNING = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
-
-
 @dataclass
 class _Samples:
     """One workload and temperature's TPOTs without and with drafts, and the drafts' fate."""
@@ -72,7 +69,7 @@ def run(args: argparse.Namespace) -> None:
         runs = (args.runs + speculative_first) // 2
         if not runs:
             continue
-        builds = [options, {**{k: v for k, v in options.items() if k not in _TUNING},
+        builds = [options, {**{k: v for k, v in options.items() if k not in SPECULATIVE_TUNING},
                             "speculative_model": None}]
         if speculative_first:
             speculative, plain = (LLM(**o) for o in builds)

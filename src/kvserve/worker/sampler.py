@@ -225,11 +225,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax. torch's CPU argmax is a slow reduction (2.1 ms for 64 rows of a
     49k vocabulary on a 2-core Xeon, where their max takes 0.24), so CPU float32 rows go
     through the C++ kernel, which returns the same index."""
-    kernels = cpu_kernels() if logits.device.type == "cpu" else None
-    if (kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.is_contiguous()):
+    kernels = _row_kernels(logits)
+    if kernels is not None:
         return kernels.greedy_tokens(logits)
     return logits.argmax(dim=-1)
+
+
+def _row_kernels(logits: torch.Tensor) -> Any:
+    """The C++ kernels, for contiguous float32 [rows, vocab] logits on the CPU; else None."""
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+            or not logits.is_contiguous()):
+        return None
+    return cpu_kernels()
 
 
 def _apply_penalties(logits: torch.Tensor, st: SamplingState) -> None:
@@ -304,9 +311,8 @@ def logsumexp_and_greater(logits: torch.Tensor, thresholds: torch.Tensor
     """Each row's logsumexp, and how many of its logits exceed `thresholds[row]`. On CPUs with
     AVX-512 one C++ pass per row does both: torch's logsumexp and comparison took 41 and
     64 ms for [512, 49152] float32 rows on a 2-core AVX-512 EPYC."""
-    kernels = cpu_kernels() if logits.device.type == "cpu" else None
-    if (kernels is not None and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.is_contiguous() and kernels.logsumexp_and_greater_supported()):
+    kernels = _row_kernels(logits)
+    if kernels is not None and kernels.logsumexp_and_greater_supported():
         return kernels.logsumexp_and_greater(logits, thresholds.contiguous())
     return (torch.logsumexp(logits, dim=1),
             (logits > thresholds.unsqueeze(1)).sum(dim=1))

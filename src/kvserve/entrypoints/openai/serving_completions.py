@@ -110,7 +110,8 @@ class CompletionServer(Serving):
                 text: str, start: int, end: int) -> dict[str, Any]:
         """One choice (or a streamed chunk of one) carrying generated tokens [start, end);
         the first also carries the echoed prompt and its logprobs."""
-        echo = self._echo(request, out)
+        # A later chunk needs the echo's length only for its logprobs' offsets.
+        echo = self._echo(request, out) if start == 0 or c.logprobs is not None else ""
         choice: dict[str, Any] = {"text": echo + text if start == 0 else text,
                                   "logprobs": None, "finish_reason": finish_reason(c)}
         if c.logprobs is not None:
