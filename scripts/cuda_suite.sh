@@ -5,7 +5,9 @@
 #   scripts/cuda_suite.sh RESULTS_DIR PART [PART ...]
 #
 # Parts, in the order they are worth running:
-#   tests        the Triton kernel tests compiled, and every test marked `gpu`
+#   tests        the attention, layer and dense-linear Triton tests compiled, the engine on
+#                them, and every test marked `gpu`
+#   qtests       the quantized and LoRA Triton tests compiled (many shapes: slow to compile)
 #   quantized    W4A16 GEMV and tensor-core kernels, and the dense split-K kernel, against
 #                cuBLAS, 1-32 rows
 #   kernels      paged decode attention against its KV floor: 4 and 8 warps a program, and
@@ -31,8 +33,8 @@
 # RESULTS_DIR/<part>.log and writes its JSON beside it; a part that fails or runs out of time
 # is reported, the next one runs, and the script exits with 1 at the end. Checkpoints are
 # made once, in MODELS (default /tmp/kvserve-suite), and reused by later parts and calls;
-# they are made in the background while `tests`, `quantized` and `kernels`, which need none,
-# run.
+# they are made in the background while the parts that need none (`tests`, `qtests`,
+# `quantized`, `kernels`) run.
 #
 # It runs from a source checkout with no install (PYTHONPATH=src). DEVICE=cpu SMALL=1 runs
 # every part on small presets on the CPU: a check of the commands, not a measurement.
@@ -42,10 +44,10 @@ if [ $# -lt 2 ]; then
   sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'
   exit 2
 fi
-PARTS=(tests quantized kernels latency latency4 step throughput nano preemption speculative lora
-       structured serve)
-declare -A DEFAULT_LIMIT=([tests]=300 [quantized]=180 [kernels]=90 [latency]=330 [latency4]=240
-                          [step]=200 [throughput]=300 [nano]=240 [preemption]=180
+PARTS=(tests qtests quantized kernels latency latency4 step throughput nano preemption speculative
+       lora structured serve)
+declare -A DEFAULT_LIMIT=([tests]=200 [qtests]=300 [quantized]=180 [kernels]=90 [latency]=330
+                          [latency4]=240 [step]=200 [throughput]=300 [nano]=240 [preemption]=180
                           [speculative]=180 [lora]=180 [structured]=180 [serve]=300)
 SELF=$(realpath "$0")
 RESULTS=$(realpath -m "$1")
@@ -65,7 +67,7 @@ MODELS=${MODELS:-/tmp/kvserve-suite}
 if [ "${SMALL:-0}" = 1 ]; then
   BIG=small QWEN=small QWEN_ARCH=(--arch qwen3) PROMPTS=8 HF_BATCH=8 RATES=(1 2)
 else
-  BIG=llama3-8b QWEN=qwen3-0.6b QWEN_ARCH=() PROMPTS=64 HF_BATCH=64 RATES=(4 8)
+  BIG=llama3-8b QWEN=qwen3-0.6b QWEN_ARCH=() PROMPTS=64 HF_BATCH=64 RATES=(4 8 16)
 fi
 
 kvserve() { "$PYTHON" -m kvserve "$@"; }
@@ -87,10 +89,16 @@ quantized_model() {
 }
 
 part_tests() {
-  "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels
+  "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels \
+    --ignore tests/kernels/test_triton_quantized.py --ignore tests/kernels/test_triton_lora.py
   "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/models/test_hf_equivalence.py \
     tests/models/test_async_scheduling.py tests/unit/test_bench_device.py \
     tests/unit/test_engine_args.py
+}
+
+part_qtests() {
+  "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_quantized.py \
+    tests/kernels/test_triton_lora.py
 }
 
 part_quantized() {
@@ -182,7 +190,7 @@ fi
 make_checkpoints() {
   for part in "$@"; do
     case $part in
-      tests|quantized|kernels) ;;
+      tests|qtests|quantized|kernels) ;;
       nano|preemption) model "$QWEN" "${QWEN_ARCH[@]}" > /dev/null ;;
       latency4) quantized_model > /dev/null ;;
       *) model "$BIG" > /dev/null ;;
@@ -193,7 +201,7 @@ make_checkpoints "$@" > "$RESULTS/checkpoints.log" 2>&1 &
 maker=$!
 failed=0
 for part in "$@"; do
-  if [ -n "$maker" ] && [[ ! "$part" =~ ^(tests|quantized|kernels)$ ]]; then
+  if [ -n "$maker" ] && [[ ! "$part" =~ ^(tests|qtests|quantized|kernels)$ ]]; then
     wait "$maker"
     maker=
   fi

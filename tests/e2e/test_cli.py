@@ -87,7 +87,7 @@ def test_cuda_suite_checks_its_parts_and_runs_one_on_the_cpu(tmp_path):
     unknown = subprocess.run(["bash", str(script), str(results), "latency", "nope"],
                              capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 2
-    assert "unknown part 'nope': one of tests quantized kernels latency" in unknown.stderr
+    assert "unknown part 'nope': one of tests qtests quantized kernels latency" in unknown.stderr
     assert not results.exists()  # refused before anything ran
     env = {**os.environ, "DEVICE": "cpu", "SMALL": "1", "MODELS": str(tmp_path / "models"),
            "PYTHON": sys.executable}
