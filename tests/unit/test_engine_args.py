@@ -19,6 +19,7 @@ from kvserve.worker.kv_pool import (
     blocks_in_device_memory,
     graph_pool_bytes,
     reserved_bytes,
+    step_activation_bytes,
 )
 
 
@@ -105,7 +106,17 @@ def test_a_gpu_pool_gets_what_the_weights_leave_of_gpu_memory_utilization(tmp_pa
                                    kv_cache_memory=GiB).sized_by_device_memory
     total, in_use = 80 * GiB, 16 * GiB  # an H100 with the 8B model's weights loaded
     reserve = reserved_bytes(config)
-    assert 2 * GiB < reserve < 3 * GiB  # logits of 2,048 tokens over 128,256 ids dominate
+    # 2,048 tokens' activations, and two float32 rows over 128,256 ids for 512 logits rows
+    # (the prompt-logprob slice; 128 sequences sample fewer).
+    assert step_activation_bytes(config) == (
+        2048 * 2 * (5 * 4096 + 2 * 1024 + 3 * 14336) + 512 * 8 * 128256)
+    assert 1 * GiB < reserve < 2 * GiB
+    # prefill_first runs a prompt of max_model_len (131,072) tokens in one step: its
+    # activations, not a logits row per token, which would ask for 128 GiB more.
+    whole = EngineConfig.create(folder, dtype="bfloat16", device="cuda",
+                                scheduler_policy="prefill_first")
+    assert 16 * GiB < reserved_bytes(whole) < 18 * GiB
+    assert blocks_in_device_memory(whole, total - in_use, total) > 0
     # The graphs of steps with chunks hold the activations of 1,024 tokens: 128 MiB here.
     assert graph_pool_bytes(config) == 1024 * 2 * (5 * 4096 + 2 * 1024 + 3 * 14336)
     eager = EngineConfig.create(folder, dtype="bfloat16", device="cuda", enforce_eager=True)
@@ -120,8 +131,8 @@ def test_a_gpu_pool_gets_what_the_weights_leave_of_gpu_memory_utilization(tmp_pa
                                 max_num_seqs=4)
     assert blocks_in_device_memory(short, total - in_use, total) == 4 * 64
     tight = EngineConfig.create(folder, dtype="bfloat16", device="cuda",
-                                gpu_memory_utilization=0.22)
-    with pytest.raises(ValueError, match=r"gpu_memory_utilization 0.22 of the device's 80.0 "
+                                gpu_memory_utilization=0.21)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization 0.21 of the device's 80.0 "
                                          r"GiB leaves no room for the KV cache: 16.0 GiB"):
         blocks_in_device_memory(tight, total - in_use, total)
     for bad in (0.0, 1.5):

@@ -10,6 +10,7 @@ import torch
 from kvserve.config import EngineConfig, GiB, ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.worker.cpu_allocator import advise_huge_pages
+from kvserve.worker.prompt_logprobs import MAX_ROWS as PROMPT_LOGPROB_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +35,16 @@ def allocate_kv_pool(model: LlamaForCausalLM, cfg: ModelConfig, num_blocks: int,
 
 def step_activation_bytes(config: EngineConfig) -> int:
     """A bound on what the largest step allocates beside the weights and the pool: each
-    token's activations, and a float32 row of logits and its log-softmax (prompt logprobs
-    score every prompt token)."""
+    token's activations, and float32 rows of logits and their log-softmax. Those are the
+    sampled rows (a row per sequence and draft) or a slice of prompt rows at a time, not
+    every token: prefill_first runs a prompt of up to max_model_len tokens in one step."""
+    sched = config.scheduler
     vocab_size = config.model.shard(config.tensor_parallel_size).vocab_size
-    per_token = _activation_bytes_per_token(config) + 2 * 4 * vocab_size
-    return config.scheduler.max_num_tokens_per_step * per_token
+    logits_rows = min(sched.max_num_tokens_per_step,
+                      max(PROMPT_LOGPROB_ROWS,
+                          sched.max_num_seqs * (1 + config.num_speculative_tokens)))
+    return (sched.max_num_tokens_per_step * _activation_bytes_per_token(config)
+            + logits_rows * 2 * 4 * vocab_size)
 
 
 def graph_pool_bytes(config: EngineConfig) -> int:
