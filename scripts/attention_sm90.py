@@ -31,7 +31,8 @@ def varlen_usage(head_dim: int, group: int) -> dict[str, int]:
                  "BLOCK_SIZE": BLOCK_SIZE,
                  "BLOCK_Q": varlen.queries_per_tile(group), "BLOCK_N": config["BLOCK_N"],
                  "BLOCK_M": max(varlen.TILE_ROWS, triton.next_power_of_2(group)),
-                 "PRECISION": dot_precision(torch.bfloat16), "HAS_POSITIONS": False}
+                 "PRECISION": dot_precision(torch.bfloat16), "HAS_POSITIONS": False,
+                 "SKIP_LEADING": True}
     compiled = compile_for_h100(varlen._varlen_kernel, _with_strides(varlen._varlen_kernel),
                                 constants, {"num_warps": config["num_warps"]},
                                 _head_strides(varlen._varlen_kernel))
@@ -44,7 +45,7 @@ def decode_usage(head_dim: int, group: int) -> dict[str, int]:
                  "NUM_SPLITS": decode.MAX_SPLITS, "SPLITS_POW2": decode.MAX_SPLITS,
                  "MERGE_HEADS": decode.merge_heads(group, decode.MAX_SPLITS, head_dim),
                  "PRECISION": dot_precision(torch.bfloat16),
-                 "UNIFIED": False, "UNIFIED_RANGE": 60.0}
+                 "UNIFIED": False, "UNIFIED_RANGE": 60.0, "LEADING_ONLY": True}
     compiled = compile_for_h100(decode._decode_split_kernel,
                                 _with_strides(decode._decode_split_kernel), constants,
                                 {"num_warps": 4}, _head_strides(decode._decode_split_kernel))

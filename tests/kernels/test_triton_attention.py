@@ -104,13 +104,17 @@ def test_queries_at_some_positions_match_those_rows_of_the_full_step():
     torch.testing.assert_close(got, full[rows], rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("seqs", [MIXED, [(0, 23), (41, 17)], [(3, 1)] * 9 + [(0, 5)]],
+                         ids=["mixed", "chunks only", "9 decodes and a chunk"])
 @pytest.mark.parametrize("num_programs", [1, 5, 1000])
-def test_a_step_padded_to_a_graphs_shape_matches_the_torch_backend(num_programs):
-    """Every sequence, decodes too, in the varlen launch; sequences after the real ones with
-    no rows, rows after the real ones that write no KV; programs taking several (tile, KV
-    head) pairs each, or one, or none."""
-    qk, v, freqs, cache, meta, buffers = build_step(MIXED, 8, 2, 64, 16, spare=40)
-    num_tokens, num_seqs = qk.shape[0], len(MIXED)
+def test_a_step_padded_to_a_graphs_shape_matches_the_torch_backend(num_programs, seqs):
+    """The decodes found on the device by the decode launch (split 1 to 16 ways), which
+    covers as many sequences as the padded step could hold; the chunks in the varlen launch,
+    which skips the decodes; sequences after the real ones with no rows, rows after the real
+    ones that write no KV; programs taking several (tile, KV head) pairs each, or one, or
+    none."""
+    qk, v, freqs, cache, meta, buffers = build_step(seqs, 8, 2, 64, 16, spare=40)
+    num_tokens, num_seqs = qk.shape[0], len(seqs)
     padded = buffers.padded_mixed(num_seqs, num_tokens, num_tokens + 40)
     assert padded.attn_metadata.padded_mixed and padded.attn_metadata.num_decodes == 0
     gen = torch.Generator().manual_seed(9)

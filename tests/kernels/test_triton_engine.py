@@ -146,8 +146,9 @@ def test_graph_token_sizes():
 
 def test_a_padded_mixed_step_matches_the_eager_one(model_dirs, triton_everywhere,
                                                    monkeypatch):
-    """A step with chunks and decodes at a graph's shape: every sequence in the varlen
-    launch, padding rows and sequences after the real ones. Its rows equal the eager step's,
+    """A step with chunks and decodes at a graph's shape: the decodes found on the device by
+    the decode launch, the chunks in the varlen launch, padding rows and sequences after the
+    real ones. Its rows equal the eager step's,
     and the padding writes no KV. With a decode's context past LONG_DECODE it runs eagerly."""
     from kvserve.core.scheduler.output import ScheduledRequest
     from kvserve.worker.forward_context import forward_context

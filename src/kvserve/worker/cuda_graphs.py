@@ -8,16 +8,18 @@ persistent input buffers, and a step replays the smallest graph that holds it:
   split-K decode attention; padding rows carry slot -1 (no KV write) and length 0 (zero
   attention), so they touch nothing;
 - steps with prefill chunks by token count (16, 32, 64, then steps of 64 up to 512, then of
-  128 up to `max_graph_tokens`), with every sequence in the varlen attention launch, whose
-  grid depends only on the rows and the sequence buffers; padding rows write no KV, and
+  128 up to `max_graph_tokens`): the decode launch covers as many sequences as the step
+  could hold and finds its decodes on the device, and the varlen launch, whose grid depends
+  only on the rows and the sequence buffers, takes the chunks; padding rows write no KV, and
   padding sequences have no rows.
 While LoRA adapters are loaded, every graph runs their kernels over the rows' adapter slots
 (a row of the base model has none), so steps with and without adapters replay the same
 graphs; they are captured again when adapters come or go.
-Larger steps, steps with blended prompts, and steps with a decode of over
-`LONG_DECODE` tokens of context run eagerly: in the varlen launch a decode's context is
-read by one program per KV head, where the eager step's split-K decode spreads it over the
-GPU. Estimated by bandwidth alone (llama3-8b on an H100, guessing 40 GB/s a program; not
+Larger steps, steps with blended prompts, and steps with a decode of over `LONG_DECODE`
+tokens of context run eagerly: the graph's decode launch is split for as many decodes as
+it could hold (on llama3-8b and an H100, from 64 slots on not at all), so a decode's
+context is read by one program per KV head, where the eager step splits it for the decodes
+it has. Estimated by bandwidth alone (llama3-8b on an H100, guessing 40 GB/s a program; not
 measured), one decode at 64k tokens costs the graph about what an eager step's launches
 cost (some 25 ms).
 

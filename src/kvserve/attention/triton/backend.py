@@ -2,8 +2,9 @@
 
 A step costs three launches per layer: rotary fused with the KV write (and with Qwen3's
 query and key norms), split-K decode attention for the decode rows, and one varlen launch
-for all chunks. A mixed step padded to a CUDA graph's shape runs its decodes in the varlen
-launch too, as one-query sequences: two launches.
+for all chunks. A mixed step padded to a CUDA graph's shape does not know on the host how
+many decodes it has: the decode launch covers as many sequences as could be decodes and
+finds them on the device (the leading one-row sequences), and the varlen launch skips them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ class TritonPagedAttention(AttentionBackend):
         q = qk[:, :-num_kv_heads]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = meta.num_decodes
-        if num_decodes:
+        if meta.padded_mixed:
+            slots = min(q.shape[0], meta.seq_lens.shape[0])
+            splits = num_splits_for(slots, num_kv_heads, int(meta.seq_lens_host.max()),
+                                    self.num_programs)
+            paged_decode_attention(q[:slots], kv_cache, meta.block_tables[:slots],
+                                   meta.seq_lens[:slots], scale, meta.sliding_window, splits,
+                                   out=out[:slots], leading_of=meta.query_start_loc)
+        elif num_decodes:
             splits = num_splits_for(num_decodes, num_kv_heads,
                                     int(meta.seq_lens_host[:num_decodes].max()),
                                     self.num_programs)
@@ -43,5 +51,6 @@ class TritonPagedAttention(AttentionBackend):
             paged_varlen_attention(
                 q, kv_cache, meta.block_tables[num_decodes:],
                 meta.query_start_loc[num_decodes:], meta.seq_lens[num_decodes:], scale,
-                meta.sliding_window, out, self.num_programs, meta.query_positions)
+                meta.sliding_window, out, self.num_programs, meta.query_positions,
+                skip_leading=meta.padded_mixed)
         return out.view(q.shape[0], -1)

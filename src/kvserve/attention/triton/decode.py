@@ -28,19 +28,25 @@ from kvserve.triton_splits import arrives_last, check_split_groups, rearm, split
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, out_ptr, counters_ptr,
-    scale, window,
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, part_ptr, lse_ptr,
+    out_ptr, counters_ptr, scale, window,
     stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     SPLITS_POW2: tl.constexpr, MERGE_HEADS: tl.constexpr, PRECISION: tl.constexpr,
     UNIFIED: tl.constexpr,
-    UNIFIED_RANGE: tl.constexpr,
+    UNIFIED_RANGE: tl.constexpr, LEADING_ONLY: tl.constexpr,
     unified_max,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
+    num_written = GROUP  # heads whose output this sequence's programs write
+    if LEADING_ONLY:
+        # Sequences 0 .. seq hold one row each: this one is among the leading decodes.
+        is_decode = tl.load(query_start_ptr + seq + 1) == seq + 1
+        seq_len = tl.where(is_decode, seq_len, 0)
+        num_written = tl.where(is_decode, GROUP, 0)
     first = tl.maximum(seq_len - window, 0)
     split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = first + split * split_len
@@ -85,7 +91,7 @@ def _decode_split_kernel(
             m, l_sum, acc = attend_tile(q, k, v, valid[None, :], m, l_sum, acc, scale,
                                         PRECISION)
 
-    keep = g < GROUP
+    keep = g < num_written
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # an empty context gives 0
     out_rows = out_ptr + seq * stride_ob + head[:, None] * stride_oh + d[None, :]
     if NUM_SPLITS == 1:
@@ -102,7 +108,7 @@ def _decode_split_kernel(
         if arrives_last(counter, NUM_SPLITS):
             for head0 in tl.static_range(0, GROUP, MERGE_HEADS):
                 merged = head0 + tl.arange(0, MERGE_HEADS)
-                merged_ok = merged < GROUP
+                merged_ok = merged < num_written
                 merged_head = kv_head * GROUP + merged
                 merged_out = _merge_splits(part_ptr, lse_ptr, (seq * num_heads + merged_head)
                                            * NUM_SPLITS, merged_ok, d, NUM_SPLITS,
@@ -161,10 +167,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            seq_lens: torch.Tensor, scale: float, window: int | None,
                            num_splits: int, out: torch.Tensor | None = None,
                            unified_max: float | None = None,
-                           num_warps: int = 4) -> torch.Tensor:
+                           num_warps: int = 4,
+                           leading_of: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (head-contiguous rows); kv_cache: [2, Hkv, num_blocks, block_size, D];
     block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B]. Returns [B, Hq, D].
-    `unified_max` switches to the asynchronized softmax around that fixed value. Compiled
+    `unified_max` switches to the asynchronized softmax around that fixed value.
+    `leading_of`: the query starts (from 0) of a padded mixed step, whose first B rows are
+    its leading one-row sequences (decodes) and then its chunks' rows: only the decodes'
+    rows of `out` are written, the rest left to the varlen launch. Compiled
     for an H100, neither 4 nor 8 warps spill up to head_dim 256
     (`scripts/attention_sm90.py`); `bench kernels` times both."""
     batch, num_heads, head_dim = q.shape
@@ -182,8 +192,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            device=q.device)
         lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, kv_cache, block_tables, seq_lens, part, lse, out, split_counters(q.device),
-        scale, window or NO_WINDOW,
+        q, kv_cache, block_tables, seq_lens, leading_of if leading_of is not None else seq_lens,
+        part, lse, out, split_counters(q.device), scale, window or NO_WINDOW,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
@@ -192,6 +202,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         MERGE_HEADS=merge_heads(group, num_splits, head_dim),
         PRECISION=dot_precision(q.dtype),
         UNIFIED=unified_max is not None, UNIFIED_RANGE=unified_range(q.dtype),
-        unified_max=unified_max or 0.0, num_warps=num_warps)
+        LEADING_ONLY=leading_of is not None, unified_max=unified_max or 0.0, num_warps=num_warps)
     return out
 

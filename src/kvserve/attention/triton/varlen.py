@@ -10,8 +10,11 @@ the tiles from `query_start[s] // BLOCK_Q + s` on, and a tile finds its sequence
 binary search over those starts. A fixed number of programs (about two per SM) take the
 (tile, KV head) pairs in turn, up to a count read on the device: the launch depends only on
 the numbers of rows and of sequences, so a CUDA graph of a padded mixed step replays it
-over any mix of chunks and decodes (a decode is a sequence of one query), and the
-sequences a graph pads with have no rows, hence no tiles. One program per tile would leave
+over any mix of chunks and decodes, and the sequences a graph pads with have no rows,
+hence no tiles. Such a step's decodes, its leading one-row sequences, are the split-K decode
+kernel's: a decode's tile would fill GROUP of its 64 rows and read the whole context in one
+program per KV head (at 256 decodes of 1,024 tokens beside a chunk, the step took twice
+as long as eagerly). One program per tile would leave
 the empty ones to fill the GPU in waves: at 8 warps and about 200 registers a thread, an
 H100 SM holds one program at a time.
 """
@@ -33,7 +36,7 @@ TILE_ROWS = 64
 def _count_at_or_below(query_start_ptr, num_seqs, target, DIVISOR: tl.constexpr,
                        STEP: tl.constexpr):
     """How many of the first `num_seqs` sequences s have query_start[s] // DIVISOR + s * STEP
-    at or below `target`: a binary search, the key rising with s."""
+    at or below `target`: a binary search, the key never falling as s rises."""
     low = tl.zeros([], tl.int32)
     high = low + num_seqs
     while low < high:
@@ -53,12 +56,17 @@ def _varlen_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    SKIP_LEADING: tl.constexpr,
 ):
     """Each program takes every num_programs-th (tile, KV head) pair in turn."""
     # Every sequence but a padded step's trailing ones, which start at the last row's end.
     num_seqs = _count_at_or_below(query_start_ptr, num_seqs,
                                   tl.load(query_start_ptr + num_seqs) - 1, 1, 0)
-    first_tile = tl.load(query_start_ptr) // BLOCK_Q
+    first_seq = tl.zeros([], tl.int32)
+    if SKIP_LEADING:
+        # The leading one-row sequences (rows end at s + 1), which the decode kernel serves.
+        first_seq = _count_at_or_below(query_start_ptr + 1, num_seqs, 1, 1, -1)
+    first_tile = tl.load(query_start_ptr + first_seq) // BLOCK_Q + first_seq
     num_tiles = tl.load(query_start_ptr + num_seqs) // BLOCK_Q + num_seqs - first_tile
     for work in range(tl.program_id(0), num_tiles * NUM_KV_HEADS, tl.num_programs(0)):
         tile = work // NUM_KV_HEADS + first_tile
@@ -139,13 +147,15 @@ def paged_varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, window: int | None,
                            out: torch.Tensor, num_programs: int,
-                           positions: torch.Tensor | None = None) -> torch.Tensor:
+                           positions: torch.Tensor | None = None,
+                           skip_leading: bool = False) -> torch.Tensor:
     """q, out: [num_rows, Hq, D], rows of sequence i at query_start_loc[i] .. [i + 1] - 1,
     all within num_rows; kv_cache: [2, Hkv, num_blocks, block_size, D], already holding the
     new keys; block_tables: [num_seqs, ...]; seq_lens: [num_seqs] context lengths;
     positions: [num_rows] each row's position, when a sequence's queries are not its last
     ones. Rows outside every sequence are left as they are. At most `num_programs` programs
-    share the work."""
+    share the work. `skip_leading` (query starts from 0): the leading one-row sequences are
+    left out too, for the decode kernel."""
     num_seqs = seq_lens.shape[0]
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     num_rows, num_heads, _ = q.shape
@@ -165,5 +175,5 @@ def paged_varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor,
         BLOCK_Q=block_q,
         BLOCK_M=max(TILE_ROWS, triton.next_power_of_2(group)),
         PRECISION=dot_precision(q.dtype), HAS_POSITIONS=positions is not None,
-        **tile_config(head_dim, block_size))
+        SKIP_LEADING=skip_leading, **tile_config(head_dim, block_size))
     return out
