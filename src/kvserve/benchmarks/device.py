@@ -119,11 +119,17 @@ def matmul_params(module: torch.nn.Module) -> int:
                if isinstance(m, Linear))
 
 
-def gemm_peak(device: str | torch.device, dtype: torch.dtype, size: int = 2048,
-              repeats: int = 5) -> float:
-    """Best FLOP/s of a size x size x size matmul, through the engine's own `Linear` (the
+def gemm_size(device: str | torch.device) -> int:
+    """The side of the square GEMM that measures a device's peak: 2048 on a CPU (seconds
+    there); a GPU finishes that in some 20 us, where its launch still counts, so 8192."""
+    return 8192 if torch.device(device).type == "cuda" else 2048
+
+
+def gemm_peak(device: str | torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Best FLOP/s of a `gemm_size` cubed matmul, through the engine's own `Linear` (the
     GEMM a prefill takes) or torch's matmul (cuBLAS, or oneDNN on CPU), whichever is
     faster: the machine's peak, not just the engine's."""
+    size = gemm_size(device)
     with torch.device(device):
         layer = Linear(size, [size], False, dtype)
         weight = torch.randn(size, size, dtype=dtype)

@@ -32,6 +32,7 @@ import torch
 from kvserve.arg_types import non_negative_int, positive_int
 from kvserve.benchmarks.device import (
     gemm_peak,
+    gemm_size,
     matmul_params,
     memory_bandwidth,
     synchronize,
@@ -208,7 +209,7 @@ def prefill_against_gemm_peak(runner: ModelRunner, kv_cache: KVCacheManager,
     print_table([row], title=(
         f"prefill from an empty cache, {runner.config.model.dtype}: its matmul FLOPs (2 x "
         f"{weights / 1e6:.0f} M weights per token; then with attention's two products) "
-        f"against a 2048^3 GEMM through the engine's linear layer"))
+        f"against a {gemm_size(runner.device)}^3 GEMM through the engine's linear layer"))
     return row
 
 
