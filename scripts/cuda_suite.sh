@@ -26,8 +26,9 @@
 #   lora         8 adapters in one batch against the base model
 #   structured   JSON-schema output against free output of the same tokens (needs
 #                llguidance and jsonschema importable)
-#   serve        llama3-8b's server under Poisson load, chunked prefill against
-#                prefill-first (needs fastapi, uvicorn and pydantic importable)
+#   serve        llama3-8b's server under Poisson load, prompts of 1-4k tokens, chunked
+#                prefill against prefill-first (needs fastapi, uvicorn and pydantic
+#                importable)
 #
 # Each part runs under its own limit (seconds: LIMIT_<part>, e.g. LIMIT_tests=300), logs to
 # RESULTS_DIR/<part>.log and writes its JSON beside it; a part that fails or runs out of time
@@ -66,8 +67,12 @@ DEVICE=${DEVICE:-cuda}
 MODELS=${MODELS:-/tmp/kvserve-suite}
 if [ "${SMALL:-0}" = 1 ]; then
   BIG=small QWEN=small QWEN_ARCH=(--arch qwen3) PROMPTS=8 HF_BATCH=8 RATES=(1 2)
+  SERVE_PROMPTS=(--prompt-min 128 --prompt-max 512)
 else
-  BIG=llama3-8b QWEN=qwen3-0.6b QWEN_ARCH=() PROMPTS=64 HF_BATCH=64 RATES=(4 8 16)
+  BIG=llama3-8b QWEN=qwen3-0.6b QWEN_ARCH=() PROMPTS=64 HF_BATCH=64 RATES=(2 4 8)
+  # Prompts longer than the 512-token budget, which chunked prefill splits and prefill-first
+  # runs whole: with prompts that fit the budget the two schedules run the same steps.
+  SERVE_PROMPTS=(--prompt-min 1024 --prompt-max 4096 --output-min 64 --output-max 256)
 fi
 
 kvserve() { "$PYTHON" -m kvserve "$@"; }
@@ -170,7 +175,7 @@ part_serve() {
   }
   kvserve bench serve --model "$(model "$BIG")" --device "$DEVICE" \
     --max-num-batched-tokens 512 --rates "${RATES[@]}" --num-prompts "$PROMPTS" \
-    --json "$RESULTS/serve.json"
+    "${SERVE_PROMPTS[@]}" --json "$RESULTS/serve.json"
 }
 
 part_lora() {
