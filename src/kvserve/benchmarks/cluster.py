@@ -135,7 +135,7 @@ def cluster_run(args: argparse.Namespace, router: str, work: Workload, kv_bytes:
 def run(args: argparse.Namespace) -> None:
     import ray
 
-    model = ModelConfig.from_pretrained(args.model)
+    model = ModelConfig.from_pretrained(args.model, args.dtype, args.device)
     replicas = args.data_parallel_size
     prefix_blocks = args.prefix_len // args.block_size
     own_blocks = -(-(args.prefix_len + args.suffix_len + args.output_len)

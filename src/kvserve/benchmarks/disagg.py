@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> None:
     if not 1 <= prefill < total:
         raise ValueError(f"--prefill-replicas must be in [1, {total - 1}] for --replicas "
                          f"{total}, got {prefill}")
-    model = ModelConfig.from_pretrained(args.model)
+    model = ModelConfig.from_pretrained(args.model, args.dtype, args.device)
     work = fixed(args.num_prompts, args.prompt_len, args.output_len, model.vocab_size,
                  args.workload_seed)
     print(f"{work.name}; SLOs: TTFT <= {args.slo_ttft} s, TPOT <= {args.slo_tpot * 1e3:.0f} "

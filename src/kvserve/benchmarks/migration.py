@@ -23,7 +23,7 @@ from kvserve.engine_args import add_engine_args
 def run(args: argparse.Namespace) -> None:
     import ray
 
-    model = ModelConfig.from_pretrained(args.model)
+    model = ModelConfig.from_pretrained(args.model, args.dtype, args.device)
     work = alternating(args.num_prompts, args.prompt_len, args.long_output,
                        args.short_output, model.vocab_size, args.workload_seed)
     print(f"{work.name}, Poisson at {args.rate} req/s; 2 replicas, round-robin, "

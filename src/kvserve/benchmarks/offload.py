@@ -57,7 +57,7 @@ def replay(llm: Any, script: ChatScript, concurrency: int, output_len: int
 def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
 
-    model = ModelConfig.from_pretrained(args.model)
+    model = ModelConfig.from_pretrained(args.model, args.dtype, args.device)
     script = chat_script(args.chats, args.turns, args.system_words, args.user_words,
                          args.workload_seed)
     tokenizer = load_tokenizer(args.model)

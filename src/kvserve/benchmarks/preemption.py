@@ -61,7 +61,7 @@ def timed_run(llm: Any, prompts: list[dict[str, Any]], params: list[SamplingPara
 def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
 
-    model = ModelConfig.from_pretrained(args.model)
+    model = ModelConfig.from_pretrained(args.model, args.dtype, args.device)
     work = variable(args.num_prompts, (args.prompt_len // 2, args.prompt_len),
                     (args.output_len // 2, args.output_len), model.vocab_size,
                     args.workload_seed)

@@ -165,8 +165,8 @@ def local_server(args: argparse.Namespace, policy: str) -> Iterator[str]:
 
 
 def sweep(url: str, args: argparse.Namespace, label: str) -> list[dict[str, object]]:
-    vocab = (ModelConfig.from_pretrained(args.model).vocab_size if args.model
-             else args.vocab_size)
+    vocab = (ModelConfig.from_pretrained(args.model, args.dtype, args.device).vocab_size
+             if args.model else args.vocab_size)
     warmup = variable(2, (16, 16), (4, 4), vocab, seed=args.seed)
     asyncio.run(run_load(url, args.served_model_name, warmup, None, 2, args.seed))
     rows = []

@@ -19,7 +19,7 @@ def make_lora(model: str | Path, output: str | Path, rank: int = 16, alpha: floa
               targets: tuple[str, ...] = TARGETS, seed: int = 0, std: float = 0.02
               ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Writes the adapter folder; returns {HF module name: (A [r, in], B [out, r])}."""
-    cfg = ModelConfig.from_pretrained(model)
+    cfg = ModelConfig.from_pretrained(model, "float32")  # shapes only
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = {"q_proj": (cfg.hidden_size, q), "k_proj": (cfg.hidden_size, kv),
               "v_proj": (cfg.hidden_size, kv), "o_proj": (q, cfg.hidden_size),
