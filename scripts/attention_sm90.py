@@ -21,7 +21,8 @@ from kvserve.triton_precision import dot_precision
 TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "block_tables_ptr": "*i64",
          "query_start_ptr": "*i64", "seq_lens_ptr": "*i64", "positions_ptr": "*i64",
          "out_ptr": "*bf16", "part_ptr": "*fp32", "lse_ptr": "*fp32", "counters_ptr": "*i32",
-         "scale": "fp32", "unified_max": "fp32", "window": "i32", "num_seqs": "i32"}
+         "scale": "fp32", "unified_max": "fp32", "window": "i32", "num_seqs": "i32",
+         "decode_count_ptr": "*i64", "split_target": "i32"}
 BLOCK_SIZE = 16
 
 
@@ -32,20 +33,21 @@ def varlen_usage(head_dim: int, group: int) -> dict[str, int]:
                  "BLOCK_Q": varlen.queries_per_tile(group), "BLOCK_N": config["BLOCK_N"],
                  "BLOCK_M": max(varlen.TILE_ROWS, triton.next_power_of_2(group)),
                  "PRECISION": dot_precision(torch.bfloat16), "HAS_POSITIONS": False,
-                 "SKIP_LEADING": True}
+                 "SKIP_DECODES": True}
     compiled = compile_for_h100(varlen._varlen_kernel, _with_strides(varlen._varlen_kernel),
                                 constants, {"num_warps": config["num_warps"]},
                                 _head_strides(varlen._varlen_kernel))
     return {"warps": config["num_warps"], "BLOCK_N": config["BLOCK_N"], **resources(compiled)}
 
 
-def decode_usage(head_dim: int, group: int) -> dict[str, int]:
+def decode_usage(head_dim: int, group: int, counted: bool = False) -> dict[str, int]:
+    """`counted`: as a mixed-step graph launches it, the decode count read on the device."""
     constants = {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)),
                  "HEAD_DIM": head_dim, "BLOCK_SIZE": BLOCK_SIZE, "BLOCK_N": decode.BLOCK_N,
                  "NUM_SPLITS": decode.MAX_SPLITS, "SPLITS_POW2": decode.MAX_SPLITS,
                  "MERGE_HEADS": decode.merge_heads(group, decode.MAX_SPLITS, head_dim),
                  "PRECISION": dot_precision(torch.bfloat16),
-                 "UNIFIED": False, "UNIFIED_RANGE": 60.0, "LEADING_ONLY": True}
+                 "UNIFIED": False, "UNIFIED_RANGE": 60.0, "COUNTED": counted}
     compiled = compile_for_h100(decode._decode_split_kernel,
                                 _with_strides(decode._decode_split_kernel), constants,
                                 {"num_warps": 4}, _head_strides(decode._decode_split_kernel))
@@ -69,7 +71,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4, help="query heads per KV head")
     args = parser.parse_args()
     for head_dim in args.head_dims:
-        for name, usage in (("varlen", varlen_usage), ("decode", decode_usage)):
+        for name, usage in (("varlen", varlen_usage), ("decode", decode_usage),
+                            ("counted decode", lambda *a: decode_usage(*a, counted=True))):
             row = usage(head_dim, args.group)
             print(f"{name} head_dim {head_dim}, group {args.group}: {row['warps']} warps, "
                   f"key tiles of {row['BLOCK_N']}: {row['REG']} registers, "

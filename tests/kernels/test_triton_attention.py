@@ -106,17 +106,18 @@ def test_queries_at_some_positions_match_those_rows_of_the_full_step():
 
 @pytest.mark.parametrize("seqs", [MIXED, [(0, 23), (41, 17)], [(3, 1)] * 9 + [(0, 5)]],
                          ids=["mixed", "chunks only", "9 decodes and a chunk"])
-@pytest.mark.parametrize("num_programs", [1, 5, 1000])
+@pytest.mark.parametrize("num_programs", [1, 5, 40, 1000])
 def test_a_step_padded_to_a_graphs_shape_matches_the_torch_backend(num_programs, seqs):
-    """The decodes found on the device by the decode launch (split 1 to 16 ways), which
-    covers as many sequences as the padded step could hold; the chunks in the varlen launch,
-    which skips the decodes; sequences after the real ones with no rows, rows after the real
-    ones that write no KV; programs taking several (tile, KV head) pairs each, or one, or
-    none."""
+    """The decodes counted on the device by the decode launch, which covers as many
+    sequences as the padded step could hold and splits each 1 to 16 ways as their number
+    allows; the chunks in the varlen launch, which skips the decodes; sequences after the
+    real ones with no rows, rows after the real ones that write no KV; programs taking
+    several (tile, KV head) pairs each, or one, or none."""
     qk, v, freqs, cache, meta, buffers = build_step(seqs, 8, 2, 64, 16, spare=40)
     num_tokens, num_seqs = qk.shape[0], len(seqs)
-    padded = buffers.padded_mixed(num_seqs, num_tokens, num_tokens + 40)
-    assert padded.attn_metadata.padded_mixed and padded.attn_metadata.num_decodes == 0
+    padded = buffers.padded_mixed(num_seqs, meta.num_decodes, num_tokens, num_tokens + 40)
+    assert padded.attn_metadata.num_decodes == 0
+    assert padded.attn_metadata.decode_count.tolist() == [meta.num_decodes]
     gen = torch.Generator().manual_seed(9)
     junk = [torch.randn(40, *x.shape[1:], generator=gen).to(DEVICE) for x in (qk, v)]
     pad_freqs = torch.cat([freqs, freqs[:1].expand(40, *freqs.shape[1:])])

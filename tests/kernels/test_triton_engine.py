@@ -144,12 +144,10 @@ def test_graph_token_sizes():
     assert graph_token_sizes(10) == [10]
 
 
-def test_a_padded_mixed_step_matches_the_eager_one(model_dirs, triton_everywhere,
-                                                   monkeypatch):
-    """A step with chunks and decodes at a graph's shape: the decodes found on the device by
-    the decode launch, the chunks in the varlen launch, padding rows and sequences after the
-    real ones. Its rows equal the eager step's,
-    and the padding writes no KV. With a decode's context past LONG_DECODE it runs eagerly."""
+def test_a_padded_mixed_step_matches_the_eager_one(model_dirs, triton_everywhere):
+    """A step with chunks and decodes at a graph's shape: the decodes counted on the device
+    by the decode launch, the chunks in the varlen launch, padding rows and sequences after
+    the real ones. Its rows equal the eager step's, and the padding writes no KV."""
     from kvserve.core.scheduler.output import ScheduledRequest
     from kvserve.worker.forward_context import forward_context
 
@@ -169,8 +167,6 @@ def test_a_padded_mixed_step_matches_the_eager_one(model_dirs, triton_everywhere
     torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
     # The same KV again (up to a GEMM of more rows rounding apart), none for padding.
     torch.testing.assert_close(runner.kv_cache, written, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr("kvserve.worker.cuda_graphs.LONG_DECODE", 20)  # "b" is at 21
-    assert runner.graphs.forwards_for(inputs) is None
 
 
 def test_enforce_eager_runs_without_graphs(model_dirs, triton_everywhere):

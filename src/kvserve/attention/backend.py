@@ -50,11 +50,12 @@ class AttentionMetadata:
     # [num_tokens] each row's position, given when a chunk's queries are only some of its
     # context's last positions (a blended prompt's recomputed tokens)
     query_positions: torch.Tensor | None = None
-    # A step with chunks at a CUDA graph's fixed shape: `num_decodes` is 0 and every
-    # sequence runs as a chunk (a decode as a chunk of one query); sequences past the real
-    # ones have no rows, and rows past `query_start_loc[-1]` are padding that writes no KV
-    # and whose output nothing reads. Only a backend that `takes_padding_rows` gets one.
-    padded_mixed: bool = False
+    # [1] on the device, for a step with chunks at a CUDA graph's fixed shape: how many of
+    # its leading sequences are decodes, which `num_decodes` (0 there) does not say. Its
+    # sequences past the real ones have no rows, and rows past `query_start_loc[-1]` are
+    # padding that writes no KV and whose output nothing reads. Only a backend that
+    # `takes_padding_rows` gets one.
+    decode_count: torch.Tensor | None = None
 
     def decode_tables(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode rows' block tables, cut to the longest decode's blocks, and their

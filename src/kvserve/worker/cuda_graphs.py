@@ -9,19 +9,14 @@ persistent input buffers, and a step replays the smallest graph that holds it:
   attention), so they touch nothing;
 - steps with prefill chunks by token count (16, 32, 64, then steps of 64 up to 512, then of
   128 up to `max_graph_tokens`): the decode launch covers as many sequences as the step
-  could hold and finds its decodes on the device, and the varlen launch, whose grid depends
-  only on the rows and the sequence buffers, takes the chunks; padding rows write no KV, and
-  padding sequences have no rows.
+  could hold and reads the decode count from the device, splitting the decodes as their
+  number allows, and the varlen launch, whose grid depends only on the rows and the
+  sequence buffers, takes the chunks; padding rows write no KV, and padding sequences have
+  no rows.
 While LoRA adapters are loaded, every graph runs their kernels over the rows' adapter slots
 (a row of the base model has none), so steps with and without adapters replay the same
 graphs; they are captured again when adapters come or go.
-Larger steps, steps with blended prompts, and steps with a decode of over `LONG_DECODE`
-tokens of context run eagerly: the graph's decode launch is split for as many decodes as
-it could hold (on llama3-8b and an H100, from 64 slots on not at all), so a decode's
-context is read by one program per KV head, where the eager step splits it for the decodes
-it has. Estimated by bandwidth alone (llama3-8b on an H100, guessing 40 GB/s a program; not
-measured), one decode at 64k tokens costs the graph about what an eager step's launches
-cost (some 25 ms).
+Larger steps and steps with blended prompts run eagerly.
 
 Without `capture` (CPU tests) the same padded forwards run eagerly, so everything but the
 capture itself is exercised.
@@ -40,10 +35,6 @@ from kvserve.worker.forward_context import forward_context
 from kvserve.worker.input_batch import InputBuffers, ModelInputs
 
 logger = logging.getLogger(__name__)
-
-
-# Contexts (tokens) beyond which a step's decodes run split-K, eagerly: half the break-even.
-LONG_DECODE = 32768
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -124,6 +115,7 @@ class StepGraphs:
             model, graph_token_sizes(max_graph_tokens) if max_graph_tokens else [],
             lambda inputs, size: buffers.padded_mixed(
                 len(inputs.scheduled) if inputs is not None else 0,
+                inputs.attn_metadata.num_decodes if inputs is not None else 0,
                 inputs.input_ids.shape[0] if inputs is not None else 0, size, lora),
             lora_slots)
         if capture:
@@ -136,8 +128,7 @@ class StepGraphs:
             return None  # captured for another set of adapters: the runner recaptures
         if not meta.prefills:
             forwards, rows = self.decodes, meta.num_decodes
-        elif inputs.blends or meta.seq_lens_host[:meta.num_decodes].max(
-                initial=0) > LONG_DECODE:
+        elif inputs.blends:
             return None
         else:
             forwards, rows = self.mixed, inputs.input_ids.shape[0]

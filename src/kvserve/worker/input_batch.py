@@ -91,6 +91,7 @@ class InputBuffers:
         self.lora_slots = StagedTensor((max_num_tokens,), dev)
         # Zeros at first, later stale entries of earlier steps: always valid block ids.
         self.block_tables = StagedTensor((max_num_seqs, max_blocks_per_seq), dev)
+        self.decode_count = StagedTensor((1,), dev)  # a padded mixed step's, for its graph
         # Marks where the device stream took the last uploads: host staging is rewritten only
         # once they are done (a step that samples nothing lets the host run ahead).
         self.uploaded = torch.cuda.Event() if dev.type == "cuda" else None
@@ -222,15 +223,17 @@ class InputBuffers:
         )
         return self._padded_inputs(rows, meta, np.arange(batch_size + 1))
 
-    def padded_mixed(self, num_seqs: int, num_tokens: int, padded_tokens: int,
-                     lora: bool = False) -> ModelInputs:
-        """The inputs of a step with chunks whose `num_seqs` sequences and `num_tokens` rows
-        `prepare()` has filled, at the fixed shape of `padded_tokens` rows and every
-        sequence buffer (`AttentionMetadata.padded_mixed`): padding rows write no KV (slot
-        -1), and the sequences past `num_seqs` start at row `num_tokens`, so they have none.
-        Only the padding is uploaded."""
+    def padded_mixed(self, num_seqs: int, num_decodes: int, num_tokens: int,
+                     padded_tokens: int, lora: bool = False) -> ModelInputs:
+        """The inputs of a step with chunks whose `num_seqs` sequences (`num_decodes`
+        decodes first) and `num_tokens` rows `prepare()` has filled, at the fixed shape of
+        `padded_tokens` rows and every sequence buffer, the decode count on the device
+        (`AttentionMetadata.decode_count`): padding rows write no KV (slot -1), and the
+        sequences past `num_seqs` start at row `num_tokens`, so they have none. Only the
+        padding and the count are uploaded."""
         max_seqs = len(self.seq_lens.host)
         self.query_start_loc.host[num_seqs + 1:] = num_tokens
+        self.decode_count.host[0] = num_decodes
         rows = self._padded_rows(num_tokens, padded_tokens, lora)
         meta = AttentionMetadata(
             slot_mapping=rows.slot_mapping,
@@ -241,7 +244,7 @@ class InputBuffers:
             seq_lens_host=np.full(max_seqs, self.max_seq_len),
             prefills=[],
             sliding_window=self.sliding_window,
-            padded_mixed=True,
+            decode_count=self.decode_count.upload(1),
         )
         return self._padded_inputs(rows, meta, self.query_start_loc.host.copy())
 

@@ -2,9 +2,9 @@
 
 A step costs three launches per layer: rotary fused with the KV write (and with Qwen3's
 query and key norms), split-K decode attention for the decode rows, and one varlen launch
-for all chunks. A mixed step padded to a CUDA graph's shape does not know on the host how
-many decodes it has: the decode launch covers as many sequences as could be decodes and
-finds them on the device (the leading one-row sequences), and the varlen launch skips them.
+for all chunks. A mixed step padded to a CUDA graph's shape has its decode count on the
+device: the decode launch covers as many sequences as could be decodes and splits those
+that are as their number allows, and the varlen launch skips them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, QKNorm
 from kvserve.attention.triton.cache import rotary_and_cache
-from kvserve.attention.triton.decode import num_splits_for, paged_decode_attention
+from kvserve.attention.triton.decode import (
+    MAX_SPLITS,
+    num_splits_for,
+    paged_decode_attention,
+)
 from kvserve.attention.triton.varlen import paged_varlen_attention
 
 
@@ -33,13 +37,12 @@ class TritonPagedAttention(AttentionBackend):
         q = qk[:, :-num_kv_heads]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = meta.num_decodes
-        if meta.padded_mixed:
+        if meta.decode_count is not None:
             slots = min(q.shape[0], meta.seq_lens.shape[0])
-            splits = num_splits_for(slots, num_kv_heads, int(meta.seq_lens_host.max()),
-                                    self.num_programs)
             paged_decode_attention(q[:slots], kv_cache, meta.block_tables[:slots],
-                                   meta.seq_lens[:slots], scale, meta.sliding_window, splits,
-                                   out=out[:slots], leading_of=meta.query_start_loc)
+                                   meta.seq_lens[:slots], scale, meta.sliding_window,
+                                   MAX_SPLITS, out=out[:slots], decode_count=meta.decode_count,
+                                   split_target=self.num_programs)
         elif num_decodes:
             splits = num_splits_for(num_decodes, num_kv_heads,
                                     int(meta.seq_lens_host[:num_decodes].max()),
@@ -47,10 +50,10 @@ class TritonPagedAttention(AttentionBackend):
             paged_decode_attention(q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
                                    meta.seq_lens[:num_decodes], scale, meta.sliding_window,
                                    splits, out=out[:num_decodes])
-        if meta.prefills or meta.padded_mixed:
+        if meta.prefills or meta.decode_count is not None:
             paged_varlen_attention(
                 q, kv_cache, meta.block_tables[num_decodes:],
                 meta.query_start_loc[num_decodes:], meta.seq_lens[num_decodes:], scale,
                 meta.sliding_window, out, self.num_programs, meta.query_positions,
-                skip_leading=meta.padded_mixed)
+                decode_count=meta.decode_count)
         return out.view(q.shape[0], -1)

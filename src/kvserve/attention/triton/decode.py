@@ -8,6 +8,8 @@ the block table (no gather copy), and one program serves every query head of a G
 so each KV tile is loaded once for the whole group. Split boundaries are derived on the device
 from each sequence's length, so a launch's grid depends only on the batch size: the kernels
 are safe to capture in a CUDA graph. A sequence of length 0 (a graph's padding row) yields 0.
+A graph of a step with chunks reads its number of decodes on the device too, and the number
+of splits follows from it there.
 
 Optionally (`unified_max`), FlashDecoding++'s asynchronized softmax: every score is
 exponentiated against one fixed value instead of a running maximum, so no tile rescales what
@@ -28,27 +30,60 @@ from kvserve.triton_splits import arrives_last, check_split_groups, rearm, split
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, part_ptr, lse_ptr,
-    out_ptr, counters_ptr, scale, window,
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, decode_count_ptr, part_ptr, lse_ptr,
+    out_ptr, counters_ptr, scale, window, split_target,
     stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     SPLITS_POW2: tl.constexpr, MERGE_HEADS: tl.constexpr, PRECISION: tl.constexpr,
-    UNIFIED: tl.constexpr,
-    UNIFIED_RANGE: tl.constexpr, LEADING_ONLY: tl.constexpr,
+    UNIFIED: tl.constexpr, UNIFIED_RANGE: tl.constexpr, COUNTED: tl.constexpr,
     unified_max,
 ):
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Program (i, kv_head, split). COUNTED: the first decode_count[0] sequences are the
+    decodes, each split on the device into as many pieces (up to NUM_SPLITS) as give about
+    `split_target` programs in all, and program i takes piece i % splits of decode
+    i // splits; otherwise program i takes piece `split` of NUM_SPLITS of sequence i."""
+    kv_head = tl.program_id(1)
+    if COUNTED:
+        num_decodes = tl.load(decode_count_ptr).to(tl.int32)
+        wanted = tl.cdiv(split_target, tl.maximum(num_decodes, 1) * tl.num_programs(1))
+        num_splits = tl.minimum(tl.maximum(wanted, 1), NUM_SPLITS)
+        seq = tl.program_id(0) // num_splits
+        if seq < num_decodes:
+            _attend_split(
+                q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, out_ptr,
+                counters_ptr, scale, window, unified_max, seq, kv_head,
+                tl.program_id(0) % num_splits, num_splits,
+                stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt,
+                stride_ob, stride_oh, GROUP, BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+                SPLITS_POW2, MERGE_HEADS, PRECISION, UNIFIED, UNIFIED_RANGE)
+    else:
+        _attend_split(
+            q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, out_ptr,
+            counters_ptr, scale, window, unified_max, tl.program_id(0), kv_head,
+            tl.program_id(2), NUM_SPLITS,
+            stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt,
+            stride_ob, stride_oh, GROUP, BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
+            SPLITS_POW2, MERGE_HEADS, PRECISION, UNIFIED, UNIFIED_RANGE)
+
+
+@triton.jit
+def _attend_split(
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, out_ptr, counters_ptr,
+    scale, window, unified_max, seq, kv_head, split, num_splits,
+    stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    MERGE_HEADS: tl.constexpr, PRECISION: tl.constexpr, UNIFIED: tl.constexpr,
+    UNIFIED_RANGE: tl.constexpr,
+):
+    """Piece `split` of `num_splits` of sequence `seq`'s context, for the heads of `kv_head`:
+    written to the output directly when it is the only piece, else stored as a part that
+    the last piece to finish merges."""
     num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_written = GROUP  # heads whose output this sequence's programs write
-    if LEADING_ONLY:
-        # Sequences 0 .. seq hold one row each: this one is among the leading decodes.
-        is_decode = tl.load(query_start_ptr + seq + 1) == seq + 1
-        seq_len = tl.where(is_decode, seq_len, 0)
-        num_written = tl.where(is_decode, GROUP, 0)
     first = tl.maximum(seq_len - window, 0)
-    split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
     start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -91,27 +126,27 @@ def _decode_split_kernel(
             m, l_sum, acc = attend_tile(q, k, v, valid[None, :], m, l_sum, acc, scale,
                                         PRECISION)
 
-    keep = g < num_written
+    keep = g < GROUP
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # an empty context gives 0
     out_rows = out_ptr + seq * stride_ob + head[:, None] * stride_oh + d[None, :]
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=keep[:, None])
     else:
         # Each (head, split) leaves its softmax-weighted output and log-sum-exp; an empty
         # split leaves 0 and -inf, which the merge weighs 0.
-        rows = (seq * num_heads + head) * NUM_SPLITS
+        rows = (seq * num_heads + head) * num_splits
         tl.store(part_ptr + (rows + split)[:, None] * HEAD_DIM + d[None, :], out,
                  mask=keep[:, None])
         lse = tl.where(l_sum > 0, m + tl.log(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
         tl.store(lse_ptr + rows + split, lse, mask=keep)
         counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-        if arrives_last(counter, NUM_SPLITS):
+        if arrives_last(counter, num_splits):
             for head0 in tl.static_range(0, GROUP, MERGE_HEADS):
                 merged = head0 + tl.arange(0, MERGE_HEADS)
-                merged_ok = merged < num_written
+                merged_ok = merged < GROUP
                 merged_head = kv_head * GROUP + merged
                 merged_out = _merge_splits(part_ptr, lse_ptr, (seq * num_heads + merged_head)
-                                           * NUM_SPLITS, merged_ok, d, NUM_SPLITS,
+                                           * num_splits, merged_ok, d, num_splits,
                                            SPLITS_POW2, HEAD_DIM)
                 tl.store(out_ptr + seq * stride_ob + merged_head[:, None] * stride_oh
                          + d[None, :], merged_out.to(out_ptr.dtype.element_ty),
@@ -120,13 +155,13 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _merge_splits(part_ptr, lse_ptr, rows, row_ok, d, NUM_SPLITS: tl.constexpr,
+def _merge_splits(part_ptr, lse_ptr, rows, row_ok, d, num_splits,
                   SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The outputs [len(rows), HEAD_DIM] of heads whose splits' parts start at `rows`, each
     split weighted by its share of the softmax sum. Every split of every head is read in one
     load: one head after another, each head's read would wait for the store before it."""
     s = tl.arange(0, SPLITS_POW2)
-    ok = row_ok[:, None] & (s < NUM_SPLITS)[None, :]
+    ok = row_ok[:, None] & (s < num_splits)[None, :]
     parts = rows[:, None] + s[None, :]
     lse = tl.load(lse_ptr + parts, mask=ok, other=float("-inf"), cache_modifier=".cg")
     part = tl.load(part_ptr + parts[:, :, None] * HEAD_DIM + d[None, None, :],
@@ -166,34 +201,43 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int,
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, window: int | None,
                            num_splits: int, out: torch.Tensor | None = None,
-                           unified_max: float | None = None,
-                           num_warps: int = 4,
-                           leading_of: torch.Tensor | None = None) -> torch.Tensor:
+                           unified_max: float | None = None, num_warps: int = 4,
+                           decode_count: torch.Tensor | None = None,
+                           split_target: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] (head-contiguous rows); kv_cache: [2, Hkv, num_blocks, block_size, D];
     block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B]. Returns [B, Hq, D].
     `unified_max` switches to the asynchronized softmax around that fixed value.
-    `leading_of`: the query starts (from 0) of a padded mixed step, whose first B rows are
-    its leading one-row sequences (decodes) and then its chunks' rows: only the decodes'
-    rows of `out` are written, the rest left to the varlen launch. Compiled
-    for an H100, neither 4 nor 8 warps spill up to head_dim 256
-    (`scripts/attention_sm90.py`); `bench kernels` times both."""
+    `decode_count`, a [1] device tensor (a padded mixed step's, whose count the host does
+    not give its graph): only the first decode_count[0] of the B rows are decodes, and only
+    their rows of `out` are written; each is split into up to `num_splits` pieces, as many
+    as give about `split_target` programs. Compiled for an H100, neither 4 nor 8 warps
+    spill up to head_dim 256 (`scripts/attention_sm90.py`); `bench kernels` times both."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     assert q.stride(2) == 1 and kv_cache.is_contiguous() and block_tables.stride(1) == 1
+    if decode_count is None:
+        grid = (batch, num_kv_heads, num_splits)
+        split_groups = batch * num_kv_heads
+    else:
+        # num_decodes x their splits <= num_decodes + split_target / num_kv_heads; a split
+        # decode's group index stays below split_target.
+        grid = (batch + -(-split_target // num_kv_heads), num_kv_heads, 1)
+        split_groups = split_target
     if num_splits > 1:
-        check_split_groups(batch * num_kv_heads)
+        check_split_groups(split_groups)
     if out is None:
         out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     assert out.stride(2) == 1
     part = lse = out  # one split writes the output directly
     if num_splits > 1:
-        part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
-                           device=q.device)
-        lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, kv_cache, block_tables, seq_lens, leading_of if leading_of is not None else seq_lens,
-        part, lse, out, split_counters(q.device), scale, window or NO_WINDOW,
+        parts = grid[0] * num_heads * grid[2]
+        part = torch.empty(parts, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(parts, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[grid](
+        q, kv_cache, block_tables, seq_lens, decode_count if decode_count is not None
+        else seq_lens, part, lse, out, split_counters(q.device), scale, window or NO_WINDOW,
+        split_target,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
@@ -202,6 +246,6 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         MERGE_HEADS=merge_heads(group, num_splits, head_dim),
         PRECISION=dot_precision(q.dtype),
         UNIFIED=unified_max is not None, UNIFIED_RANGE=unified_range(q.dtype),
-        LEADING_ONLY=leading_of is not None, unified_max=unified_max or 0.0, num_warps=num_warps)
+        COUNTED=decode_count is not None, unified_max=unified_max or 0.0,
+        num_warps=num_warps)
     return out
-

@@ -11,12 +11,12 @@ binary search over those starts. A fixed number of programs (about two per SM) t
 (tile, KV head) pairs in turn, up to a count read on the device: the launch depends only on
 the numbers of rows and of sequences, so a CUDA graph of a padded mixed step replays it
 over any mix of chunks and decodes, and the sequences a graph pads with have no rows,
-hence no tiles. Such a step's decodes, its leading one-row sequences, are the split-K decode
+hence no tiles. Such a step's decodes, its leading sequences, are the split-K decode
 kernel's: a decode's tile would fill GROUP of its 64 rows and read the whole context in one
-program per KV head (at 256 decodes of 1,024 tokens beside a chunk, the step took twice
-as long as eagerly). One program per tile would leave
-the empty ones to fill the GPU in waves: at 8 warps and about 200 registers a thread, an
-H100 SM holds one program at a time.
+program per KV head (at 256 decodes of 1,024 tokens beside a chunk, the step took twice as
+long as eagerly on an H200). One program per tile would leave the empty ones to fill the
+GPU in waves: at 8 warps and about 200 registers a thread, an H100 SM holds one program at
+a time.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ TILE_ROWS = 64
 def _count_at_or_below(query_start_ptr, num_seqs, target, DIVISOR: tl.constexpr,
                        STEP: tl.constexpr):
     """How many of the first `num_seqs` sequences s have query_start[s] // DIVISOR + s * STEP
-    at or below `target`: a binary search, the key never falling as s rises."""
+    at or below `target`: a binary search, the key rising with s."""
     low = tl.zeros([], tl.int32)
     high = low + num_seqs
     while low < high:
@@ -50,22 +50,21 @@ def _count_at_or_below(query_start_ptr, num_seqs, target, DIVISOR: tl.constexpr,
 
 @triton.jit(do_not_specialize=["num_seqs"])
 def _varlen_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, positions_ptr, out_ptr,
-    scale, window, num_seqs,
+    q_ptr, kv_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr, positions_ptr,
+    decode_count_ptr, out_ptr, scale, window, num_seqs,
     stride_qt, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt, stride_ot, stride_oh,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    SKIP_LEADING: tl.constexpr,
+    SKIP_DECODES: tl.constexpr,
 ):
     """Each program takes every num_programs-th (tile, KV head) pair in turn."""
     # Every sequence but a padded step's trailing ones, which start at the last row's end.
     num_seqs = _count_at_or_below(query_start_ptr, num_seqs,
                                   tl.load(query_start_ptr + num_seqs) - 1, 1, 0)
     first_seq = tl.zeros([], tl.int32)
-    if SKIP_LEADING:
-        # The leading one-row sequences (rows end at s + 1), which the decode kernel serves.
-        first_seq = _count_at_or_below(query_start_ptr + 1, num_seqs, 1, 1, -1)
+    if SKIP_DECODES:  # the leading decode_count[0] sequences, which the decode kernel serves
+        first_seq = tl.load(decode_count_ptr).to(tl.int32)
     first_tile = tl.load(query_start_ptr + first_seq) // BLOCK_Q + first_seq
     num_tiles = tl.load(query_start_ptr + num_seqs) // BLOCK_Q + num_seqs - first_tile
     for work in range(tl.program_id(0), num_tiles * NUM_KV_HEADS, tl.num_programs(0)):
@@ -148,14 +147,14 @@ def paged_varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, window: int | None,
                            out: torch.Tensor, num_programs: int,
                            positions: torch.Tensor | None = None,
-                           skip_leading: bool = False) -> torch.Tensor:
+                           decode_count: torch.Tensor | None = None) -> torch.Tensor:
     """q, out: [num_rows, Hq, D], rows of sequence i at query_start_loc[i] .. [i + 1] - 1,
     all within num_rows; kv_cache: [2, Hkv, num_blocks, block_size, D], already holding the
     new keys; block_tables: [num_seqs, ...]; seq_lens: [num_seqs] context lengths;
     positions: [num_rows] each row's position, when a sequence's queries are not its last
     ones. Rows outside every sequence are left as they are. At most `num_programs` programs
-    share the work. `skip_leading` (query starts from 0): the leading one-row sequences are
-    left out too, for the decode kernel."""
+    share the work. `decode_count`, a [1] device tensor: the first decode_count[0]
+    sequences are left out too, for the decode kernel."""
     num_seqs = seq_lens.shape[0]
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     num_rows, num_heads, _ = q.shape
@@ -167,13 +166,14 @@ def paged_varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor,
     grid = (min((num_rows // block_q + num_seqs) * num_kv_heads, num_programs),)
     _varlen_kernel[grid](
         q, kv_cache, block_tables, query_start_loc, seq_lens,
-        positions if positions is not None else seq_lens, out, scale, window or NO_WINDOW,
-        num_seqs,
+        positions if positions is not None else seq_lens,
+        decode_count if decode_count is not None else seq_lens, out, scale,
+        window or NO_WINDOW, num_seqs,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         BLOCK_M=max(TILE_ROWS, triton.next_power_of_2(group)),
         PRECISION=dot_precision(q.dtype), HAS_POSITIONS=positions is not None,
-        SKIP_LEADING=skip_leading, **tile_config(head_dim, block_size))
+        SKIP_DECODES=decode_count is not None, **tile_config(head_dim, block_size))
     return out
