@@ -43,26 +43,20 @@ def _decode_split_kernel(
     decodes, each split on the device into as many pieces (up to NUM_SPLITS) as give about
     `split_target` programs in all, and program i takes piece i % splits of decode
     i // splits; otherwise program i takes piece `split` of NUM_SPLITS of sequence i."""
-    kv_head = tl.program_id(1)
     if COUNTED:
         num_decodes = tl.load(decode_count_ptr).to(tl.int32)
         wanted = tl.cdiv(split_target, tl.maximum(num_decodes, 1) * tl.num_programs(1))
         num_splits = tl.minimum(tl.maximum(wanted, 1), NUM_SPLITS)
-        seq = tl.program_id(0) // num_splits
-        if seq < num_decodes:
-            _attend_split(
-                q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, out_ptr,
-                counters_ptr, scale, window, unified_max, seq, kv_head,
-                tl.program_id(0) % num_splits, num_splits,
-                stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt,
-                stride_ob, stride_oh, GROUP, BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-                SPLITS_POW2, MERGE_HEADS, PRECISION, UNIFIED, UNIFIED_RANGE)
+        seq, split = tl.program_id(0) // num_splits, tl.program_id(0) % num_splits
+        is_decode = seq < num_decodes
     else:
+        seq, split, num_splits = tl.program_id(0), tl.program_id(2), NUM_SPLITS
+        is_decode = True
+    if is_decode:
         _attend_split(
             q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, part_ptr, lse_ptr, out_ptr,
-            counters_ptr, scale, window, unified_max, tl.program_id(0), kv_head,
-            tl.program_id(2), NUM_SPLITS,
-            stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt,
+            counters_ptr, scale, window, unified_max, seq, tl.program_id(1), split,
+            num_splits, stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt,
             stride_ob, stride_oh, GROUP, BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
             SPLITS_POW2, MERGE_HEADS, PRECISION, UNIFIED, UNIFIED_RANGE)
 
