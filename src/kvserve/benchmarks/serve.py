@@ -1,9 +1,12 @@
 """`kvserve bench serve`: replay a synthetic workload against an OpenAI-compatible server.
 
 Requests arrive as a Poisson process at each swept rate (or at a fixed concurrency) with
-random token prompts, and stream their completions. Per rate it reports TTFT, TPOT, ITL and
-end-to-end latency percentiles, throughput, goodput (requests per second that meet both the
-TTFT and the TPOT SLO, DistServe's definition) and how fast `/health` answered meanwhile.
+random token prompts, and stream their completions. Per rate it reports percentiles of
+TTFT, TPOT, ITL (the gap between streamed chunks), TBT (Sarathi-Serve's time between
+tokens: each chunk's gap shared among the tokens it brings, counted by the server's
+continuous usage, since a token that adds no text sends no chunk of its own) and end-to-end
+latency; throughput; goodput (requests per second that meet both the TTFT and the TPOT
+SLO, DistServe's definition); and how fast `/health` answered meanwhile.
 
 With `--model PATH` it starts `kvserve serve` itself once per `--policies` entry, so the
 stall-free chunked schedule and the prefill-first baseline are compared in one command.
@@ -15,10 +18,10 @@ import argparse
 import asyncio
 import json
 import random
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from time import perf_counter
 
 import httpx
 
@@ -37,6 +40,7 @@ class RequestResult:
     e2e: float = 0.0
     output_tokens: int = 0
     itls: list[float] = field(default_factory=list)
+    tbts: list[float] = field(default_factory=list)
 
     @property
     def tpot(self) -> float:
@@ -53,9 +57,10 @@ def percentile(values: list[float], q: float) -> float:
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
                       output_len: int) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    result, last = RequestResult(ok=False), None
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    start = perf_counter()
+    result, last, last_token = RequestResult(ok=False), None, None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
@@ -64,16 +69,24 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            now = time.perf_counter()
-            if chunk.get("usage"):
-                result.output_tokens = chunk["usage"]["completion_tokens"]
+            now = perf_counter()
+            # Tokens so far: the server's count where it streams one, else a token a chunk.
+            tokens = (chunk.get("usage") or {}).get("completion_tokens",
+                                                    result.output_tokens + 1)
+            if not chunk.get("choices"):  # the closing usage
+                result.output_tokens = tokens
                 continue
+            new, result.output_tokens = tokens - result.output_tokens, tokens
             if last is None:
                 result.ttft = now - start
             else:
                 result.itls.append(now - last)
+            if new > 0:
+                if last_token is not None:
+                    result.tbts += [(now - last_token) / new] * new
+                last_token = now
             last = now
-    result.e2e = time.perf_counter() - start
+    result.e2e = perf_counter() - start
     result.ok = result.output_tokens > 0
     return result
 
@@ -81,9 +94,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
 async def probe_health(client: httpx.AsyncClient, url: str, stop: asyncio.Event,
                        latencies: list[float], interval: float = 0.05) -> None:
     while not stop.is_set():
-        start = time.perf_counter()
+        start = perf_counter()
         await client.get(f"{url}/health")
-        latencies.append(time.perf_counter() - start)
+        latencies.append(perf_counter() - start)
         await asyncio.sleep(interval)
 
 
@@ -101,14 +114,14 @@ async def send_all(workload: Workload,
         async with gate:
             return await request(prompt, output_len)
 
-    start = time.perf_counter()
+    start = perf_counter()
     tasks = []
     for prompt, output_len in zip(workload.prompts, workload.output_lens, strict=True):
         tasks.append(asyncio.create_task(send(prompt, output_len)))
         if rate:
             await asyncio.sleep(rng.expovariate(rate))
     results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - start
+    return list(results), perf_counter() - start
 
 
 async def run_load(url: str, model: str, workload: Workload, rate: float | None,
@@ -135,6 +148,7 @@ def summarize(results: list[RequestResult], wall: float, health: list[float],
     good = [r for r in done if r.ttft <= slo_ttft and r.tpot <= slo_tpot]
     ttft, tpot = [r.ttft for r in done], [r.tpot for r in done]
     itl = [x for r in done for x in r.itls]
+    tbt = [x for r in done for x in r.tbts]
     e2e = [r.e2e for r in done]
     ms = 1e3
     return {
@@ -149,6 +163,8 @@ def summarize(results: list[RequestResult], wall: float, health: list[float],
             round(percentile(tpot, 90) * ms), "TPOT p99 ms": round(percentile(tpot, 99) * ms),
         "ITL p50 ms": round(percentile(itl, 50) * ms), "ITL p99 ms":
             round(percentile(itl, 99) * ms),
+        "TBT p50 ms": round(percentile(tbt, 50) * ms), "TBT p99 ms":
+            round(percentile(tbt, 99) * ms),
         "E2E p50 s": round(percentile(e2e, 50), 2), "E2E p99 s": round(percentile(e2e, 99), 2),
         "health p99 ms": round(percentile(health, 99) * ms, 1),
         "health max ms": round(max(health, default=float("nan")) * ms, 1),
@@ -223,8 +239,8 @@ def run(args: argparse.Namespace) -> None:
             with local_server(args, policy) as url:
                 rows += sweep(url, args, policy)
     columns = ["schedule", "rate", "completed", "out tok/s", "goodput req/s", "SLO met %",
-               "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "ITL p99 ms",
-               "E2E p99 s", "health p99 ms", "health max ms"]
+               "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "TBT p99 ms",
+               "ITL p99 ms", "E2E p99 s", "health p99 ms", "health max ms"]
     print_table([{c: r[c] for c in columns} for r in rows], title=(
         f"bench serve: {args.num_prompts} requests, prompts {args.prompt_min}-{args.prompt_max}"
         f" tokens, outputs {args.output_min}-{args.output_max}; SLO TTFT <= {args.slo_ttft} s,"
@@ -248,6 +264,7 @@ def _print_ratios(rows: list[dict[str, object]], policies: list[str]) -> None:
         ratios.append({
             "rate": row["rate"],
             f"TPOT p99 {base} / {other}": _ratio(twin["TPOT p99 ms"], row["TPOT p99 ms"]),
+            f"TBT p99 {base} / {other}": _ratio(twin["TBT p99 ms"], row["TBT p99 ms"]),
             f"goodput {other} / {base}": _ratio(row["goodput req/s"], twin["goodput req/s"]),
         })
     print_table(ratios, title="ratios at the same request rate")
