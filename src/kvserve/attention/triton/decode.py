@@ -45,6 +45,8 @@ def _decode_split_kernel(
     i // splits; otherwise program i takes piece `split` of NUM_SPLITS of sequence i."""
     if COUNTED:
         num_decodes = tl.load(decode_count_ptr).to(tl.int32)
+        # num_splits_for's rule (the eager step's), less its cap by context length: a
+        # piece past a short context is empty, and the merge weighs it 0.
         wanted = tl.cdiv(split_target, tl.maximum(num_decodes, 1) * tl.num_programs(1))
         num_splits = tl.minimum(tl.maximum(wanted, 1), NUM_SPLITS)
         seq, split = tl.program_id(0) // num_splits, tl.program_id(0) % num_splits
