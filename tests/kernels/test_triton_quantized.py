@@ -13,9 +13,15 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kvserve.quantization import triton_gemm  # noqa: E402
-from kvserve.quantization.gptq import gptq, rtn  # noqa: E402
+from kvserve.quantization.gptq import gptq, rtn, sorted_by_group  # noqa: E402
 from kvserve.quantization.squeezellm import squeezellm  # noqa: E402
-from kvserve.quantization.triton_gemm import pack_for_triton  # noqa: E402
+from kvserve.quantization.torch_int4 import int4_weight  # noqa: E402
+from kvserve.quantization.triton_gemm import (  # noqa: E402
+    GEMV,
+    TENSOR_CORES,
+    TORCH_INT4,
+    pack_for_triton,
+)
 from kvserve.triton_splits import split_counters  # noqa: E402
 from tests.kernels.test_triton_attention import DEVICE  # noqa: E402
 
@@ -47,8 +53,8 @@ def check(shards, rows: int, dtype: torch.dtype, num_programs: int = 8) -> None:
     weight = torch.cat([s.dequantize() for s in shards])
     want = x.to(dtype).float() @ weight.to(dtype).float().t()
     # Up to GEMV_MAX_ROWS rows either kernel may run: the faster on CUDA, the GEMV here.
-    for gemv in (None, False) if 1 < rows <= triton_gemm.GEMV_MAX_ROWS else (None,):
-        run = dataclasses.replace(kernel, gemv=gemv)
+    for chosen in (None, TENSOR_CORES) if 1 < rows <= triton_gemm.GEMV_MAX_ROWS else (None,):
+        run = dataclasses.replace(kernel, kernel=chosen)
         got = run.matmul(x.to(DEVICE, dtype)).float().cpu()
         assert got.shape == want.shape
         assert not split_counters(torch.device(DEVICE)).any()  # split-K re-armed counters
@@ -90,7 +96,8 @@ def test_every_tile_the_gpu_may_pick_is_right(group_size, monkeypatch):
         for tile in tiles:
             assert group_size % tile.kwargs["BLOCK_K"] == 0
             monkeypatch.setattr(tuned, "configs", [tile])
-            got = dataclasses.replace(kernel, gemv=gemv).matmul(x.to(DEVICE)).cpu()
+            chosen = GEMV if gemv else TENSOR_CORES
+            got = dataclasses.replace(kernel, kernel=chosen).matmul(x.to(DEVICE)).cpu()
             assert (got - want).abs().max() <= 1e-4 * want.abs().max()
             assert triton_gemm.chosen_tile(gemv).startswith(
                 f"N{tile.kwargs['BLOCK_N']} K{tile.kwargs['BLOCK_K']} w{tile.num_warps} ")
@@ -104,7 +111,7 @@ def test_the_gemv_reads_bfloat16_inputs_two_channels_at_a_time(bits, group_size,
     w, _ = layer()
     q = rtn(w, bits, group_size, sym=bits == 4)
     kernel = dataclasses.replace(
-        pack_for_triton([q], torch.bfloat16, torch.device(DEVICE), 8), gemv=True)
+        pack_for_triton([q], torch.bfloat16, torch.device(DEVICE), 8), kernel=GEMV)
     for rows in (1, 3):
         padded = torch.randn(rows, IN + 1, generator=torch.Generator().manual_seed(rows))
         x = padded.to(DEVICE, torch.bfloat16)[:, offset:offset + IN]
@@ -119,8 +126,56 @@ def test_the_gemv_takes_a_few_rows_only():
     w, _ = layer()
     kernel = pack_for_triton([rtn(w, 4, 32, True)], torch.float32, torch.device(DEVICE), 8)
     rows = triton_gemm.GEMV_MAX_ROWS + 1
-    with pytest.raises(ValueError, match=f"at most {rows - 1} rows, got {rows}"):
-        dataclasses.replace(kernel, gemv=True).matmul(torch.randn(rows, IN).to(DEVICE))
+    with pytest.raises(ValueError, match=f"GEMV kernel does not take {rows} rows"):
+        dataclasses.replace(kernel, kernel=GEMV).matmul(torch.randn(rows, IN).to(DEVICE))
+
+
+def with_int4_copy(q, device: torch.device):  # noqa: ANN001, ANN201
+    """q in the Triton layout for bfloat16 rows, with its copy in PyTorch's int4 layout for
+    `device` (on the CPU, its CPU kernel's)."""
+    kernel = pack_for_triton([q], torch.bfloat16, torch.device(DEVICE), 8)
+    intweight, order, group_size = sorted_by_group([q])
+    copy = int4_weight(intweight, q.scales, q.zeros, group_size, order, device)
+    return dataclasses.replace(kernel, torch_int4=copy)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_torch_int4_copy_matches_the_dequantized_matmul(act_order):
+    """PyTorch's int4 GEMM (tinygemm on CUDA, its CPU twin here) on a layer's copy, with the
+    GPTQ zero points as its offsets: any rows up to TORCH_INT4_MAX_ROWS, none beyond."""
+    w, hessian = layer()
+    q = gptq(w, hessian, 4, 64, sym=False, act_order=act_order)
+    kernel = with_int4_copy(q, torch.device(DEVICE))
+    assert TORCH_INT4 in kernel.kernels(triton_gemm.TORCH_INT4_MAX_ROWS)
+    assert TORCH_INT4 not in kernel.kernels(triton_gemm.TORCH_INT4_MAX_ROWS + 1)
+    for rows in (1, 5, 16, 33):
+        x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
+        want = x.bfloat16().float() @ q.dequantize().bfloat16().float().t()
+        got = dataclasses.replace(kernel, kernel=TORCH_INT4).matmul(
+            x.to(DEVICE, torch.bfloat16)).float().cpu()
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    rows = triton_gemm.TORCH_INT4_MAX_ROWS + 1
+    with pytest.raises(ValueError, match=f"torch int4 kernel does not take {rows} rows"):
+        dataclasses.replace(kernel, kernel=TORCH_INT4).matmul(
+            torch.randn(rows, IN, dtype=torch.bfloat16, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 2, 16, 40])
+def test_on_cuda_the_fastest_kernel_of_each_row_count_is_right(rows):
+    """Where a layer has its int4 copy, each row count's first call times the kernels that
+    take it and runs the fastest; every one of them gives the dequantized result."""
+    w, hessian = layer()
+    q = gptq(w, hessian, 4, 128, sym=True, act_order=False)
+    kernel = with_int4_copy(q, torch.device("cuda"))
+    x = torch.randn(rows, IN, generator=torch.Generator().manual_seed(rows))
+    want = x.bfloat16().float() @ q.dequantize().bfloat16().float().t()
+    assert TORCH_INT4 in kernel.kernels(rows)
+    for chosen in (None, *kernel.kernels(rows)):
+        got = dataclasses.replace(kernel, kernel=chosen).matmul(
+            x.to("cuda", torch.bfloat16)).float().cpu()
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max()
 
 
 @pytest.mark.parametrize("num_programs", [1, 64])  # one split, and as many as the input allows

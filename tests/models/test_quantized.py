@@ -19,7 +19,6 @@ from kvserve.layers.linear import Linear
 from kvserve.models.loader import iter_checkpoint
 from kvserve.quantization.cpu_kernels import (
     CpuCandidates,
-    Int4Weight,
     Int8Weight,
     WxA8Weight,
     amx_int8_runs,
@@ -31,6 +30,7 @@ from kvserve.quantization.hub_format import QuantConfig, dequantize_checkpoint
 from kvserve.quantization.packing import pack_awq
 from kvserve.quantization.quantize import quantize_model
 from kvserve.quantization.squeezellm import LutWeight
+from kvserve.quantization.torch_int4 import Int4Weight
 from kvserve.tools.checkpoint_files import write_weights
 from kvserve.tools.make_model import make_model
 from tests.conftest import random_prompts

@@ -15,7 +15,6 @@ from kvserve.config import cpu_flags
 from kvserve.cpp_extension import CSRC, build, cpu_kernels
 from kvserve.errors import CheckpointError
 from kvserve.quantization.cpu_kernels import (
-    Int4Weight,
     Int8Weight,
     WxA8Weight,
     amx_int8_runs,
@@ -34,6 +33,7 @@ from kvserve.quantization.packing import (
     unpack_rows,
 )
 from kvserve.quantization.squeezellm import squeezellm
+from kvserve.quantization.torch_int4 import Int4Weight, cuda_nibble_pairs, int4_weight_fits
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -244,6 +244,23 @@ def test_4bit_kernels_match_the_dequantized_weight(act_order, rows):
         assert (kernel.input_order is not None) == act_order
         # bfloat16 activations, or int8 ones with a scale per row and group of 64
         assert (kernel.matmul(x) - want).abs().max() < 0.02 * want.abs().max()
+
+
+def test_cuda_int4_input_holds_even_channels_in_the_high_nibble():
+    """`_convert_weight_to_int4pack` on CUDA takes [out, in / 2] bytes, channel 2j in the high
+    nibble (torchao and gpt-fast pack so): a swap would pair each weight with its neighbour's
+    input."""
+    w = torch.tensor([[1, 2, 3, 4], [15, 0, 7, 8]])
+    assert cuda_nibble_pairs(w).tolist() == [[0x12, 0x34], [0xF0, 0x78]]
+    assert cuda_nibble_pairs(w).dtype == torch.uint8
+
+
+def test_torch_int4_fits_its_kernels_group_sizes_and_widths():
+    cpu = torch.device("cpu")
+    assert int4_weight_fits((96, 256), 64, cpu)
+    assert not int4_weight_fits((96, 256), 16, cpu)  # no kernel variant for groups of 16
+    assert not int4_weight_fits((40, 256), 64, cpu)  # outputs not a multiple of 16
+    assert not int4_weight_fits((96, 256), 64, torch.device("meta"))
 
 
 @pytest.mark.parametrize("sym", [True, False])

@@ -5,8 +5,9 @@ For each shape and number of rows, the dense layer as the engine runs it in `--d
 blocked GEMM or oneDNN on CPU, cuBLAS on CUDA) is the baseline; each quantized kernel the
 device has (CPU: PyTorch's int4 and int8, our W4A8/W8A8 on VNNI and on AMX's int8 tiles, and
 the same bytes dequantized into the blocked GEMM's tiles; CUDA: the Triton W4A16 and W8A16
-GEMMs) is timed on the same random weight, RTN quantized, with its speed-up over dense and its
-time over its own floor: its weight bytes at the copy bandwidth measured in the same run.
+GEMMs, and in bfloat16 PyTorch's int4 GEMM, tinygemm) is timed on the same random weight, RTN
+quantized, with its speed-up over dense and its time over its own floor: its weight bytes at
+the copy bandwidth measured in the same run.
 On CUDA the calls replay from a CUDA graph, as in a decode step, over enough copies of the
 weight that none is read from the L2 cache; on CPU each call follows a read that empties the
 caches (`device.device_seconds`). Triton's two kernels are
@@ -40,6 +41,7 @@ from kvserve.quantization.cpu_kernels import (
 )
 from kvserve.quantization.gptq import QuantizedWeight, rtn
 from kvserve.quantization.kernels import num_programs
+from kvserve.quantization.torch_int4 import int4_weight, int4_weight_fits
 
 LLAMA3_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
              "down": (14336, 4096)}
@@ -88,13 +90,20 @@ def _kernels(weight: torch.Tensor, layer: str, args: argparse.Namespace, dtype: 
         "int8 per-channel": rtn(weight, 8, in_features, sym=True)}
     for name, q in quantized.items():
         if torch.device(args.device).type == "cuda":
-            from kvserve.quantization.triton_gemm import pack_for_triton
+            from kvserve.quantization.triton_gemm import GEMV, TENSOR_CORES, pack_for_triton
 
             device = torch.device(args.device)
             triton = pack_for_triton([q], dtype, device, num_programs(device))
-            for gemv, kind in ((True, "Triton GEMV"), (False, "Triton tensor cores")):
-                kernel = dataclasses.replace(triton, gemv=gemv)
-                kernels[f"{name} ({kind})"] = (kernel.matmul, kernel.num_bytes, in_features)
+            for kind in (GEMV, TENSOR_CORES):
+                kernel = dataclasses.replace(triton, kernel=kind)
+                kernels[f"{name} (Triton {kind})"] = (kernel.matmul, kernel.num_bytes,
+                                                      in_features)
+            if (triton.bits == 4 and dtype == torch.bfloat16
+                    and int4_weight_fits(q.shape, args.group_size, device)):
+                tinygemm = int4_weight(q.intweight, q.scales, q.zeros, args.group_size, None,
+                                       device)
+                kernels[f"{name} (torch int4)"] = (tinygemm.matmul, tinygemm.num_bytes,
+                                                   in_features)
             continue
         for kernel in cpu_candidates([q]).packed():
             if kernel is not None:

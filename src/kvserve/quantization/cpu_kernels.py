@@ -42,28 +42,7 @@ import torch
 from kvserve.cpp_extension import cpu_kernels
 from kvserve.cpu_cache import flush_cpu_caches
 from kvserve.quantization.gptq import QuantizedWeight, sorted_by_group
-
-INT4_GROUP_SIZES = (32, 64, 128, 256)
-
-
-@dataclass(frozen=True)
-class Int4Weight:
-    packed: torch.Tensor  # the kernel's packed layout of the [out, in] integers
-    scales_and_zeros: torch.Tensor  # [groups, out, 2] bfloat16: w = (q - 8) * scale + zero
-    group_size: int
-    input_order: torch.Tensor | None  # act-order: the input channels sorted by group
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros))
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).bfloat16()
-        if self.input_order is not None:
-            rows = rows.index_select(1, self.input_order)
-        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size,
-                                                 self.scales_and_zeros)
-        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+from kvserve.quantization.torch_int4 import Int4Weight, int4_weight, int4_weight_fits
 
 
 @dataclass(frozen=True)
@@ -152,13 +131,10 @@ def cpu_candidates(shards: list[QuantizedWeight]) -> CpuCandidates:
     zeros = torch.cat([s.zeros for s in shards], dim=1).float()
     out_features = intweight.shape[0]
     packers: dict[type[IntegerWeight], Callable[[], IntegerWeight]] = {}
-    if (bits == 4 and hasattr(torch, "_weight_int4pack_mm_for_cpu")
-            and group_size in INT4_GROUP_SIZES and out_features % 16 == 0):
+    if bits == 4 and int4_weight_fits(intweight.shape, group_size, torch.device("cpu")):
         def int4() -> Int4Weight:
-            scales_and_zeros = torch.stack([scales, (8 - zeros) * scales], dim=-1)
-            return Int4Weight(
-                torch._convert_weight_to_int4pack_for_cpu(intweight.to(torch.int32), 1),
-                scales_and_zeros.to(torch.bfloat16).contiguous(), group_size, order)
+            return int4_weight(intweight, scales, zeros, group_size, order,
+                               torch.device("cpu"))
         packers[Int4Weight] = int4
     if bits == 8 and len(scales) == 1 and hasattr(torch, "_weight_int8pack_mm"):
         def int8() -> Int8Weight:

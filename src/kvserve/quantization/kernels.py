@@ -1,14 +1,16 @@
 """The one interface a linear layer runs quantized weights through: a kernel with
 `matmul(x)` and `num_bytes`, chosen at load for the layer's shards and device.
 
-- CUDA: the Triton weight-only GEMM (`triton_gemm.py`) for GPTQ, AWQ and SqueezeLLM layers.
+- CUDA: the Triton weight-only GEMM (`triton_gemm.py`) for GPTQ, AWQ and SqueezeLLM layers;
+  for 4-bit GPTQ and AWQ layers in bfloat16, also PyTorch's int4 GEMM (`torch_int4.py`)
+  where it times faster for few rows.
 - CPU: the fastest of PyTorch's int4 or int8 kernel and our W4A8/W8A8 kernel (`cpu_kernels.py`)
   for GPTQ and AWQ layers, where it beats the dense GEMM on the layer's shape.
 - Anything else runs the dequantized dense weight.
 
 `KVSERVE_QUANTIZED_KERNEL` overrides the choice: `auto` (the default), `integer` (the
-fastest CPU kernel even where the dense GEMM is faster), `triton` (the Triton kernel on any
-device: on a CPU only under Triton's interpreter, for tests) or `dequantized`.
+fastest CPU kernel even where the dense GEMM is faster), `triton` (the Triton kernels alone,
+on any device: on a CPU only under Triton's interpreter, for tests) or `dequantized`.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def choose_kernel(shards: list[QuantizedWeight] | list[LutWeight],
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         triton_gemm = _triton_gemm()
         return None if triton_gemm is None else triton_gemm.pack_for_triton(
-            shards, dtype, device, num_programs(device))
+            shards, dtype, device, num_programs(device), torch_int4=choice == "auto")
     if choice == "dequantized" or device.type != "cpu" or isinstance(shards[0], LutWeight):
         return None
     candidates = cpu_candidates(shards)

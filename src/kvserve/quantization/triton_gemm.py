@@ -31,6 +31,7 @@ interpreter runs the first tile that fits.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ import triton.language as tl
 from kvserve.quantization.gptq import QuantizedWeight, sorted_by_group
 from kvserve.quantization.packing import pack_rows
 from kvserve.quantization.squeezellm import LutWeight
+from kvserve.quantization.torch_int4 import Int4Weight, int4_weight, int4_weight_fits
 from kvserve.triton_precision import dot_precision
 from kvserve.triton_splits import (
     check_split_groups,
@@ -281,6 +283,8 @@ def _tuned(kernel: triton.JITFunction, configs: list[triton.Config]
 _tuned_gemm = _tuned(_weight_only_gemm_kernel, TILE_CONFIGS)
 _tuned_gemv = _tuned(_weight_only_gemv_kernel, GEMV_CONFIGS)
 GEMV_MAX_ROWS = 8  # each row costs the GEMV a multiply-add per weight: beyond, tensor cores
+TORCH_INT4_MAX_ROWS = 64  # tinygemm reads the weights again for every 16 rows
+GEMV, TENSOR_CORES, TORCH_INT4 = "GEMV", "tensor cores", "torch int4"
 
 
 def chosen_tile(gemv: bool) -> str:
@@ -304,13 +308,16 @@ class TritonQuantizedWeight:
     outliers: torch.Tensor | None  # [out, in] sparse CSR float32
     input_order: torch.Tensor | None  # act-order: the input channels sorted by group
     num_programs: int  # split-K aims to start this many programs
-    # The CUDA-core kernel (True, up to GEMV_MAX_ROWS rows) or the tensor-core one (False)
-    # for every call; None: one row takes the GEMV, and up to GEMV_MAX_ROWS the one
-    # measured faster on this layer.
-    gemv: bool | None = None
+    # The same integers in PyTorch's int4 layout, kept where its tensor-core GEMM (tinygemm)
+    # times faster than the Triton kernels for few rows (`_with_torch_int4`).
+    torch_int4: Int4Weight | None = None
+    # The kernel of every call (GEMV, TENSOR_CORES or TORCH_INT4); None: of the kernels that
+    # take as many rows, the one the first call with that many rows times fastest.
+    kernel: str | None = None
 
     @property
     def num_bytes(self) -> int:
+        """The bytes one call reads (of either copy: both are as large)."""
         parts = [self.words, self.scales, self.zeros, self.table]
         total = sum(t.numel() * t.element_size() for t in parts if t is not None)
         if self.outliers is not None:
@@ -321,30 +328,42 @@ class TritonQuantizedWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        gemv = self.gemv
-        if gemv is None:
-            gemv = self._gemv_is_faster(rows)
-        elif gemv and len(rows) > GEMV_MAX_ROWS:
-            raise ValueError(f"the GEMV takes at most {GEMV_MAX_ROWS} rows, got {len(rows)}")
-        result = self._launch(rows, gemv)
+        kernel = self.kernel or self.fastest_kernel(rows)
+        if kernel not in self.kernels(len(rows)):
+            raise ValueError(f"the {kernel} kernel does not take {len(rows)} rows here (the "
+                             f"GEMV takes at most {GEMV_MAX_ROWS}, torch int4 at most "
+                             f"{TORCH_INT4_MAX_ROWS} where the layer has its copy)")
+        result = self._run(rows, kernel)
         if self.outliers is not None:
             result = result + torch.sparse.mm(self.outliers, rows.t().float()).t().to(x.dtype)
         return result.reshape(*x.shape[:-1], result.shape[1])
 
-    def _gemv_is_faster(self, rows: torch.Tensor) -> bool:
-        """Under the interpreter, the GEMV up to GEMV_MAX_ROWS rows; on CUDA, whichever of
-        the two kernels the first call with as many rows times faster (a call inside a CUDA
-        graph capture, which cannot time, takes the tensor cores)."""
-        m = len(rows)
-        if m == 1 or m > GEMV_MAX_ROWS:
-            return m == 1
-        if not rows.is_cuda:
-            return True
-        key = ("w4a16 gemv", self.words.shape, self.bits, self.group_size,
-               self.table is not None, self.input_order is not None,
-               triton.next_power_of_2(m), rows.dtype, rows.device)
-        return fastest(key, [lambda g=g: self._launch(rows, g) for g in (True, False)],
-                       untimed=1) == 0
+    def kernels(self, m: int) -> list[str]:
+        """The kernels that take m rows: the GEMV up to GEMV_MAX_ROWS, the tensor cores,
+        PyTorch's int4 up to TORCH_INT4_MAX_ROWS where the layer has its copy."""
+        return [kernel for kernel, takes in (
+            (GEMV, m <= GEMV_MAX_ROWS), (TENSOR_CORES, True),
+            (TORCH_INT4, self.torch_int4 is not None and m <= TORCH_INT4_MAX_ROWS)) if takes]
+
+    def fastest_kernel(self, rows: torch.Tensor) -> str:
+        """Of the kernels that take as many rows (one row: not the tensor cores, 16 times
+        its work), under the interpreter the first; on CUDA the one the first call with as
+        many rows (rounded up to a power of two) times fastest. A call inside a CUDA graph
+        capture, which cannot time, takes the tensor cores, or for one row the GEMV."""
+        kernels = [k for k in self.kernels(len(rows)) if len(rows) > 1 or k != TENSOR_CORES]
+        if not rows.is_cuda or len(kernels) == 1:
+            return kernels[0]
+        key = ("w4a16", self.words.shape, self.bits, self.group_size, self.table is not None,
+               self.input_order is not None, self.torch_int4 is not None,
+               triton.next_power_of_2(len(rows)), rows.dtype, rows.device)
+        untimed = kernels.index(TENSOR_CORES) if TENSOR_CORES in kernels else 0
+        return kernels[fastest(key, [lambda k=k: self._run(rows, k) for k in kernels],
+                               untimed)]
+
+    def _run(self, rows: torch.Tensor, kernel: str) -> torch.Tensor:
+        if kernel == TORCH_INT4:
+            return self.torch_int4.matmul(rows)
+        return self._launch(rows, kernel == GEMV)
 
     def _launch(self, rows: torch.Tensor, gemv: bool) -> torch.Tensor:
         m, k = rows.shape
@@ -385,32 +404,57 @@ class TritonQuantizedWeight:
 
 
 def pack_for_triton(shards: list[QuantizedWeight] | list[LutWeight], dtype: torch.dtype,
-                    device: torch.device, num_programs: int) -> TritonQuantizedWeight | None:
+                    device: torch.device, num_programs: int, torch_int4: bool = False
+                    ) -> TritonQuantizedWeight | None:
     """The shards (a fused layer's, in output order) in the kernel's layout on `device`, or
     None where it cannot run them: groups not a multiple of 32 input channels, shards
-    ordering their inputs differently, or tables of more than 256 entries."""
+    ordering their inputs differently, or tables of more than 256 entries. `torch_int4`: also
+    in PyTorch's int4 layout, where that runs them and times faster (`_with_torch_int4`)."""
     # Split-K runs only where tiles are fewer than num_programs: each tile takes a counter.
     check_split_groups(num_programs)
-    parts = _lut_parts(shards, dtype) if isinstance(shards[0], LutWeight) \
-        else _integer_parts(shards, dtype)
-    if parts is None:
+    if isinstance(shards[0], LutWeight):
+        parts = _lut_parts(shards, dtype)
+        return None if parts is None else _on_device(parts, device, num_programs)
+    grouped = sorted_by_group(shards)
+    if grouped is None or grouped[2] % MIN_BLOCK_K:
         return None
+    intweight, order, group_size = grouped
+    scales = torch.cat([s.scales for s in shards], dim=1)
+    zeros = torch.cat([s.zeros for s in shards], dim=1)
+    bits = 4 if int(intweight.max()) <= 15 else 8
+    weight = _on_device({
+        "words": pack_rows(intweight.t(), bits), "bits": bits, "group_size": group_size,
+        "scales": scales.to(dtype).contiguous(), "zeros": zeros.to(dtype).contiguous(),
+        "table": None, "outliers": None,
+        "input_order": None if order is None else order.to(torch.int32)}, device, num_programs)
+    if (torch_int4 and bits == 4 and dtype == torch.bfloat16
+            and int4_weight_fits(intweight.shape, group_size, device)):
+        return _with_torch_int4(weight, int4_weight(intweight, scales, zeros, group_size,
+                                                    order, device))
+    return weight
+
+
+def _on_device(parts: dict, device: torch.device, num_programs: int) -> TritonQuantizedWeight:
     return TritonQuantizedWeight(**{
         name: value.to(device) if isinstance(value, torch.Tensor) else value
         for name, value in parts.items()}, num_programs=num_programs)
 
 
-def _integer_parts(shards: list[QuantizedWeight], dtype: torch.dtype) -> dict | None:
-    grouped = sorted_by_group(shards)
-    if grouped is None or grouped[2] % MIN_BLOCK_K:
-        return None
-    intweight, order, group_size = grouped
-    bits = 4 if int(intweight.max()) <= 15 else 8
-    return {"words": pack_rows(intweight.t(), bits), "bits": bits, "group_size": group_size,
-            "scales": torch.cat([s.scales for s in shards], dim=1).to(dtype).contiguous(),
-            "zeros": torch.cat([s.zeros for s in shards], dim=1).to(dtype).contiguous(),
-            "table": None, "outliers": None,
-            "input_order": None if order is None else order.to(torch.int32)}
+TORCH_INT4_TIMED_ROWS = (1, 16)  # a decode of one sequence, and a full tile of tinygemm's
+
+
+def _with_torch_int4(weight: TritonQuantizedWeight, torch_int4: Int4Weight
+                     ) -> TritonQuantizedWeight:
+    """`weight` with its copy in PyTorch's int4 layout where that copy times faster than the
+    Triton kernels on one row or on 16 (once per layer shape, at load): the copy takes as
+    much memory again as the packed layer, so a layer keeps it only where it pays."""
+    candidate = dataclasses.replace(weight, torch_int4=torch_int4)
+    in_features = weight.words.shape[0] * 32 // weight.bits
+    for m in TORCH_INT4_TIMED_ROWS:
+        rows = torch.randn(m, in_features, dtype=torch.bfloat16, device=weight.words.device)
+        if candidate.fastest_kernel(rows) == TORCH_INT4:
+            return candidate
+    return weight
 
 
 def _lut_parts(shards: list[LutWeight], dtype: torch.dtype) -> dict | None:
