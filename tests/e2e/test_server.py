@@ -363,7 +363,8 @@ COMPLETIONS = "/v1/completions"
     (COMPLETIONS, {"prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
     (COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of", "use n"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "tools": [
-        {"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
+        {"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice",
+     "--enable-auto-tool-choice"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"7": 101}}, 400, "logit_bias", "[-100, 100]"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", "empty"),
     (COMPLETIONS, {"prompt": [[1, 2], [10**7]]}, 400, None, "vocabulary"),

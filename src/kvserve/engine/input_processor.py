@@ -151,19 +151,29 @@ class InputProcessor:
 
     def apply_chat_template(self, conversation: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            field_name: str = "messages") -> list[int]:
-        """The token ids of a conversation rendered by the checkpoint's chat template."""
+                            field_name: str = "messages",
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The token ids of a conversation rendered by the checkpoint's chat template, with
+        the function `tools` (OpenAI's form) it may call. A template that leaves the tools
+        out of what it renders is refused: the model would never see them."""
         if not conversation:
             raise ValueError(f"{field_name} must not be empty")
         if not self.tokenizer.chat_template:
             raise ValueError(f"{field_name}: the model has no chat template")
+        ids = self._render(conversation, add_generation_prompt, field_name, tools)
+        if tools and ids == self._render(conversation, add_generation_prompt, field_name, None):
+            raise ValueError("tools: the model's chat template does not show tools to the "
+                             "model")
+        return ids
+
+    def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
+                field_name: str, tools: list[dict[str, Any]] | None) -> list[int]:
         try:
-            ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
-                return_dict=False)
+            return list(self.tokenizer.apply_chat_template(
+                conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                tokenize=True, return_dict=False))
         except Exception as e:  # noqa: BLE001 (template errors surface as the caller's error)
             raise ValueError(f"{field_name}: the chat template rejected it: {e}") from None
-        return list(ids)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       field_name: str = "prompt", segment_lens: tuple[int, ...] = ()) -> int:

@@ -34,6 +34,8 @@ def _generate(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from kvserve.entrypoints.openai.server import ServerConfig, serve
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     name = args.served_model_name or args.model
     options = dict(engine_kwargs(args), model_name=name,
                    max_waiting_requests=args.max_waiting_requests)
@@ -54,7 +56,9 @@ def _serve(args: argparse.Namespace) -> None:
 
         llm = AsyncLLM(**options)
     config = ServerConfig(model_name=name, api_key=args.api_key or None,
-                          max_request_bytes=args.max_request_bytes)
+                          max_request_bytes=args.max_request_bytes,
+                          tool_call_parser=args.tool_call_parser
+                          if args.enable_auto_tool_choice else None)
     serve(llm, config, args.host, args.port)
 
 
@@ -90,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.benchmarks import simulate
     from kvserve.benchmarks.cli import add_bench_parser
     from kvserve.cluster.router import ROUTERS
+    from kvserve.entrypoints.openai.tool_calling import TOOL_CALL_PARSERS
     from kvserve.evals import perplexity, streaming
     from kvserve.tools.make_lora import TARGETS
     from kvserve.tools.make_model import ARCHES, PRESETS
@@ -123,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="beyond this many queued requests, answer 503 with Retry-After")
     srv.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
                      help="larger request bodies get 413")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='let the model decide whether to call a tool (tool_choice "auto", '
+                          "the default with tools): needs --tool-call-parser")
+    srv.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                     help="the format the model writes its calls in: hermes (Hermes, "
+                          "Qwen2.5, Qwen3) or llama3_json (Llama 3.1 and later)")
     srv.add_argument("--data-parallel-size", type=positive_int, default=1,
                      help="engine replicas, each a Ray actor with its own KV cache, behind "
                           "this one server (needs pip install 'kvserve[cluster]')")

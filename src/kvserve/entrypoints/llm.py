@@ -75,15 +75,17 @@ class LLM:
                              f"{len(prompts)} prompts")
         return self._run(self._validate(prompts, params), use_tqdm)
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Applies the checkpoint's chat template to one conversation or a list of them."""
+             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+             ) -> list[RequestOutput]:
+        """Applies the checkpoint's chat template to one conversation or a list of them, with
+        the function `tools` (OpenAI's form) the model may call."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts: list[PromptType] = []
         for i, conversation in enumerate(conversations):
             ids = self.engine.inputs.apply_chat_template(conversation, add_generation_prompt,
-                                                  f"messages[{i}]")
+                                                         f"messages[{i}]", tools)
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -9,10 +9,38 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from kvserve.tools.corpus import read_texts, stdlib_files
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, with function tools shown and called as Qwen2.5's and Hermes' templates do: the tools'
+# signatures in the system turn, calls as <tool_call> blocks, results as <tool_response>.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+    "provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_FORMAT = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+)
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '" + TOOLS_PREAMBLE.replace("\n", "\\n") + "' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '" + TOOLS_FORMAT.replace("\n", "\\n") + "<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'system' and tools and loop.first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] "
+    "+ '\\n</tool_response><|im_end|>\\n' }}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls is defined "
+    "and message.tool_calls %}"
+    "{{ '<|im_start|>assistant\\n' + message['content'] }}"
+    "{% for call in message.tool_calls %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
+    "+ (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 

@@ -7,6 +7,7 @@ token budget among. Field values are checked twice: types here, ranges in `Sampl
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
@@ -87,7 +88,11 @@ class SamplingRequest(BaseModel):
         return {**prompt, **{k: v for k, v in options.items() if v is not None}}
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured_output: StructuredOutputParams | None = None
+                        ) -> SamplingParams:
+        """`structured_output`: the output's format where the route sets it (a tool
+        choice), in place of the request's own."""
         unsupported = [name for name, value in (
             ("bad_words", self.bad_words),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens),
@@ -103,7 +108,8 @@ class SamplingRequest(BaseModel):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_output=self.structured_output(), logit_bias=self.token_biases(),
+            structured_output=structured_output or self.structured_output(),
+            logit_bias=self.token_biases(),
             allowed_token_ids=self.allowed_token_ids)
 
     def token_biases(self) -> dict[int, float] | None:
@@ -167,22 +173,79 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (OpenAI's `tool_calls` entries)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as chat templates expect it: text parts joined into one string."""
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: text parts joined into one string, and
+        each call's arguments as an object (transformers' convention for templates)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": call.type, "function": {
+                    "name": call.function.name,
+                    "arguments": _json_object(call.function.arguments, "tool_calls")}}
+                for call in self.tool_calls]
         return message
+
+
+def _json_object(text: str, field_name: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"messages: {field_name} arguments must be a JSON object: {e}"
+                         ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"messages: {field_name} arguments must be a JSON object, got "
+                         f"{text!r}")
+    return value
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: any object
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -192,9 +255,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    # Function calling, refused by name rather than ignored (the model would never see them).
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    # Default: "auto" with tools, "none" without (OpenAI's).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(BaseModel):
@@ -206,6 +270,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ChatTool] | None = None  # with messages: as the chat route shows them
     add_special_tokens: bool = True  # for `prompt`; the chat template places its own
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages through the checkpoint's chat template."""
+"""POST /v1/chat/completions: messages (and function tools) through the checkpoint's chat
+template; calls in the output become `tool_calls` (`tool_calling.py`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from kvserve.entrypoints.openai.protocol import ChatCompletionRequest
 from kvserve.entrypoints.openai.serving import (
     DeltaTracker,
     Serving,
+    ServingBackend,
     collect,
     finish_reason,
     merge,
@@ -20,45 +22,70 @@ from kvserve.entrypoints.openai.serving import (
     stop_hold,
     usage,
 )
+from kvserve.entrypoints.openai.tool_calling import (
+    AUTO,
+    REQUIRED,
+    TOOL_CALL_PARSERS,
+    ParsedOutput,
+    ToolPlan,
+    plan_tools,
+)
 from kvserve.outputs import CompletionOutput, Logprob
 from kvserve.sampling_params import SamplingParams
 
 
 class ChatServer(Serving):
-    def start(self, request: ChatCompletionRequest) -> tuple[SamplingParams, RequestStream]:
-        """Validates and queues the request; returns its sampling params and its stream."""
-        if request.tools or request.tool_choice not in (None, "none"):
-            raise ValueError("tools (and tool_choice) are not supported: function calling "
-                             "is not implemented")
+    def __init__(self, llm: ServingBackend, model_name: str,
+                 tool_call_parser: str | None = None) -> None:
+        """`tool_call_parser` (one of TOOL_CALL_PARSERS) turns on tool_choice "auto"."""
+        super().__init__(llm, model_name)
+        self.parser = TOOL_CALL_PARSERS[tool_call_parser]() if tool_call_parser else None
+
+    def start(self, request: ChatCompletionRequest
+              ) -> tuple[SamplingParams, ToolPlan, RequestStream]:
+        """Validates and queues the request; returns its sampling params, its tool plan and
+        its stream."""
         if request.top_logprobs is not None and not request.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        plan = plan_tools(request, self.parser)
         max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                       else request.max_tokens)
         params = request.sampling_params(
-            max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
+            max_tokens, (request.top_logprobs or 0) if request.logprobs else None,
+            structured_output=plan.constraint)
         ids = self.llm.inputs.apply_chat_template(
-            [m.template_dict() for m in request.messages], request.add_generation_prompt)
+            [m.template_dict() for m in request.messages], request.add_generation_prompt,
+            tools=plan.tools)
         stream = self.llm.add_requests([request.engine_prompt({"prompt_token_ids": ids})],
                                        params)[0]
-        return params, stream
+        return params, plan, stream
 
     async def full(self, request: ChatCompletionRequest) -> dict[str, Any]:
-        _, stream = self.start(request)
+        _, plan, stream = self.start(request)
         [out] = await collect([stream])
-        choices = [{"index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(request, c, 0, len(c.token_ids)),
-                    "finish_reason": finish_reason(c)} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            parsed = plan.parse(c.text, self.parser)
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if parsed.calls:
+                content = c.text[:parsed.content_end]
+                message["content"] = content if content.strip() else None  # as streamed
+                message["tool_calls"] = [call.as_tool_call() for call in parsed.calls]
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._logprobs(request, c, 0, len(c.token_ids)),
+                            "finish_reason": _finish_reason(c, plan, parsed)})
         return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
                 "model": self.model_name, "choices": choices, "usage": usage([out])}
 
     def stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
         """Validates and queues now; the events follow as the engine steps."""
-        params, stream = self.start(request)
-        return self._events(request, params, stream)
+        params, plan, stream = self.start(request)
+        return self._events(request, params, plan, stream)
 
     async def _events(self, request: ChatCompletionRequest, params: SamplingParams,
-                      stream: RequestStream) -> AsyncIterator[str]:
+                      plan: ToolPlan, stream: RequestStream) -> AsyncIterator[str]:
+        """Content streams as it is decoded, but for what may belong to a tool call: the
+        calls come whole in the choice's last chunk, once the output is done."""
         head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": now(),
                 "model": self.model_name}
         for index in range(params.n):
@@ -71,14 +98,24 @@ class ChatServer(Serving):
             async for _, out in outputs:
                 last = out
                 for c in out.outputs:
-                    delta = tracker.delta(0, c)
+                    parsed = None
+                    if c.finish_reason is None:
+                        limit = plan.plain_prefix(c.text, self.parser)
+                    else:
+                        parsed = plan.parse(c.text, self.parser)
+                        limit = parsed.content_end if parsed.calls else None
+                    delta = tracker.delta(0, c, limit)
                     if delta is None:
                         continue
                     text, first, end = delta
+                    fields: dict[str, Any] = {"content": text} if text else {}
+                    if parsed is not None and parsed.calls:
+                        fields["tool_calls"] = [call.as_tool_call(i)
+                                                for i, call in enumerate(parsed.calls)]
                     yield sse({**head, "choices": [{
-                        "index": c.index, "delta": {"content": text} if text else {},
+                        "index": c.index, "delta": fields,
                         "logprobs": self._logprobs(request, c, first, end),
-                        "finish_reason": finish_reason(c)}],
+                        "finish_reason": _finish_reason(c, plan, parsed)}],
                         **({"usage": usage([out])} if request.continuous_usage else {})})
         if request.include_usage and last is not None:
             yield sse({**head, "choices": [], "usage": usage([last])})
@@ -102,3 +139,13 @@ class ChatServer(Serving):
             content.append({**entry(sampled, c.logprobs[k][sampled]),
                             "top_logprobs": [entry(t, c.logprobs[k][t]) for _, t in ranked]})
         return {"content": content}
+
+
+def _finish_reason(c: CompletionOutput, plan: ToolPlan, parsed: ParsedOutput | None
+                   ) -> str | None:
+    """Where the model chose to call (auto, required) and stopped by itself, "tool_calls"; a
+    named function's call is the answer asked for, so it stops as text does."""
+    if (parsed is not None and parsed.calls and plan.mode in (AUTO, REQUIRED)
+            and c.finish_reason == "stop"):
+        return "tool_calls"
+    return finish_reason(c)
