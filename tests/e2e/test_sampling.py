@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.sampling_params import StructuredOutputParams
 from tests.conftest import random_prompts
 
 
@@ -75,12 +78,32 @@ def test_stop_token_ids_and_min_tokens(llm):
     completion = out[0].outputs[0]
     assert completion.token_ids == free[:first + 1]
     assert completion.finish_reason == "stop" and completion.stop_reason == stop_at
+    # The stop token's text is left out, as a stop string's is (vLLM's rule), unless asked.
+    decode = llm.get_tokenizer().decode
+    assert completion.text == decode(free[:first])
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                               stop_token_ids=[stop_at],
+                                               include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == decode(free[:first + 1])
     delayed = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
                                                   stop_token_ids=[stop_at],
                                                   min_tokens=first + 2), use_tqdm=False)
     delayed_ids = delayed[0].outputs[0].token_ids
     assert len(delayed_ids) >= first + 2
     assert stop_at not in delayed_ids[:first + 2]  # banned until min_tokens are out
+
+
+def test_eos_text_stays_out_even_with_special_tokens_kept(llm):
+    """skip_special_tokens=False keeps special tokens the model writes, but not the EOS that
+    ended the output (here the grammar's end forces it)."""
+    regex = StructuredOutputParams(regex="ab+c")
+    out = llm.generate("x", SamplingParams(max_tokens=12, seed=1, skip_special_tokens=False,
+                                           structured_output=regex), use_tqdm=False)
+    completion = out[0].outputs[0]
+    assert completion.finish_reason == "stop"
+    assert completion.token_ids[-1] in llm.engine.config.model.eos_token_ids
+    assert re.fullmatch("ab+c", completion.text)
 
 
 def test_stop_string_is_cut_from_the_text(llm):

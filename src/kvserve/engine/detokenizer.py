@@ -48,9 +48,13 @@ class IncrementalDetokenizer:
             for token_id in self.token_ids[self.read_offset:]:  # held back, still incomplete
                 self.stream.step(tokenizer.backend_tokenizer, token_id)
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], stop_token: bool = False) -> str | None:
         """Appends tokens and extends `text`; returns the stop string hit, if any (the text is
-        then cut just before it, or just after it with `keep_stop`)."""
+        then cut just before it, or just after it with `keep_stop`). `stop_token`: the last
+        token stopped the output (EOS or a stop token id); as a stop string's, its text is
+        left out unless `keep_stop` (vLLM's rule)."""
+        if stop_token and not self.keep_stop:
+            new_token_ids = new_token_ids[:-1]
         self.token_ids.extend(new_token_ids)
         before = len(self.text)
         if self.stream is not None:

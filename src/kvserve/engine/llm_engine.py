@@ -316,7 +316,9 @@ class LLMEngine:
             seq.output.token_ids.extend(new_ids)
             if lp is not None and seq.output.logprobs is not None:
                 seq.output.logprobs.append(self._logprob_dict(new_ids[-1], lp))
-            stop = seq.detokenizer.update(new_ids)
+            # Only a stop token has finished it as stopped yet (stop strings are found here).
+            stop = seq.detokenizer.update(
+                new_ids, request.status == RequestStatus.FINISHED_STOPPED)
             seq.output.text = seq.detokenizer.text
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop

@@ -3,6 +3,7 @@ template; calls in the output become `tool_calls` (`tool_calling.py`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -53,6 +54,8 @@ class ChatServer(Serving):
         params = request.sampling_params(
             max_tokens, (request.top_logprobs or 0) if request.logprobs else None,
             structured_output=plan.constraint)
+        if plan.mode == AUTO and self.parser.keeps_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
         ids = self.llm.inputs.apply_chat_template(
             [m.template_dict() for m in request.messages], request.add_generation_prompt,
             tools=plan.tools)

@@ -47,6 +47,10 @@ class ParsedOutput:
 
 
 class ToolCallParser(Protocol):
+    # Whether the output keeps its special tokens (skip_special_tokens off) under "auto":
+    # some tokenizers make the call markup special tokens, which decoding would drop.
+    keeps_special_tokens: bool
+
     def parse(self, text: str) -> ParsedOutput:
         """The calls in a finished output; none (and all of it content) where its markup
         does not hold well-formed calls."""
@@ -70,6 +74,7 @@ class HermesParser:
     (the closing tag of the last may be missing where the output stopped at it)."""
 
     START = "<tool_call>"
+    keeps_special_tokens = True  # <tool_call> is one in Hermes 2 Pro's tokenizer
     BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str) -> ParsedOutput:
@@ -101,6 +106,7 @@ class Llama3JsonParser:
     separated by `;`, maybe after Llama's `<|python_tag|>`."""
 
     TAG = "<|python_tag|>"
+    keeps_special_tokens = False  # the tag, a special token, may go: the JSON is the call
 
     def parse(self, text: str) -> ParsedOutput:
         body = text.strip().removeprefix(self.TAG).lstrip()
