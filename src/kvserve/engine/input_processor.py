@@ -4,6 +4,7 @@ front end validates and tokenizes once, before any replica is chosen."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import sys
 from dataclasses import dataclass, field
@@ -17,6 +18,10 @@ from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+# apply_chat_template's own arguments and the template's conversation: not template variables
+_RENDER_ARGUMENTS = frozenset(
+    inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
+    "self", "kwargs"} | {"messages"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,26 +157,37 @@ class InputProcessor:
     def apply_chat_template(self, conversation: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
                             field_name: str = "messages",
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The token ids of a conversation rendered by the checkpoint's chat template, with
-        the function `tools` (OpenAI's form) it may call. A template that leaves the tools
-        out of what it renders is refused: the model would never see them."""
+        the function `tools` (OpenAI's form) it may call and the template's own variables
+        `template_kwargs` (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking). A
+        template that leaves the tools out of what it renders is refused: the model would
+        never see them."""
         if not conversation:
             raise ValueError(f"{field_name} must not be empty")
         if not self.tokenizer.chat_template:
             raise ValueError(f"{field_name}: the model has no chat template")
-        ids = self._render(conversation, add_generation_prompt, field_name, tools)
-        if tools and ids == self._render(conversation, add_generation_prompt, field_name, None):
+        template_kwargs = template_kwargs or {}
+        reserved = sorted(set(template_kwargs) & _RENDER_ARGUMENTS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {reserved} are set by the request, not "
+                             f"by template variables")
+        ids = self._render(conversation, add_generation_prompt, field_name, tools,
+                           template_kwargs)
+        if tools and ids == self._render(conversation, add_generation_prompt, field_name, None,
+                                         template_kwargs):
             raise ValueError("tools: the model's chat template does not show tools to the "
                              "model")
         return ids
 
     def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
-                field_name: str, tools: list[dict[str, Any]] | None) -> list[int]:
+                field_name: str, tools: list[dict[str, Any]] | None,
+                template_kwargs: dict[str, Any]) -> list[int]:
         try:
             return list(self.tokenizer.apply_chat_template(
                 conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                tokenize=True, return_dict=False))
+                tokenize=True, return_dict=False, **template_kwargs))
         except Exception as e:  # noqa: BLE001 (template errors surface as the caller's error)
             raise ValueError(f"{field_name}: the chat template rejected it: {e}") from None
 

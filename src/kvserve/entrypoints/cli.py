@@ -58,7 +58,8 @@ def _serve(args: argparse.Namespace) -> None:
     config = ServerConfig(model_name=name, api_key=args.api_key or None,
                           max_request_bytes=args.max_request_bytes,
                           tool_call_parser=args.tool_call_parser
-                          if args.enable_auto_tool_choice else None)
+                          if args.enable_auto_tool_choice else None,
+                          reasoning_parser=args.reasoning_parser)
     serve(llm, config, args.host, args.port)
 
 
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.benchmarks import simulate
     from kvserve.benchmarks.cli import add_bench_parser
     from kvserve.cluster.router import ROUTERS
+    from kvserve.entrypoints.openai.reasoning import REASONING_PARSERS
     from kvserve.entrypoints.openai.tool_calling import TOOL_CALL_PARSERS
     from kvserve.evals import perplexity, streaming
     from kvserve.tools.make_lora import TARGETS
@@ -134,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
                      help="the format the model writes its calls in: hermes (Hermes, "
                           "Qwen2.5, Qwen3) or llama3_json (Llama 3.1 and later)")
+    srv.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                     help="return a reasoning model's <think> block as reasoning_content, "
+                          "apart from content: qwen3 (a block that opens the output) or "
+                          "deepseek_r1 (the template opens it in the prompt)")
     srv.add_argument("--data-parallel-size", type=positive_int, default=1,
                      help="engine replicas, each a Ray actor with its own KV cache, behind "
                           "this one server (needs pip install 'kvserve[cluster]')")

@@ -10,7 +10,8 @@ from kvserve.tools.corpus import read_texts, stdlib_files
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, with function tools shown and called as Qwen2.5's and Hermes' templates do: the tools'
-# signatures in the system turn, calls as <tool_call> blocks, results as <tool_response>.
+# signatures in the system turn, calls as <tool_call> blocks, results as <tool_response>; and
+# Qwen3's enable_thinking: false opens the answer with an empty <think> block.
 TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
     "provided with function signatures within <tools></tools> XML tags:\n<tools>"
@@ -41,7 +42,9 @@ CHAT_TEMPLATE = (
     "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"
 )
 
 

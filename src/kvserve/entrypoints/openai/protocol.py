@@ -256,6 +256,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
     # Default: "auto" with tools, "none" without (OpenAI's).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -271,6 +272,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[ChatTool] | None = None  # with messages: as the chat route shows them
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True  # for `prompt`; the chat template places its own
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -52,6 +52,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tool_call_parser: str | None = None  # set: tool_choice "auto" finds calls with it
+    reasoning_parser: str | None = None  # set: the thinking comes as reasoning_content
 
 
 class APIError(Exception):
@@ -153,7 +154,8 @@ async def _until_disconnected(request: Request, events: AsyncIterator[str]
 def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="kvserve", version=kvserve.__version__)
     completions = CompletionServer(llm, config.model_name)
-    chat = ChatServer(llm, config.model_name, config.tool_call_parser)
+    chat = ChatServer(llm, config.model_name, config.tool_call_parser,
+                      config.reasoning_parser)
     tokenization = TokenizationServer(llm, config.model_name)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
 

@@ -135,17 +135,14 @@ class DeltaTracker:
     tokens_sent: dict[tuple[int, int], int] = field(default_factory=dict)
     finished: set[tuple[int, int]] = field(default_factory=set)
 
-    def delta(self, prompt_index: int, completion: CompletionOutput,
-              limit: int | None = None) -> tuple[str, int, int] | None:
-        """(new text, first new token index, end token index), or None if nothing to send.
-        `limit`: no text past this index, done or not (what may belong to a tool call)."""
+    def delta(self, prompt_index: int, completion: CompletionOutput
+              ) -> tuple[str, int, int] | None:
+        """(new text, first new token index, end token index), or None if nothing to send."""
         key = (prompt_index, completion.index)
         if key in self.finished:
             return None
         done = completion.finish_reason is not None
         end = len(completion.text) if done else max(0, len(completion.text) - self.hold)
-        if limit is not None:
-            end = min(end, limit)
         start = self.text_sent.get(key, 0)
         first_token = self.tokens_sent.get(key, 0)
         if done:

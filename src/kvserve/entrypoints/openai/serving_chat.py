@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.entrypoints.async_llm import RequestStream
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest
+from kvserve.entrypoints.openai.reasoning import REASONING_PARSERS
 from kvserve.entrypoints.openai.serving import (
-    DeltaTracker,
     Serving,
     ServingBackend,
     collect,
@@ -27,7 +28,7 @@ from kvserve.entrypoints.openai.tool_calling import (
     AUTO,
     REQUIRED,
     TOOL_CALL_PARSERS,
-    ParsedOutput,
+    FoundCall,
     ToolPlan,
     plan_tools,
 )
@@ -35,12 +36,35 @@ from kvserve.outputs import CompletionOutput, Logprob
 from kvserve.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class ChoiceView:
+    """What a choice's output so far makes of its message: the thinking (None without a
+    reasoning parser), the content a stream may send, and, once done, the tool calls."""
+
+    reasoning: str | None
+    content: str
+    calls: list[FoundCall]
+
+
+@dataclass
+class ChoiceProgress:
+    """How much of a streamed choice is out."""
+
+    reasoning: int = 0
+    content: int = 0
+    tokens: int = 0
+    finished: bool = False
+
+
 class ChatServer(Serving):
     def __init__(self, llm: ServingBackend, model_name: str,
-                 tool_call_parser: str | None = None) -> None:
-        """`tool_call_parser` (one of TOOL_CALL_PARSERS) turns on tool_choice "auto"."""
+                 tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
+        """`tool_call_parser` (one of TOOL_CALL_PARSERS) turns on tool_choice "auto";
+        `reasoning_parser` (one of REASONING_PARSERS) returns the thinking apart."""
         super().__init__(llm, model_name)
         self.parser = TOOL_CALL_PARSERS[tool_call_parser]() if tool_call_parser else None
+        self.reasoning = REASONING_PARSERS[reasoning_parser]() if reasoning_parser else None
 
     def start(self, request: ChatCompletionRequest
               ) -> tuple[SamplingParams, ToolPlan, RequestStream]:
@@ -58,25 +82,26 @@ class ChatServer(Serving):
             params = dataclasses.replace(params, skip_special_tokens=False)
         ids = self.llm.inputs.apply_chat_template(
             [m.template_dict() for m in request.messages], request.add_generation_prompt,
-            tools=plan.tools)
+            tools=plan.tools, template_kwargs=request.chat_template_kwargs)
         stream = self.llm.add_requests([request.engine_prompt({"prompt_token_ids": ids})],
                                        params)[0]
         return params, plan, stream
 
     async def full(self, request: ChatCompletionRequest) -> dict[str, Any]:
-        _, plan, stream = self.start(request)
+        params, plan, stream = self.start(request)
         [out] = await collect([stream])
         choices = []
         for c in out.outputs:
-            parsed = plan.parse(c.text, self.parser)
-            message: dict[str, Any] = {"role": "assistant", "content": c.text}
-            if parsed.calls:
-                content = c.text[:parsed.content_end]
-                message["content"] = content if content.strip() else None  # as streamed
-                message["tool_calls"] = [call.as_tool_call() for call in parsed.calls]
+            view = self._view(c, params, plan, hold=0)
+            message: dict[str, Any] = {"role": "assistant", "content": view.content}
+            if self.reasoning is not None:
+                message["reasoning_content"] = view.reasoning
+            if view.calls:
+                message["content"] = view.content if view.content.strip() else None
+                message["tool_calls"] = [call.as_tool_call() for call in view.calls]
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(request, c, 0, len(c.token_ids)),
-                            "finish_reason": _finish_reason(c, plan, parsed)})
+                            "finish_reason": _finish_reason(c, plan, view)})
         return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
                 "model": self.model_name, "choices": choices, "usage": usage([out])}
 
@@ -87,42 +112,66 @@ class ChatServer(Serving):
 
     async def _events(self, request: ChatCompletionRequest, params: SamplingParams,
                       plan: ToolPlan, stream: RequestStream) -> AsyncIterator[str]:
-        """Content streams as it is decoded, but for what may belong to a tool call: the
-        calls come whole in the choice's last chunk, once the output is done."""
+        """Thinking and content stream as they are decoded, but for what may still belong to
+        a stop string, a think tag or a tool call: the calls come whole in the choice's last
+        chunk, once the output is done."""
         head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": now(),
                 "model": self.model_name}
         for index in range(params.n):
             yield sse({**head, "choices": [{"index": index,
                                             "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}]})
-        tracker = DeltaTracker(stop_hold(params.stop))
+        hold = stop_hold(params.stop)
+        progress = [ChoiceProgress() for _ in range(params.n)]
         last = None
         async with aclosing(merge([stream])) as outputs:
             async for _, out in outputs:
                 last = out
                 for c in out.outputs:
-                    parsed = None
-                    if c.finish_reason is None:
-                        limit = plan.plain_prefix(c.text, self.parser)
-                    else:
-                        parsed = plan.parse(c.text, self.parser)
-                        limit = parsed.content_end if parsed.calls else None
-                    delta = tracker.delta(0, c, limit)
-                    if delta is None:
+                    sent = progress[c.index]
+                    if sent.finished:
                         continue
-                    text, first, end = delta
-                    fields: dict[str, Any] = {"content": text} if text else {}
-                    if parsed is not None and parsed.calls:
+                    view = self._view(c, params, plan, hold)
+                    fields: dict[str, Any] = {}
+                    if view.reasoning is not None and len(view.reasoning) > sent.reasoning:
+                        fields["reasoning_content"] = view.reasoning[sent.reasoning:]
+                        sent.reasoning = len(view.reasoning)
+                    if len(view.content) > sent.content:
+                        fields["content"] = view.content[sent.content:]
+                        sent.content = len(view.content)
+                    if view.calls:
                         fields["tool_calls"] = [call.as_tool_call(i)
-                                                for i, call in enumerate(parsed.calls)]
+                                                for i, call in enumerate(view.calls)]
+                    sent.finished = c.finish_reason is not None
+                    if not fields and not sent.finished:
+                        continue
+                    first, sent.tokens = sent.tokens, len(c.token_ids)
                     yield sse({**head, "choices": [{
                         "index": c.index, "delta": fields,
-                        "logprobs": self._logprobs(request, c, first, end),
-                        "finish_reason": _finish_reason(c, plan, parsed)}],
+                        "logprobs": self._logprobs(request, c, first, sent.tokens),
+                        "finish_reason": _finish_reason(c, plan, view)}],
                         **({"usage": usage([out])} if request.continuous_usage else {})})
         if request.include_usage and last is not None:
             yield sse({**head, "choices": [], "usage": usage([last])})
         yield sse("[DONE]")
+
+    def _view(self, c: CompletionOutput, params: SamplingParams, plan: ToolPlan,
+              hold: int) -> ChoiceView:
+        """The choice's message so far; `hold`: the characters a running output keeps back
+        for a stop string that may be forming."""
+        done = c.finish_reason is not None
+        text = c.text if done else c.text[:max(0, len(c.text) - hold)]
+        reasoning, answer = None, text
+        if self.reasoning is not None:
+            split = self.reasoning.split(text, done, free=params.structured_output is None)
+            reasoning = text[split.reasoning_start:split.reasoning_end]
+            answer = text[split.answer_start:]
+        if not done:
+            return ChoiceView(reasoning, answer[:plan.plain_prefix(answer, self.parser)], [])
+        parsed = plan.parse(answer, self.parser)
+        if not parsed.calls:
+            return ChoiceView(reasoning, answer, [])
+        return ChoiceView(reasoning, answer[:parsed.content_end], parsed.calls)
 
     def _logprobs(self, request: ChatCompletionRequest, c: CompletionOutput, start: int,
                   end: int) -> dict[str, Any] | None:
@@ -144,11 +193,9 @@ class ChatServer(Serving):
         return {"content": content}
 
 
-def _finish_reason(c: CompletionOutput, plan: ToolPlan, parsed: ParsedOutput | None
-                   ) -> str | None:
+def _finish_reason(c: CompletionOutput, plan: ToolPlan, view: ChoiceView) -> str | None:
     """Where the model chose to call (auto, required) and stopped by itself, "tool_calls"; a
     named function's call is the answer asked for, so it stops as text does."""
-    if (parsed is not None and parsed.calls and plan.mode in (AUTO, REQUIRED)
-            and c.finish_reason == "stop"):
+    if view.calls and plan.mode in (AUTO, REQUIRED) and c.finish_reason == "stop":
         return "tool_calls"
     return finish_reason(c)

@@ -18,7 +18,8 @@ class TokenizationServer(Serving):
         if request.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
             ids = inputs.apply_chat_template([m.template_dict() for m in request.messages],
-                                             request.add_generation_prompt, tools=tools)
+                                             request.add_generation_prompt, tools=tools,
+                                             template_kwargs=request.chat_template_kwargs)
         else:
             ids = inputs.tokenizer.encode(request.prompt,
                                           add_special_tokens=request.add_special_tokens)

@@ -1,8 +1,9 @@
-"""Function calling through the server, driven by the `openai` package: a named function and
-"required" held to the tools' schemas, "auto" parsed from the model's own `<tool_call>`
-blocks (hermes), streamed and not, and a conversation that carries calls and their
-results back. The model has random weights, so "auto" outputs are steered with vLLM's
-guided_regex into what a model trained for tools would write."""
+"""Function calling and reasoning through the server, driven by the `openai` package: a
+named function and "required" held to the tools' schemas, "auto" parsed from the model's own
+`<tool_call>` blocks (hermes), a <think> block returned as reasoning_content (qwen3), streamed
+and not, the template's own variables, and a conversation that carries calls and their
+results back. The model has random weights, so free outputs are steered with vLLM's
+guided_regex into what a model trained for tools and thinking would write."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ CALL_TEXT = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": '
 @pytest.fixture(scope="module")
 def server(llama_dir: Path) -> Iterator[str]:
     flags = ["--served-model-name", MODEL, "--enable-auto-tool-choice",
-             "--tool-call-parser", "hermes"]
+             "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
     with server_process(str(llama_dir), flags, timeout=300) as url:
         yield url
 
@@ -57,17 +58,18 @@ def check_calls(tool_calls, names: set[str]) -> None:  # noqa: ANN001
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-def streamed(client: openai.OpenAI, **request: object) -> tuple[str, list, str | None]:
-    """A streamed choice's content, tool calls (accumulated by index, as clients do) and
-    finish reason."""
-    content, calls, finish = "", {}, None
+def streamed(client: openai.OpenAI, **request: object) -> tuple[str, list, str | None, str]:
+    """A streamed choice's content, tool calls (accumulated by index, as clients do), finish
+    reason and reasoning."""
+    content, calls, finish, reasoning = "", {}, None, ""
     for chunk in client.chat.completions.create(model=MODEL, stream=True, **request):
         for choice in chunk.choices:
             content += choice.delta.content or ""
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
             for call in choice.delta.tool_calls or []:
                 calls.setdefault(call.index, call)
             finish = choice.finish_reason or finish
-    return content, [calls[i] for i in sorted(calls)], finish
+    return content, [calls[i] for i in sorted(calls)], finish, reasoning
 
 
 def test_a_named_function_gets_arguments_that_fit_its_schema(client: openai.OpenAI) -> None:
@@ -78,8 +80,8 @@ def test_a_named_function_gets_arguments_that_fit_its_schema(client: openai.Open
         assert c.finish_reason == "stop" and not c.message.content
         check_calls(c.message.tool_calls, {"get_weather"})
         assert len(c.message.tool_calls) == 1
-    content, calls, finish = streamed(client, messages=ASK, tools=[WEATHER],
-                                      tool_choice=choice, max_tokens=40)
+    content, calls, finish, _ = streamed(client, messages=ASK, tools=[WEATHER],
+                                         tool_choice=choice, max_tokens=40)
     assert content == "" and finish == "stop"
     check_calls(calls, {"get_weather"})
 
@@ -104,8 +106,8 @@ def test_auto_parses_the_models_tool_call_blocks(client: openai.OpenAI) -> None:
     assert c.finish_reason == "tool_calls" and c.message.content == "I will check.\n"
     check_calls(c.message.tool_calls, {"get_weather"})
     assert json.loads(c.message.tool_calls[0].function.arguments) == {"city": "Rome", "days": 2}
-    content, calls, finish = streamed(client, messages=ASK, tools=[WEATHER], max_tokens=60,
-                                      extra_body=steer)
+    content, calls, finish, _ = streamed(client, messages=ASK, tools=[WEATHER],
+                                         max_tokens=60, extra_body=steer)
     assert content == "I will check.\n" and finish == "tool_calls"  # no markup leaks
     assert [c.function.name for c in calls] == ["get_weather"]
     plain = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
@@ -135,6 +137,46 @@ def test_calls_and_results_go_back_through_the_template(server: str,
     assert '"name": "get_weather", "description": "The weather in a city"' in text
 
 
+THOUGHT = "<think>\nRome: look it up.\n</think>\n\n"
+
+
+def test_a_think_block_comes_back_as_reasoning_content(client: openai.OpenAI) -> None:
+    steer = {"guided_regex": re.escape(THOUGHT + "It is sunny.")}
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40,
+                                          extra_body=steer)
+    message = chat.choices[0].message
+    assert message.reasoning_content == "\nRome: look it up.\n"
+    assert message.content == "\n\nIt is sunny."
+    content, _, finish, reasoning = streamed(client, messages=ASK, max_tokens=40,
+                                             extra_body=steer)
+    assert (reasoning, content, finish) == (message.reasoning_content, message.content, "stop")
+    # Thinking first, then a call: the parser looks for calls in the answer only.
+    steer = {"guided_regex": re.escape(THOUGHT + CALL_TEXT)}
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
+                                          max_tokens=80, extra_body=steer)
+    [c] = chat.choices
+    assert c.message.reasoning_content == "\nRome: look it up.\n"
+    assert c.message.content == "\n\nI will check.\n" and c.finish_reason == "tool_calls"
+    check_calls(c.message.tool_calls, {"get_weather"})
+    content, calls, finish, reasoning = streamed(client, messages=ASK, tools=[WEATHER],
+                                                 max_tokens=80, extra_body=steer)
+    assert reasoning == c.message.reasoning_content and content == c.message.content
+    assert [call.function.name for call in calls] == ["get_weather"]
+
+
+def test_chat_template_kwargs_reach_the_template(server: str, client: openai.OpenAI) -> None:
+    """Qwen3's enable_thinking: false opens the answer with an empty think block."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    plain = httpx.post(f"{server}/tokenize", json={"messages": ASK}).json()
+    no_thinking = httpx.post(f"{server}/tokenize", json={"messages": ASK, **off}).json()
+    text = client.completions.create(model=MODEL, prompt=no_thinking["tokens"], max_tokens=1,
+                                     echo=True).choices[0].text
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\n" in text
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
+                                          extra_body=off)
+    assert chat.usage.prompt_tokens == no_thinking["count"] > plain["count"]
+
+
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -148,6 +190,7 @@ def test_calls_and_results_go_back_through_the_template(server: str,
      "tools.0.function.name", "pattern"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
         "name": "f", "arguments": "{oops"}}]}]}, "messages", "JSON object"),
+    ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs", "'tokenize'"),
 ])
 def test_bad_tool_requests_name_the_field(server: str, body: dict, param: str,
                                           words: str) -> None:
