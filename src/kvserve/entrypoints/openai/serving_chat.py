@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages (and function tools) through the checkpoint's chat
-template; calls in the output become `tool_calls` (`tool_calling.py`)."""
+template; a <think> block in the output becomes `reasoning_content` (`reasoning.py`) and
+calls in the rest `tool_calls` (`tool_calling.py`)."""
 
 from __future__ import annotations
 
