@@ -210,20 +210,19 @@ class ChatMessage(BaseModel):
             message["tool_calls"] = [
                 {"id": call.id, "type": call.type, "function": {
                     "name": call.function.name,
-                    "arguments": _json_object(call.function.arguments, "tool_calls")}}
+                    "arguments": _call_arguments(call.function.arguments)}}
                 for call in self.tool_calls]
         return message
 
 
-def _json_object(text: str, field_name: str) -> dict[str, Any]:
+def _call_arguments(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"messages: {field_name} arguments must be a JSON object: {e}"
+        raise ValueError(f"messages: tool_calls arguments must be a JSON object: {e}"
                          ) from None
     if not isinstance(value, dict):
-        raise ValueError(f"messages: {field_name} arguments must be a JSON object, got "
-                         f"{text!r}")
+        raise ValueError(f"messages: tool_calls arguments must be a JSON object, got {text!r}")
     return value
 
 
