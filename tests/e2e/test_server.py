@@ -234,6 +234,25 @@ def test_chat_sync_and_stream(client: openai.OpenAI, llm: LLM) -> None:
     assert all(c.usage.prompt_tokens == len(expected.prompt_token_ids) for c in continuous)
 
 
+def test_continue_final_message_goes_on_with_the_assistants_text(
+        server: str, client: openai.OpenAI, llm: LLM) -> None:
+    """vLLM's continue_final_message: the last assistant message is left open, so the model
+    writes its next words rather than a new turn."""
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "def fibonacci(n):"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False, add_generation_prompt=False,
+                        continue_final_message=True)[0]
+    got = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                         max_tokens=6, extra_body={"ignore_eos": True, **flags})
+    assert got.choices[0].message.content == expected.outputs[0].text
+    tokenized = httpx.post(f"{server}/tokenize", json={"messages": messages, **flags}).json()
+    assert tokenized["tokens"] == expected.prompt_token_ids
+    assert llm.get_tokenizer().decode(tokenized["tokens"]).endswith(
+        "<|im_start|>assistant\ndef fibonacci(n):")
+
+
 def test_stop_strings_and_n_stream_like_full(client: openai.OpenAI) -> None:
     args = dict(model=MODEL, prompt="class Request:", max_tokens=24, temperature=0.8,
                 seed=3, n=2, stop=["e", "ar"])
@@ -390,6 +409,8 @@ COMPLETIONS = "/v1/completions"
     (COMPLETIONS, {"prompt": "x", "bad_words": ["x"]}, 400, "bad_words", "not supported"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, 400,
      "use_beam_search", "not supported"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+     400, "continue_final_message", "add_generation_prompt false"),
     (COMPLETIONS, {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, 400, None,
      "at most one"),
 ])

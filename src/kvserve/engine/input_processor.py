@@ -158,36 +158,40 @@ class InputProcessor:
                             add_generation_prompt: bool = True,
                             field_name: str = "messages",
                             tools: list[dict[str, Any]] | None = None,
-                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                            template_kwargs: dict[str, Any] | None = None,
+                            continue_final_message: bool = False) -> list[int]:
         """The token ids of a conversation rendered by the checkpoint's chat template, with
         the function `tools` (OpenAI's form) it may call and the template's own variables
         `template_kwargs` (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking). A
         template that leaves the tools out of what it renders is refused: the model would
-        never see them."""
+        never see them. `continue_final_message`: the last (assistant) message is left open,
+        for the model to go on with it."""
         if not conversation:
             raise ValueError(f"{field_name} must not be empty")
         if not self.tokenizer.chat_template:
             raise ValueError(f"{field_name}: the model has no chat template")
+        if continue_final_message and (add_generation_prompt
+                                       or conversation[-1]["role"] != "assistant"):
+            raise ValueError("continue_final_message: needs add_generation_prompt false and "
+                             "an assistant message last, to continue")
         template_kwargs = template_kwargs or {}
         reserved = sorted(set(template_kwargs) & _RENDER_ARGUMENTS)
         if reserved:
             raise ValueError(f"chat_template_kwargs: {reserved} are set by the request, not "
                              f"by template variables")
-        ids = self._render(conversation, add_generation_prompt, field_name, tools,
-                           template_kwargs)
-        if tools and ids == self._render(conversation, add_generation_prompt, field_name, None,
-                                         template_kwargs):
+        options = {"add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final_message, **template_kwargs}
+        ids = self._render(conversation, field_name, tools, options)
+        if tools and ids == self._render(conversation, field_name, None, options):
             raise ValueError("tools: the model's chat template does not show tools to the "
                              "model")
         return ids
 
-    def _render(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
-                field_name: str, tools: list[dict[str, Any]] | None,
-                template_kwargs: dict[str, Any]) -> list[int]:
+    def _render(self, conversation: list[dict[str, Any]], field_name: str,
+                tools: list[dict[str, Any]] | None, options: dict[str, Any]) -> list[int]:
         try:
             return list(self.tokenizer.apply_chat_template(
-                conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-                tokenize=True, return_dict=False, **template_kwargs))
+                conversation, tools=tools, tokenize=True, return_dict=False, **options))
         except Exception as e:  # noqa: BLE001 (template errors surface as the caller's error)
             raise ValueError(f"{field_name}: the chat template rejected it: {e}") from None
 

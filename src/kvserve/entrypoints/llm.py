@@ -78,16 +78,19 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Applies the checkpoint's chat template to one conversation or a list of them, with
         the function `tools` (OpenAI's form) the model may call and the template's own
-        variables (`chat_template_kwargs`, e.g. Qwen3's enable_thinking)."""
+        variables (`chat_template_kwargs`, e.g. Qwen3's enable_thinking);
+        `continue_final_message` leaves the last (assistant) message open to go on with."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts: list[PromptType] = []
         for i, conversation in enumerate(conversations):
             ids = self.engine.inputs.apply_chat_template(conversation, add_generation_prompt,
                                                          f"messages[{i}]", tools,
-                                                         chat_template_kwargs)
+                                                         chat_template_kwargs,
+                                                         continue_final_message)
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -254,6 +254,7 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the model goes on with the last message
     tools: list[ChatTool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
     # Default: "auto" with tools, "none" without (OpenAI's).
@@ -274,6 +275,7 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True  # for `prompt`; the chat template places its own
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -83,7 +83,8 @@ class ChatServer(Serving):
             params = dataclasses.replace(params, skip_special_tokens=False)
         ids = self.llm.inputs.apply_chat_template(
             [m.template_dict() for m in request.messages], request.add_generation_prompt,
-            tools=plan.tools, template_kwargs=request.chat_template_kwargs)
+            tools=plan.tools, template_kwargs=request.chat_template_kwargs,
+            continue_final_message=request.continue_final_message)
         stream = self.llm.add_requests([request.engine_prompt({"prompt_token_ids": ids})],
                                        params)[0]
         return params, plan, stream

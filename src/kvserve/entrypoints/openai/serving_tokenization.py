@@ -19,7 +19,8 @@ class TokenizationServer(Serving):
             tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
             ids = inputs.apply_chat_template([m.template_dict() for m in request.messages],
                                              request.add_generation_prompt, tools=tools,
-                                             template_kwargs=request.chat_template_kwargs)
+                                             template_kwargs=request.chat_template_kwargs,
+                                             continue_final_message=request.continue_final_message)
         else:
             ids = inputs.tokenizer.encode(request.prompt,
                                           add_special_tokens=request.add_special_tokens)
