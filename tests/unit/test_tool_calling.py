@@ -81,9 +81,10 @@ def test_tool_choice_defaults_to_auto_with_tools_and_auto_needs_a_parser():
         plan_tools(request(tools=[WEATHER]), None)
     plan = plan_tools(request(tools=[WEATHER]), HermesParser())
     assert plan.mode == AUTO and plan.constraint is None
-    assert plan.tools == [WEATHER]  # as the chat template takes them
-    none = plan_tools(request(tools=[WEATHER], tool_choice="none"), None)
-    assert none.mode == NONE and none.tools == [WEATHER]
+    # Whatever the choice, the template shows the tools (OpenAI's form).
+    assert request(tools=[WEATHER]).template_tools() == [WEATHER]
+    none = request(tools=[WEATHER], tool_choice="none")
+    assert plan_tools(none, None).mode == NONE and none.template_tools() == [WEATHER]
 
 
 def test_a_named_function_holds_the_output_to_its_parameters():

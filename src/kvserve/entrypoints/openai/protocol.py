@@ -8,11 +8,14 @@ token budget among. Field values are checked twice: types here, ranges in `Sampl
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from kvserve.sampling_params import SamplingParams, StructuredOutputParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.input_processor import InputProcessor
 
 
 class StreamOptions(BaseModel):
@@ -247,22 +250,39 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateFields(BaseModel):
+    """How a request's messages go through the chat template: the same for the chat route
+    and /tokenize, so /tokenize counts what the chat route would."""
+
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the model goes on with the last message
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's form)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []] or None
+
+    def prompt_token_ids(self, inputs: InputProcessor) -> list[int]:
+        return inputs.apply_chat_template(
+            [m.template_dict() for m in self.messages], self.add_generation_prompt,
+            tools=self.template_tools(), template_kwargs=self.chat_template_kwargs,
+            continue_final_message=self.continue_final_message)
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # vLLM's: the model goes on with the last message
-    tools: list[ChatTool] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
     # Default: "auto" with tools, "none" without (OpenAI's).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """POST /tokenize (vLLM's): a prompt, or messages through the chat template, as the
     completions and chat routes would tokenize them."""
 
@@ -271,11 +291,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    tools: list[ChatTool] | None = None  # with messages: as the chat route shows them
-    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True  # for `prompt`; the chat template places its own
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -81,10 +81,7 @@ class ChatServer(Serving):
             structured_output=plan.constraint)
         if plan.mode == AUTO and self.parser.keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)
-        ids = self.llm.inputs.apply_chat_template(
-            [m.template_dict() for m in request.messages], request.add_generation_prompt,
-            tools=plan.tools, template_kwargs=request.chat_template_kwargs,
-            continue_final_message=request.continue_final_message)
+        ids = request.prompt_token_ids(self.llm.inputs)
         stream = self.llm.add_requests([request.engine_prompt({"prompt_token_ids": ids})],
                                        params)[0]
         return params, plan, stream

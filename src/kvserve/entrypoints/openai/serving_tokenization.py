@@ -16,11 +16,7 @@ class TokenizationServer(Serving):
         if (request.prompt is None) == (request.messages is None):
             raise ValueError("prompt and messages: give exactly one")
         if request.messages is not None:
-            tools = [t.model_dump(exclude_none=True) for t in request.tools or []] or None
-            ids = inputs.apply_chat_template([m.template_dict() for m in request.messages],
-                                             request.add_generation_prompt, tools=tools,
-                                             template_kwargs=request.chat_template_kwargs,
-                                             continue_final_message=request.continue_final_message)
+            ids = request.prompt_token_ids(inputs)
         else:
             ids = inputs.tokenizer.encode(request.prompt,
                                           add_special_tokens=request.add_special_tokens)

@@ -142,7 +142,6 @@ class ToolPlan:
     """What a request's tools make of its output."""
 
     mode: str  # NONE, AUTO, REQUIRED or NAMED
-    tools: list[dict[str, Any]] | None  # for the chat template
     constraint: StructuredOutputParams | None  # REQUIRED and NAMED: the calls' grammar
     name: str | None = None  # NAMED: the function
     parallel: bool = True
@@ -176,9 +175,8 @@ def plan_tools(request: ChatCompletionRequest, parser: ToolCallParser | None) ->
     choice = request.tool_choice
     if choice is None:
         choice = AUTO if request.tools else NONE
-    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []] or None
     if choice == NONE:
-        return ToolPlan(NONE, tools, None)
+        return ToolPlan(NONE, None)
     if not request.tools:
         raise ValueError("tool_choice: needs tools to choose from")
     if choice == AUTO:
@@ -186,33 +184,32 @@ def plan_tools(request: ChatCompletionRequest, parser: ToolCallParser | None) ->
             raise ValueError('tool_choice: "auto" needs a server started with '
                              '--enable-auto-tool-choice and --tool-call-parser; name a '
                              'function, or use "required" or "none"')
-        return ToolPlan(AUTO, tools, None, parallel=request.parallel_tool_calls)
+        return ToolPlan(AUTO, None, parallel=request.parallel_tool_calls)
     if request.structured_output() is not None:
         raise ValueError("tool_choice: a named function or \"required\" sets the output's "
                          "format, so response_format and guided_* cannot be given with it")
-    schemas = {tool.function.name: _parameters(tool, i) for i, tool in enumerate(request.tools)}
+    parameters = {tool.function.name: _parameters(tool, i)
+                  for i, tool in enumerate(request.tools)}
     if choice == REQUIRED:
         one_of = [{"type": "object", "properties": {"name": {"const": name},
-                                                    "parameters": schema},
+                                                    "parameters": grammar.json},
                    "required": ["name", "parameters"], "additionalProperties": False}
-                  for name, schema in schemas.items()]
+                  for name, grammar in parameters.items()]
         array = {"type": "array", "items": {"anyOf": one_of}, "minItems": 1}
         if not request.parallel_tool_calls:
             array["maxItems"] = 1
-        return ToolPlan(REQUIRED, tools, StructuredOutputParams(json=array))
+        return ToolPlan(REQUIRED, StructuredOutputParams(json=array))
     name = choice.function.name
-    if name not in schemas:
+    if name not in parameters:
         raise ValueError(f"tool_choice: function {name!r} is not among tools "
-                         f"{sorted(schemas)}")
-    return ToolPlan(NAMED, tools, StructuredOutputParams(json=schemas[name]), name=name)
+                         f"{sorted(parameters)}")
+    return ToolPlan(NAMED, parameters[name], name=name)
 
 
-def _parameters(tool: ChatTool, index: int) -> dict[str, Any]:
-    """The tool's parameter schema (any object where it gives none), checked on its own so
-    that an error names the tool."""
-    schema = tool.function.parameters or {"type": "object"}
+def _parameters(tool: ChatTool, index: int) -> StructuredOutputParams:
+    """The grammar of the tool's parameter schema (any object where it gives none),
+    compiled on its own so that an error names the tool."""
     try:
-        StructuredOutputParams(json=schema)
+        return StructuredOutputParams(json=tool.function.parameters or {"type": "object"})
     except ValueError as e:
         raise ValueError(f"tools.{index}.function.parameters: {e}") from None
-    return schema
