@@ -160,6 +160,27 @@ def test_the_torch_int4_copy_matches_the_dequantized_matmul(act_order):
             torch.randn(rows, IN, dtype=torch.bfloat16, device=DEVICE))
 
 
+def test_a_layout_packs_its_int4_copy_for_timing_once_then_only_where_it_pays(monkeypatch):
+    """The copy is packed to time it on the first layer of a layout; later layers of that
+    layout pack it only where the timing kept it (under the interpreter the Triton kernels
+    are always taken, so it never is)."""
+    monkeypatch.setattr(triton_gemm, "_torch_int4_pays", {})
+    w, hessian = layer()
+    q = gptq(w, hessian, 4, 64, sym=True, act_order=False)
+    copy = with_int4_copy(q, torch.device(DEVICE))
+    packs = []
+
+    def pack():  # noqa: ANN202
+        packs.append(1)
+        return copy.torch_int4
+
+    plain = dataclasses.replace(copy, torch_int4=None)
+    for _ in range(3):
+        kept = triton_gemm._with_torch_int4(plain, pack)
+        assert (kept.torch_int4 is not None) == next(iter(triton_gemm._torch_int4_pays.values()))
+    assert len(packs) == (3 if DEVICE == "cuda" and kept.torch_int4 is not None else 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
 @pytest.mark.parametrize("rows", [1, 2, 16, 40])

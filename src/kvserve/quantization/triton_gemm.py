@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -429,8 +430,8 @@ def pack_for_triton(shards: list[QuantizedWeight] | list[LutWeight], dtype: torc
         "input_order": None if order is None else order.to(torch.int32)}, device, num_programs)
     if (torch_int4 and bits == 4 and dtype == torch.bfloat16
             and int4_weight_fits(intweight.shape, group_size, device)):
-        return _with_torch_int4(weight, int4_weight(intweight, scales, zeros, group_size,
-                                                    order, device))
+        return _with_torch_int4(weight, lambda: int4_weight(intweight, scales, zeros,
+                                                            group_size, order, device))
     return weight
 
 
@@ -441,20 +442,31 @@ def _on_device(parts: dict, device: torch.device, num_programs: int) -> TritonQu
 
 
 TORCH_INT4_TIMED_ROWS = (1, 16)  # a decode of one sequence, and a full tile of tinygemm's
+# By layer layout and device: whether its copy in PyTorch's int4 layout pays.
+_torch_int4_pays: dict[tuple[object, ...], bool] = {}
 
 
-def _with_torch_int4(weight: TritonQuantizedWeight, torch_int4: Int4Weight
+def _with_torch_int4(weight: TritonQuantizedWeight, pack: Callable[[], Int4Weight]
                      ) -> TritonQuantizedWeight:
-    """`weight` with its copy in PyTorch's int4 layout where that copy times faster than the
-    Triton kernels on one row or on 16 (once per layer shape, at load): the copy takes as
-    much memory again as the packed layer, so a layer keeps it only where it pays."""
-    candidate = dataclasses.replace(weight, torch_int4=torch_int4)
-    in_features = weight.words.shape[0] * 32 // weight.bits
-    for m in TORCH_INT4_TIMED_ROWS:
-        rows = torch.randn(m, in_features, dtype=torch.bfloat16, device=weight.words.device)
-        if candidate.fastest_kernel(rows) == TORCH_INT4:
-            return candidate
-    return weight
+    """`weight` with its copy in PyTorch's int4 layout (which `pack` builds) where that copy
+    times faster than the Triton kernels on one row or on 16, timed on the first layer of
+    its layout: the copy takes as much memory again as the packed layer, so a layer keeps
+    it only where it pays, and the other layers of a layout pack it only then."""
+    device = weight.words.device
+    key = (weight.words.shape, weight.bits, weight.group_size, weight.input_order is not None,
+           device)
+    copy = None
+    if key not in _torch_int4_pays:
+        copy = pack()
+        candidate = dataclasses.replace(weight, torch_int4=copy)
+        in_features = weight.words.shape[0] * 32 // weight.bits
+        _torch_int4_pays[key] = any(
+            candidate.fastest_kernel(torch.randn(m, in_features, dtype=torch.bfloat16,
+                                                 device=device)) == TORCH_INT4
+            for m in TORCH_INT4_TIMED_ROWS)
+    if not _torch_int4_pays[key]:
+        return weight
+    return dataclasses.replace(weight, torch_int4=copy or pack())
 
 
 def _lut_parts(shards: list[LutWeight], dtype: torch.dtype) -> dict | None:
