@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.entrypoints.openai.serving import partial_tag
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -48,9 +50,8 @@ class ThinkParser:
             return ReasoningSplit(start, end, end + len(THINK_END))
         if done:
             return ReasoningSplit(start, len(text), len(text))
-        held = next((k for k in range(min(len(THINK_END) - 1, len(text) - start), 0, -1)
-                     if THINK_END.startswith(text[-k:])), 0)
-        return ReasoningSplit(start, len(text) - held, len(text))
+        return ReasoningSplit(start, len(text) - partial_tag(text, THINK_END, start),
+                              len(text))
 
 
 REASONING_PARSERS = {"qwen3": lambda: ThinkParser(opened_in_prompt=False),

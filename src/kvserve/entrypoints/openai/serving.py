@@ -156,3 +156,10 @@ class DeltaTracker:
 
 def stop_hold(stop: list[str]) -> int:
     return max((len(s) for s in stop), default=1) - 1
+
+
+def partial_tag(text: str, tag: str, start: int = 0) -> int:
+    """How many of text[start:]'s last characters may begin `tag` (the longest such proper
+    prefix): what a stream holds back until the tag forms or cannot."""
+    return next((k for k in range(min(len(tag) - 1, len(text) - start), 0, -1)
+                 if tag.startswith(text[-k:])), 0)

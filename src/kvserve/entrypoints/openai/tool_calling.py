@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatTool
+from kvserve.entrypoints.openai.serving import partial_tag
 from kvserve.sampling_params import StructuredOutputParams
 
 NONE, AUTO, REQUIRED, NAMED = "none", "auto", "required", "named"
@@ -96,9 +97,7 @@ class HermesParser:
         start = text.find(self.START)
         if start >= 0:
             return start
-        partial = next((k for k in range(min(len(self.START) - 1, len(text)), 0, -1)
-                        if self.START.startswith(text[-k:])), 0)
-        return len(text) - partial
+        return len(text) - partial_tag(text, self.START)
 
 
 class Llama3JsonParser:
