@@ -37,6 +37,58 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP's shape: in `sparse_layers`, each token's MLP is the sum of its
+    `top_k` experts' outputs, weighted by the router's softmax over `num_experts`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool  # the top-k weights are scaled to sum to 1 (Mixtral; Qwen's norm_topk_prob)
+    sparse_layers: tuple[int, ...]  # the others have a dense MLP of ModelConfig's size
+    # Qwen2-MoE's expert that every token goes through, its output gated by a sigmoid: 0 if none.
+    shared_expert_intermediate_size: int = 0
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], flavor: str, num_layers: int) -> MoEConfig:
+        """Mixtral spells the experts `num_local_experts` of `intermediate_size`, every layer
+        sparse; Qwen `num_experts` of `moe_intermediate_size`, the layers set by
+        `decoder_sparse_step` and `mlp_only_layers`."""
+        mixtral = flavor == "mixtral"
+        fields = {"num_experts_per_tok": raw.get("num_experts_per_tok"),
+                  "num_local_experts" if mixtral else "num_experts":
+                      raw.get("num_local_experts" if mixtral else "num_experts"),
+                  "intermediate_size" if mixtral else "moe_intermediate_size":
+                      raw.get("intermediate_size" if mixtral else "moe_intermediate_size"),
+                  "decoder_sparse_step": 1 if mixtral else raw.get("decoder_sparse_step", 1)}
+        for name, value in fields.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CheckpointError(f"model: config.json field {name!r} must be a positive "
+                                      f"integer, got {value!r}")
+        top_k, num_experts, size, step = fields.values()
+        if top_k > num_experts:
+            raise CheckpointError(f"model: num_experts_per_tok ({top_k}) exceeds the "
+                                  f"{num_experts} experts")
+        dense = set() if mixtral else set(raw.get("mlp_only_layers") or ())
+        shared = 0 if mixtral else int(raw.get("shared_expert_intermediate_size") or 0)
+        return cls(num_experts=num_experts, top_k=top_k, intermediate_size=size,
+                   renormalize=mixtral or bool(raw.get("norm_topk_prob", False)),
+                   sparse_layers=tuple(i for i in range(num_layers)
+                                       if i not in dense and (i + 1) % step == 0),
+                   shared_expert_intermediate_size=shared)
+
+    def shard(self, num_ranks: int) -> MoEConfig:
+        """One tensor-parallel rank's share: every expert's columns split as a dense MLP's."""
+        for name in ("intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(self, name) % num_ranks:
+                raise ValueError(f"tensor_parallel_size ({num_ranks}) must divide the model's "
+                                 f"expert {name} ({getattr(self, name)})")
+        return replace(self, intermediate_size=self.intermediate_size // num_ranks,
+                       shared_expert_intermediate_size=(self.shared_expert_intermediate_size
+                                                        // num_ranks))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shapes and options of a decoder-only transformer, read from a HF `config.json`."""
 
@@ -60,6 +112,7 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = ()
     quantization: QuantConfig | None = None  # a quantized checkpoint's format
+    moe: MoEConfig | None = None  # a mixture-of-experts model's experts
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: str = "auto",
@@ -87,13 +140,20 @@ class ModelConfig:
                 f"num_key_value_heads ({num_kv_heads})")
         rope = _rope_parameters(raw)
         sliding_window = raw.get("sliding_window") if arch.uses_sliding_window(raw) else None
+        num_layers = int(raw["num_hidden_layers"])
+        moe = MoEConfig.from_hf(raw, arch.moe, num_layers) if arch.moe else None
+        quantization = (QuantConfig.from_hf(raw["quantization_config"])
+                        if raw.get("quantization_config") else None)
+        if moe is not None and quantization is not None:
+            raise CheckpointError(f"model: quantized mixture-of-experts checkpoints "
+                                  f"({arch.name}, {quantization.method}) are not supported")
         return cls(
             path=str(folder),
             architecture=arch.name,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
@@ -107,8 +167,8 @@ class ModelConfig:
             sliding_window=int(sliding_window) if sliding_window else None,
             dtype=resolve_dtype(dtype, raw, device),
             eos_token_ids=_eos_ids(raw, folder),
-            quantization=(QuantConfig.from_hf(raw["quantization_config"])
-                          if raw.get("quantization_config") else None),
+            quantization=quantization,
+            moe=moe,
         )
 
     def shard(self, num_ranks: int) -> ModelConfig:
@@ -121,7 +181,8 @@ class ModelConfig:
                                  f"{name} ({getattr(self, name)})")
         return replace(self, num_heads=self.num_heads // num_ranks,
                        num_kv_heads=self.num_kv_heads // num_ranks,
-                       intermediate_size=self.intermediate_size // num_ranks)
+                       intermediate_size=self.intermediate_size // num_ranks,
+                       moe=self.moe.shard(num_ranks) if self.moe else None)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -536,10 +597,17 @@ class EngineConfig:
         return self.cache.kv_offload_disk // self.kv_bytes_per_block
 
     @property
+    def replays_graphs(self) -> bool:
+        """Whether steps may replay CUDA graphs: not under enforce_eager or tensor
+        parallelism, nor for a mixture-of-experts model, whose forward reads its experts'
+        row counts back from the device."""
+        return not self.enforce_eager and self.tensor_parallel_size == 1 and not self.model.moe
+
+    @property
     def graph_tokens(self) -> int:
         """The largest step with prefill chunks that replays a CUDA graph, where graphs run
-        (not under enforce_eager or tensor parallelism): 0 when none does."""
-        if self.enforce_eager or self.tensor_parallel_size > 1:
+        (`replays_graphs`): 0 when none does."""
+        if not self.replays_graphs:
             return 0
         return min(self.max_graph_tokens, self.scheduler.max_num_tokens_per_step)
 

@@ -8,13 +8,14 @@ import copy
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from kvserve.cpu_cache import flush_cpu_caches
 from kvserve.layers.linear import Linear
+from kvserve.models.moe import SparseMoeBlock
 
 
 def on_one_gpu(options: dict[str, Any], num_models: int) -> dict[str, Any]:
@@ -108,15 +109,27 @@ def memory_bandwidth(device: str | torch.device = "cpu", num_bytes: int = 1 << 3
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every matmul weight: what each decode step streams once."""
-    return sum(m.weight_bytes for m in model.modules() if isinstance(m, Linear))
+    """Bytes of the matmul weights one token streams, which a batch-1 decode step streams
+    once: all of them, but only the top-k experts of a mixture-of-experts layer."""
+    return sum(linear.weight_bytes * times for linear, times in token_linears(model))
 
 
 def matmul_params(module: torch.nn.Module) -> int:
     """Weights every token multiplies through in `module`'s linears: a token costs twice as
     many FLOPs."""
-    return sum(m.in_features * sum(m.output_sizes) for m in module.modules()
-               if isinstance(m, Linear))
+    return sum(linear.in_features * sum(linear.output_sizes) * times
+               for linear, times in token_linears(module))
+
+
+def token_linears(module: torch.nn.Module) -> Iterator[tuple[Linear, int]]:
+    """`module`'s linears that one token multiplies through, each with how many times."""
+    if isinstance(module, SparseMoeBlock):
+        yield from module.token_linears()
+    elif isinstance(module, Linear):
+        yield module, 1
+    else:
+        for child in module.children():
+            yield from token_linears(child)
 
 
 def gemm_size(device: str | torch.device) -> int:

@@ -77,8 +77,8 @@ class Linear(nn.Module):
                  dtype: torch.dtype, parallel: str | None = None) -> None:
         """`in_features` and `output_sizes` are this rank's; `parallel` says how a
         checkpoint's full tensors split among tensor-parallel ranks: "column" (by output
-        rows: each shard's rows) or "row" (by input columns; the outputs are then summed
-        over the ranks)."""
+        rows: each shard's rows), "row" (by input columns; the outputs are then summed
+        over the ranks) or "row_partial" (as "row", but the caller sums the outputs)."""
         super().__init__()
         self.in_features = in_features
         self.parallel = parallel

@@ -22,6 +22,7 @@ from kvserve.errors import CheckpointError
 from kvserve.layers.linear import Linear
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import checkpoint_target
+from kvserve.models.moe import SparseMoeBlock
 from kvserve.worker.tensor_parallel import rank_slice
 
 _PREFIX = "base_model.model."
@@ -71,6 +72,8 @@ def load_adapter(name: str, path: str | Path, model: LlamaForCausalLM) -> LoRAAd
         raise CheckpointError(f"lora {name!r}: cannot read adapter_model.safetensors: {e}"
                               ) from None
     modules = dict(model.named_modules())
+    routed = {f"{block}.{sub}" for block, module in modules.items()
+              if isinstance(module, SparseMoeBlock) for sub, _ in module.named_modules() if sub}
     shards: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     for key, a in tensors.items():
         if ".lora_A." not in key:
@@ -84,6 +87,9 @@ def load_adapter(name: str, path: str | Path, model: LlamaForCausalLM) -> LoRAAd
         layer, _, shard = target
         linear = modules[layer]
         module = hf_name.removesuffix(".weight")
+        if layer in routed:
+            raise CheckpointError(f"lora {name!r}: {module}: adapters of a mixture-of-experts "
+                                  "layer's router and experts are not supported")
         if not (a.isfinite().all() and b.isfinite().all()):
             raise CheckpointError(f"lora {name!r}: {module}: lora_A or lora_B holds NaN or "
                                   "infinite values")

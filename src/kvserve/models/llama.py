@@ -1,6 +1,7 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): pure math over flat token batches.
-Built from one tensor-parallel rank's `ModelConfig.shard`, it holds that rank's heads and MLP
-columns; embedding, norms and LM head are whole on every rank.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts Mixtral,
+Qwen2-MoE and Qwen3-MoE): pure math over flat token batches. Built from one tensor-parallel
+rank's `ModelConfig.shard`, it holds that rank's heads and MLP (or experts') columns;
+embedding, norms, routers and LM head are whole on every rank.
 
 Inputs are all the step's tokens flattened to [N]; attention finds each token's sequence and
 cache slots through the forward context, so prefill chunks and decodes share one forward.
@@ -18,6 +19,8 @@ from kvserve.config import ModelConfig
 from kvserve.layers.linear import Linear
 from kvserve.layers.norm import RMSNorm
 from kvserve.layers.rotary import RotaryEmbedding, to_interleaved
+from kvserve.models.mlp import MLP
+from kvserve.models.moe import SparseMoeBlock
 from kvserve.worker.forward_context import get_attention_metadata, get_selective_recompute
 
 _ROTATED = re.compile(r"\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
@@ -63,29 +66,17 @@ class Attention(nn.Module):
         return qk, v
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, False,
-                                   cfg.dtype, parallel="column")
-        self.down_proj = Linear(cfg.intermediate_size, [cfg.hidden_size], False, cfg.dtype,
-                                parallel="row")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate) * up): the activation fused into gate_up's output on the CPU's
-        blocked GEMM, into down's input elsewhere (see Linear)."""
-        if self.gate_up_proj.form == "blocked":
-            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
-        return self.down_proj.gated(self.gate_up_proj(x))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoeBlock
+        if cfg.moe is not None and index in cfg.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe, cfg.dtype)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,18 +92,23 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Checkpoint tensor names that are slices of one fused layer here: name -> (layer, shard).
+    # Checkpoint tensor names that are slices of one fused layer here: name -> (layer, shard);
+    # Mixtral's experts call gate, down and up w1, w2 and w3.
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", 0),
     }
+    # Checkpoint module names that are another module's here (Mixtral's MoE block).
+    renamed_modules = {"block_sparse_moe": "mlp"}
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, index)
+                                    for index in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, cfg.dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,

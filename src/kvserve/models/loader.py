@@ -120,6 +120,7 @@ def checkpoint_target(hf_name: str, model: LlamaForCausalLM) -> tuple[str, str, 
     module, _, kind = name.rpartition(".")
     if kind not in ("weight", "bias"):
         return None
+    module = ".".join(model.renamed_modules.get(part, part) for part in module.split("."))
     parent, _, leaf = module.rpartition(".")
     if leaf in model.packed_modules:
         fused, shard = model.packed_modules[leaf]

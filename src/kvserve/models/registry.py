@@ -1,6 +1,8 @@
 """The architectures kvserve can run, keyed by the `architectures` field of `config.json`.
 
-All four are the same pre-norm decoder; they differ in a few switches.
+All are the same pre-norm decoder; they differ in a few switches. The mixture-of-experts
+ones (`moe`) route each token's MLP through its top-k experts (see models/moe.py), with the
+router and expert sizes spelled Mixtral's way or Qwen's way in `config.json`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ class ArchSpec:
     name: str
     qkv_bias: bool = False
     qk_norm: bool = False
+    moe: str | None = None  # None: a dense MLP; "mixtral" or "qwen": whose config fields
     sliding_window_when: Callable[[dict[str, Any]], bool] = lambda raw: False
 
     def uses_sliding_window(self, raw: dict[str, Any]) -> bool:
@@ -36,6 +39,11 @@ ARCHITECTURES = {
         ArchSpec("MistralForCausalLM", sliding_window_when=lambda raw: True),
         ArchSpec("Qwen2ForCausalLM", qkv_bias=True, sliding_window_when=_qwen_window),
         ArchSpec("Qwen3ForCausalLM", qk_norm=True, sliding_window_when=_qwen_window),
+        ArchSpec("MixtralForCausalLM", moe="mixtral", sliding_window_when=lambda raw: True),
+        ArchSpec("Qwen2MoeForCausalLM", qkv_bias=True, moe="qwen",
+                 sliding_window_when=_qwen_window),
+        ArchSpec("Qwen3MoeForCausalLM", qk_norm=True, moe="qwen",
+                 sliding_window_when=_qwen_window),
     )
 }
 

@@ -63,7 +63,11 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
         raise ValueError(f"group_size must be -1 (one group per row) or >= 1, got {group_size}")
     source, out = Path(model_dir), Path(output)
     # A checkpoint at all? (In the dtype the layers are quantized in: `auto` would log.)
-    quantization = ModelConfig.from_pretrained(source, dtype="float32").quantization
+    source_config = ModelConfig.from_pretrained(source, dtype="float32")
+    quantization = source_config.quantization
+    if source_config.moe is not None:
+        raise ValueError(f"model: quantizing mixture-of-experts models "
+                         f"({source_config.architecture}) is not supported")
     if quantization is not None:
         raise ValueError(f"model: {str(source)!r} is already quantized ({quantization.method}, "
                          f"{quantization.bits} bits); quantize its full-precision original")

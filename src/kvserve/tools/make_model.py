@@ -6,7 +6,7 @@ tokenizer_config.json) load unchanged in `transformers`, which is how kvserve is
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,12 @@ class Preset:
     sliding_window: int | None = None
     init_std: float = 0.02
     dtype: str = "float32"
+    # Mixture-of-experts arches: their experts (defaults from the dense shape where 0; see
+    # `_with_experts`), and Qwen2-MoE's shared expert.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
 
 PRESETS = {
@@ -61,6 +67,16 @@ PRESETS = {
                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                       "original_max_position_embeddings": 8192},
                         tie_word_embeddings=False, dtype="bfloat16"),
+    # Qwen3-30B-A3B's shapes: 128 experts, 8 a token, 3.3B of 30.5B weights active; the
+    # mixture-of-experts model people run on laptops (61 GB in bfloat16).
+    "qwen3-30b-a3b": Preset("qwen3_moe", 2048, 6144, 48, 32, 4, 151936, 40960, rope_theta=1e6,
+                            tie_word_embeddings=False, head_dim=128, dtype="bfloat16",
+                            num_experts=128, experts_per_token=8, moe_intermediate_size=768),
+    # The same at a size a 2-core CPU serves: 64 experts of 8 a token, 0.6B weights of which
+    # 0.1B are active (the experts 0.45B, 56 MB of them a token, in bfloat16).
+    "qwen3-moe-small": Preset("qwen3_moe", 768, 2048, 12, 12, 4, 32000, 8192,
+                              rope_theta=1e6, head_dim=64, dtype="bfloat16", num_experts=64,
+                              experts_per_token=8, moe_intermediate_size=256),
 }
 
 ARCHES = {
@@ -68,7 +84,11 @@ ARCHES = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+MOE_ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def make_model(preset: str, output: str | Path, arch: str | None = None, seed: int = 0,
@@ -94,9 +114,13 @@ def make_model(preset: str, output: str | Path, arch: str | None = None, seed: i
         if arch not in ARCHES:
             raise ValueError(f"arch must be one of {sorted(ARCHES)}, got {arch!r}")
         spec = replace(spec, arch=arch)
-    if spec.arch == "qwen3" and spec.head_dim is None:
+    if spec.arch in ("qwen3", "qwen3_moe") and spec.head_dim is None:
         spec = replace(spec, head_dim=2 * spec.hidden_size // spec.num_heads)
-    if spec.arch == "mistral":
+    if spec.arch in MOE_ARCHES:
+        if train_steps:
+            raise ValueError(f"train_steps: training {spec.arch} checkpoints is not supported")
+        spec = _with_experts(spec)
+    if spec.arch in ("mistral", "mixtral"):
         spec = replace(spec, sliding_window=sliding_window or spec.max_position_embeddings // 8)
     if dtype is not None:
         spec = replace(spec, dtype=dtype)
@@ -120,6 +144,19 @@ def make_model(preset: str, output: str | Path, arch: str | None = None, seed: i
     write_weights(out, iter(trained.items()), dtype_of, max_shard_bytes, progress)
     write_json(out / "training.json", report.as_dict())
     return out
+
+
+def _with_experts(spec: Preset) -> Preset:
+    """A dense preset made a mixture of experts: 8 experts, 2 a token, each as wide as the
+    dense MLP (Mixtral) or half as wide (Qwen, whose shared expert is as wide as it)."""
+    spec = replace(spec, num_experts=spec.num_experts or 8,
+                   experts_per_token=spec.experts_per_token or 2,
+                   moe_intermediate_size=spec.moe_intermediate_size or (
+                       spec.intermediate_size if spec.arch == "mixtral"
+                       else spec.intermediate_size // 2))
+    if spec.arch == "qwen2_moe" and not spec.shared_expert_intermediate_size:
+        spec = replace(spec, shared_expert_intermediate_size=spec.intermediate_size)
+    return spec
 
 
 def hf_config(spec: Preset) -> dict[str, Any]:
@@ -147,14 +184,25 @@ def hf_config(spec: Preset) -> dict[str, Any]:
         "torch_dtype": spec.dtype,
         "use_cache": True,
     }
-    if spec.arch in ("llama", "qwen3"):
+    if spec.arch in ("llama", "qwen3", "qwen3_moe"):
         config.update(attention_bias=False, mlp_bias=False)
     if spec.head_dim is not None:
         config["head_dim"] = spec.head_dim
-    if spec.arch == "mistral":
+    if spec.arch in ("mistral", "mixtral"):
         config["sliding_window"] = spec.sliding_window
-    if spec.arch in ("qwen2", "qwen3"):
+    if spec.arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
+    if spec.arch == "mixtral":
+        config.update(num_local_experts=spec.num_experts,
+                      num_experts_per_tok=spec.experts_per_token,
+                      intermediate_size=spec.moe_intermediate_size, router_jitter_noise=0.0)
+    elif spec.arch in MOE_ARCHES:
+        config.update(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+                      moe_intermediate_size=spec.moe_intermediate_size,
+                      norm_topk_prob=spec.arch == "qwen3_moe", decoder_sparse_step=1,
+                      mlp_only_layers=[])
+        if spec.shared_expert_intermediate_size:
+            config["shared_expert_intermediate_size"] = spec.shared_expert_intermediate_size
     return config
 
 
@@ -174,16 +222,45 @@ def _tensors(spec: Preset, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
         for name, rows in (("q", spec.num_heads), ("k", spec.num_kv_heads),
                            ("v", spec.num_kv_heads)):
             yield p + f"self_attn.{name}_proj.weight", normal(rows * head_dim, h)
-            if spec.arch == "qwen2":
+            if spec.arch in ("qwen2", "qwen2_moe"):
                 yield p + f"self_attn.{name}_proj.bias", normal(rows * head_dim)
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "qwen3_moe"):
             yield p + "self_attn.q_norm.weight", 1.0 + normal(head_dim)
             yield p + "self_attn.k_norm.weight", 1.0 + normal(head_dim)
         yield p + "self_attn.o_proj.weight", normal(h, spec.num_heads * head_dim)
         yield p + "post_attention_layernorm.weight", 1.0 + normal(h)
-        yield p + "mlp.gate_proj.weight", normal(spec.intermediate_size, h)
-        yield p + "mlp.up_proj.weight", normal(spec.intermediate_size, h)
-        yield p + "mlp.down_proj.weight", normal(h, spec.intermediate_size)
+        yield from _mlp_tensors(spec, p, normal)
     yield "model.norm.weight", 1.0 + normal(h)
     if not spec.tie_word_embeddings:
         yield "lm_head.weight", normal(spec.vocab_size, h)
+
+
+def _mlp_tensors(spec: Preset, prefix: str, normal: Callable[..., torch.Tensor]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A layer's MLP, or its router and experts under the names of the arch's hub files."""
+    h = spec.hidden_size
+    if spec.arch not in MOE_ARCHES:
+        yield from _gated_mlp(prefix + "mlp.", spec.intermediate_size, h, normal)
+        return
+    block = prefix + ("block_sparse_moe." if spec.arch == "mixtral" else "mlp.")
+    yield block + "gate.weight", normal(spec.num_experts, h)
+    for e in range(spec.num_experts):
+        expert = f"{block}experts.{e}."
+        if spec.arch == "mixtral":
+            size = spec.moe_intermediate_size
+            yield expert + "w1.weight", normal(size, h)
+            yield expert + "w2.weight", normal(h, size)
+            yield expert + "w3.weight", normal(size, h)
+        else:
+            yield from _gated_mlp(expert, spec.moe_intermediate_size, h, normal)
+    if spec.shared_expert_intermediate_size:
+        yield from _gated_mlp(block + "shared_expert.", spec.shared_expert_intermediate_size, h,
+                              normal)
+        yield block + "shared_expert_gate.weight", normal(1, h)
+
+
+def _gated_mlp(prefix: str, size: int, h: int, normal: Callable[..., torch.Tensor]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    yield prefix + "gate_proj.weight", normal(size, h)
+    yield prefix + "up_proj.weight", normal(size, h)
+    yield prefix + "down_proj.weight", normal(h, size)

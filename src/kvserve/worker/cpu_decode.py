@@ -4,9 +4,9 @@ CUDA graphs.
 A batch-1 decode step of a small model is ~300 short kernel calls; issued from Python, the
 calls cost a third of the step. `LlamaDecodeStack` (csrc/llama_decode.cpp) runs the same
 kernels in the same order from C++, so the hidden states are bit-identical to the eager
-forward. It covers what those kernels cover: a single-rank Llama-family model (Qwen3's
-per-head q/k norms included), every linear on the blocked GEMM or on the W4A8/W8A8 kernel
-(and its dequantizing GEMM), and the C++ attention backend. Steps with a prefill chunk, and
+forward. It covers what those kernels cover: a single-rank Llama-family model with dense MLPs
+(Qwen3's per-head q/k norms included), every linear on the blocked GEMM or on the W4A8/W8A8
+kernel (and its dequantizing GEMM), and the C++ attention backend. Steps with a prefill chunk, and
 everything under `enforce_eager`, run the eager forward.
 """
 
@@ -20,6 +20,7 @@ from kvserve.attention.cpu_paged import CpuPagedAttention
 from kvserve.cpp_extension import cpu_kernels
 from kvserve.layers.linear import Linear
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.mlp import MLP
 from kvserve.quantization.cpu_kernels import WxA8Weight
 from kvserve.worker.input_batch import ModelInputs
 from kvserve.worker.tensor_parallel import tp_group
@@ -52,6 +53,8 @@ class CpuDecodeStack:
             return False
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            if not isinstance(mlp, MLP):
+                return False
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not isinstance(attn.backend, CpuPagedAttention) or attn.head_dim % 16:
                 return False

@@ -327,11 +327,11 @@ class ModelRunner:
                                    self.device)
 
     def _step_graphs(self) -> StepGraphs | None:
-        """Steps replay CUDA graphs unless `enforce_eager`; graphs need a backend that takes
-        padding rows (the Triton one). Elsewhere, the padded path runs eagerly."""
+        """Steps replay CUDA graphs where the config lets them (`replays_graphs`); graphs need
+        a backend that takes padding rows (the Triton one). Elsewhere, the padded path runs
+        eagerly."""
         backend = self.model.layers[0].self_attn.backend
-        if (self.config.enforce_eager or not backend.takes_padding_rows
-                or self.config.tensor_parallel_size > 1):
+        if not self.config.replays_graphs or not backend.takes_padding_rows:
             return None
         return StepGraphs(self.model, self.inputs, self.config.scheduler.max_num_seqs,
                           self.config.graph_tokens,

@@ -1,0 +1,77 @@
+"""The mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+A router scores every expert for each token; the token's output is the sum of its top-k
+experts' outputs, weighted by their softmax probabilities (rescaled to sum to 1 where the
+model says so). Each expert runs once per step, over the rows routed to it, so a decode
+step streams only the experts its tokens picked: a top-8-of-128 model reads a sixteenth of
+its expert weights for one token.
+
+Among tensor-parallel ranks every expert is split like a dense MLP (its columns); the router
+is whole on each rank, so all ranks route alike, and the experts' partial outputs are summed
+over the ranks once, after they are added up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from kvserve.config import MoEConfig
+from kvserve.layers.linear import Linear
+from kvserve.models.mlp import MLP
+from kvserve.worker.tensor_parallel import all_reduce, tp_group
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.gate = Linear(hidden_size, [moe.num_experts], False, dtype)
+        self.experts = nn.ModuleList(
+            MLP(hidden_size, moe.intermediate_size, dtype, reduced=False)
+            for _ in range(moe.num_experts))
+        shared = moe.shared_expert_intermediate_size
+        self.shared_expert = MLP(hidden_size, shared, dtype, reduced=False) if shared else None
+        self.shared_expert_gate = Linear(hidden_size, [1], False, dtype) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self._routed(x, weights.to(x.dtype), experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if tp_group().size > 1:
+            all_reduce(out)
+        return out
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+                ) -> torch.Tensor:
+        """Sum over each row's experts of weight x expert(row): the (row, expert) pairs
+        sorted by expert, each expert's rows gathered into one matmul. Reading the counts
+        back is the one host sync of the block."""
+        pairs = experts.flatten()
+        order = torch.argsort(pairs, stable=True)
+        rows = order // self.top_k
+        scales = weights.flatten()[order].unsqueeze(1)
+        counts = torch.bincount(pairs, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                picked = rows[start:start + count]
+                out.index_add_(0, picked, expert(x[picked]) * scales[start:start + count])
+                start += count
+        return out
+
+    def token_linears(self) -> Iterator[tuple[Linear, int]]:
+        """The layers one token's pass multiplies through, each with how many times: the
+        router, the shared expert, and the weights of top-k experts (as the first one's)."""
+        yield self.gate, 1
+        for module in (self.shared_expert, self.shared_expert_gate):
+            if module is not None:
+                yield from ((m, 1) for m in module.modules() if isinstance(m, Linear))
+        yield from ((m, self.top_k) for m in self.experts[0].modules() if isinstance(m, Linear))

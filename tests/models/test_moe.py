@@ -1,0 +1,162 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE): greedy
+tokens equal transformers' on the same checkpoint in float32, across chunk sizes,
+preemption and tensor parallelism; what is not supported for them is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvserve import LLM, SamplingParams
+from kvserve.benchmarks.device import matmul_params, weight_bytes
+from kvserve.config import ModelConfig
+from kvserve.errors import CheckpointError
+from kvserve.layers.linear import Linear
+from kvserve.models.moe import SparseMoeBlock
+from kvserve.quantization.quantize import quantize_model
+from kvserve.tools.make_lora import make_lora
+from kvserve.tools.make_model import MOE_ARCHES, make_model
+from tests.conftest import random_prompts
+from tests.models.test_hf_equivalence import (
+    MAX_TOKENS,
+    PROMPT_LENS,
+    SETTINGS,
+    hf_greedy,
+    kv_bytes_for_blocks,
+    run_greedy,
+)
+from tests.models.test_lora import merged_greedy
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: make_model("tiny", root / arch, arch=arch, sliding_window=64)
+            for arch in MOE_ARCHES}
+
+
+def with_dense_first_layer(source: Path, folder: Path) -> Path:
+    """A copy of a Qwen MoE checkpoint whose layer 0 is a dense MLP (`mlp_only_layers`)."""
+    shutil.copytree(source, folder)
+    weights_file = next(folder.glob("*.safetensors"))
+    tensors = {name: t for name, t in load_file(weights_file).items()
+               if not name.startswith("model.layers.0.mlp.")}
+    config = json.loads((folder / "config.json").read_text())
+    hidden, size = config["hidden_size"], config["intermediate_size"]
+    gen = torch.Generator().manual_seed(5)
+    for name, shape in (("gate_proj", (size, hidden)), ("up_proj", (size, hidden)),
+                        ("down_proj", (hidden, size))):
+        tensors[f"model.layers.0.mlp.{name}.weight"] = torch.randn(*shape, generator=gen) * 0.08
+    save_file(tensors, weights_file)
+    config["mlp_only_layers"] = [0]
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("setting", ["default", "small-chunks", "preemption",
+                                     "preemption-swap"])
+@pytest.mark.parametrize("arch", MOE_ARCHES)
+def test_greedy_matches_transformers(moe_dirs, arch, setting):
+    path = moe_dirs[arch]
+    kwargs = dict(SETTINGS[setting])
+    if "kv_blocks" in kwargs:
+        kwargs["kv_cache_memory"] = kv_bytes_for_blocks(path, kwargs.pop("kv_blocks"))
+    llm = LLM(str(path), **kwargs)
+    assert llm.engine.core.runner.cpu_decode is None  # the C++ decode stack has no experts
+    prompts = random_prompts(PROMPT_LENS, seed=len(setting))
+    for prompt, tokens in zip(prompts, run_greedy(llm, prompts), strict=True):
+        assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS), f"prompt of {len(prompt)}"
+    if setting.startswith("preemption"):
+        assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def test_dense_layers_among_sparse_ones(moe_dirs, tmp_path):
+    path = with_dense_first_layer(moe_dirs["qwen3_moe"], tmp_path / "mixed")
+    llm = LLM(str(path), max_num_batched_tokens=32)
+    layers = llm.engine.core.runner.model.layers
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in layers] == [False, True]
+    prompts = random_prompts([3, 50, 130], seed=9)
+    for prompt, tokens in zip(prompts, run_greedy(llm, prompts), strict=True):
+        assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS), f"prompt of {len(prompt)}"
+
+
+def test_two_ranks_match_one(moe_dirs):
+    """Every expert (and Qwen2-MoE's shared one) split by columns, summed over the ranks once."""
+    path = moe_dirs["qwen2_moe"]
+    prompts = random_prompts([5, 40, 150, 17], seed=41)
+    one = run_greedy(LLM(str(path), max_num_batched_tokens=64), prompts)
+    two = run_greedy(LLM(str(path), max_num_batched_tokens=64, tensor_parallel_size=2), prompts)
+    assert one == two
+
+
+def test_attention_adapters_match_the_merged_model(moe_dirs, tmp_path):
+    """Adapters of the attention projections, beside the base model in one batch."""
+    base = moe_dirs["qwen3_moe"]
+    pairs = make_lora(base, tmp_path / "attn", rank=4, alpha=8.0,
+                      targets=("q_proj", "v_proj", "o_proj"), seed=1, std=0.2)
+    llm = LLM(str(base), lora_modules={"attn": str(tmp_path / "attn")})
+    prompts = random_prompts([5, 40, 17], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p, "lora_name": name}
+                            for name in ("attn", None) for p in prompts], params, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outputs]
+    assert got[:3] == merged_greedy(base, pairs, 8.0 / 4, prompts)
+    assert got[3:] == merged_greedy(base, {}, 1.0, prompts)
+
+
+def test_expert_adapters_are_refused(moe_dirs, tmp_path):
+    base = moe_dirs["qwen3_moe"]
+    folder = tmp_path / "experts"
+    folder.mkdir()
+    prefix = "base_model.model.model.layers.0.mlp.experts.0.gate_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.zeros(4, 64),
+               f"{prefix}.lora_B.weight": torch.zeros(64, 4)},
+              folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    llm = LLM(str(base))
+    with pytest.raises(CheckpointError, match="mixture-of-experts layer's router and experts"):
+        llm.engine.add_lora("experts", str(folder))
+
+
+def test_the_floor_counts_the_top_k_experts(moe_dirs):
+    """A token streams its top-k experts' weights, not all of them."""
+    llm = LLM(str(moe_dirs["mixtral"]))
+    cfg = llm.engine.core.runner.config.model
+    model = llm.engine.core.runner.model
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    moe = cfg.moe
+    per_layer = (h * (q + 2 * kv) + q * h + h * moe.num_experts
+                 + moe.top_k * 3 * h * moe.intermediate_size)
+    params = cfg.num_layers * per_layer + cfg.vocab_size * h
+    assert matmul_params(model) == params
+    stored = [m.weight_bytes for m in model.modules() if isinstance(m, Linear)]
+    expert = sum(m.weight_bytes for m in model.layers[0].mlp.experts[0].modules()
+                 if isinstance(m, Linear))
+    unread = cfg.num_layers * (moe.num_experts - moe.top_k) * expert
+    assert weight_bytes(model) == sum(stored) - unread
+
+
+def test_config_errors_name_the_field(moe_dirs, tmp_path):
+    folder = tmp_path / "bad"
+    shutil.copytree(moe_dirs["qwen3_moe"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    for change, message in (({"num_experts_per_tok": 9}, "num_experts_per_tok .9. exceeds"),
+                            ({"num_experts": 0}, "'num_experts' must be a positive"),
+                            ({"quantization_config": {"quant_method": "gptq", "bits": 4,
+                                                      "group_size": 128}},
+                             "quantized mixture-of-experts")):
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(CheckpointError, match=message):
+            ModelConfig.from_pretrained(folder)
+
+
+def test_unsupported_tools_refuse_moe(moe_dirs, tmp_path):
+    with pytest.raises(ValueError, match="quantizing mixture-of-experts"):
+        quantize_model(moe_dirs["mixtral"], tmp_path / "q", "rtn", 4)
+    with pytest.raises(ValueError, match="train_steps: training qwen3_moe"):
+        make_model("tiny", tmp_path / "t", arch="qwen3_moe", train_steps=1)
