@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from kvserve import LLM, SamplingParams
 from kvserve.benchmarks.device import matmul_params, weight_bytes
 from kvserve.config import ModelConfig
+from kvserve.cpp_extension import cpu_kernels
 from kvserve.errors import CheckpointError
 from kvserve.layers.linear import Linear
 from kvserve.models.moe import SparseMoeBlock
@@ -22,6 +23,7 @@ from kvserve.quantization.quantize import quantize_model
 from kvserve.tools.make_lora import make_lora
 from kvserve.tools.make_model import MOE_ARCHES, make_model
 from tests.conftest import random_prompts
+from tests.models.test_cpu_decode import greedy_with_logprobs
 from tests.models.test_hf_equivalence import (
     MAX_TOKENS,
     PROMPT_LENS,
@@ -67,12 +69,28 @@ def test_greedy_matches_transformers(moe_dirs, arch, setting):
     if "kv_blocks" in kwargs:
         kwargs["kv_cache_memory"] = kv_bytes_for_blocks(path, kwargs.pop("kv_blocks"))
     llm = LLM(str(path), **kwargs)
-    assert llm.engine.core.runner.cpu_decode is None  # the C++ decode stack has no experts
     prompts = random_prompts(PROMPT_LENS, seed=len(setting))
     for prompt, tokens in zip(prompts, run_greedy(llm, prompts), strict=True):
         assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS), f"prompt of {len(prompt)}"
     if setting.startswith("preemption"):
         assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", MOE_ARCHES)
+def test_decode_stack_equals_the_eager_forward(moe_dirs, arch, dtype):
+    """The C++ decode stack routes as the eager MoE block does, to the bit."""
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.gemm_supports(torch.empty(16, 2,
+                                                                dtype=getattr(torch, dtype))):
+        pytest.skip(f"no blocked {dtype} GEMM on this CPU, so no decode stack")
+    prompts = random_prompts([5, 17, 70, 3, 40], seed=4)
+    stacked = LLM(str(moe_dirs[arch]), dtype=dtype, max_num_batched_tokens=48)
+    eager = LLM(str(moe_dirs[arch]), dtype=dtype, max_num_batched_tokens=48,
+                enforce_eager=True)
+    assert stacked.engine.core.runner.cpu_decode is not None
+    assert greedy_with_logprobs(stacked, prompts) == greedy_with_logprobs(eager, prompts)
+    assert greedy_with_logprobs(stacked, prompts[:1]) == greedy_with_logprobs(eager, prompts[:1])
 
 
 def test_dense_layers_among_sparse_ones(moe_dirs, tmp_path):

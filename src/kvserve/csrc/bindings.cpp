@@ -6,6 +6,7 @@ namespace py = pybind11;
 using kvserve::DecoderLayerWeights;
 using kvserve::LinearWeights;
 using kvserve::LlamaDecodeStack;
+using kvserve::MoEWeights;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto release = py::call_guard<py::gil_scoped_release>();
@@ -71,13 +72,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("weight"), py::arg("bits"), py::arg("scales"), py::arg("zeros"),
            py::arg("input_order"), py::arg("group"), py::arg("amx_from"),
            py::arg("dequantized_from"));
+  py::class_<MoEWeights>(m, "MoEWeights", py::module_local())
+      .def(py::init<LinearWeights, std::vector<LinearWeights>, std::vector<LinearWeights>,
+                    int64_t, int64_t, bool, c10::optional<LinearWeights>,
+                    c10::optional<LinearWeights>, c10::optional<LinearWeights>, int64_t>(),
+           py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("top_k"),
+           py::arg("intermediate_size"), py::arg("renormalize"),
+           py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
+           py::arg("shared_gate") = py::none(), py::arg("shared_intermediate_size") = 0);
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", py::module_local())
-      .def(py::init<torch::Tensor, LinearWeights, LinearWeights, torch::Tensor, LinearWeights,
-                    LinearWeights, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                    c10::optional<torch::Tensor>>(),
+      .def(py::init<torch::Tensor, LinearWeights, LinearWeights, torch::Tensor,
+                    c10::optional<LinearWeights>, c10::optional<LinearWeights>,
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>, c10::optional<MoEWeights>>(),
            py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"),
            py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias") = py::none(),
-           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none());
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("moe") = py::none());
   py::class_<LlamaDecodeStack>(m, "LlamaDecodeStack", py::module_local())
       .def(py::init<std::vector<DecoderLayerWeights>, torch::Tensor, int64_t, int64_t, int64_t,
                     int64_t, double, double>(),

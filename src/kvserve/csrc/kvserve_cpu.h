@@ -89,13 +89,27 @@ struct LinearWeights {
   torch::Tensor silu_and_mul(const torch::Tensor& x, int64_t n) const;
 };
 
-// One Llama-family decoder layer's weights.
+// A mixture-of-experts MLP's weights, run as models/moe.py runs them.
+struct MoEWeights {
+  LinearWeights router;
+  std::vector<LinearWeights> gate_up, down;  // each expert's
+  int64_t top_k = 0, intermediate_size = 0;
+  bool renormalize = false;
+  // Qwen2-MoE's shared expert and its sigmoid gate (shared_intermediate_size 0: none).
+  c10::optional<LinearWeights> shared_gate_up, shared_down, shared_gate;
+  int64_t shared_intermediate_size = 0;
+
+  torch::Tensor operator()(const torch::Tensor& x, int64_t hidden_size) const;
+};
+
+// One Llama-family decoder layer's weights: its MLP dense (gate_up, down) or experts (moe).
 struct DecoderLayerWeights {
   torch::Tensor input_norm;
   LinearWeights qkv, o;
   torch::Tensor post_norm;
-  LinearWeights gate_up, down;
+  c10::optional<LinearWeights> gate_up, down;
   c10::optional<torch::Tensor> qkv_bias, q_norm, k_norm;  // q/k norms: Qwen3's per-head ones
+  c10::optional<MoEWeights> moe;
 };
 
 // A decode-only step through every decoder layer in one call (see llama_decode.cpp).

@@ -1,5 +1,6 @@
 // A Llama-family decode step (one new token per sequence) through all decoder layers in one
-// call: the same kernels, in the same order, as the eager forward of models/llama.py, so the
+// call: the same kernels, in the same order, as the eager forward of models/llama.py (and
+// models/moe.py for experts), so the
 // hidden states are bit for bit the same. What it saves is the Python between them: a batch-1
 // step of a 30-layer model issues about 300 kernel calls, and from Python each costs more than
 // the small kernel itself (a third of the step on a 2-core EPYC).
@@ -21,6 +22,47 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x, int64_t n,
 torch::Tensor LinearWeights::silu_and_mul(const torch::Tensor& x, int64_t n) const {
   return bits == 0 ? blocked_linear_silu_and_mul(x, weight, n)
                    : kvserve::silu_and_mul((*this)(x, 2 * n, c10::nullopt));
+}
+
+// The rows' (row, expert) pairs sorted by expert, each expert run once over its rows'
+// gathered inputs, its outputs scaled by the router's weights and added into their rows in
+// that order.
+torch::Tensor MoEWeights::operator()(const torch::Tensor& x, int64_t hidden_size) const {
+  const int64_t num_experts = static_cast<int64_t>(gate_up.size());
+  const torch::Tensor probs =
+      torch::softmax(router(x, num_experts, c10::nullopt).to(torch::kFloat), -1);
+  auto [weights, experts] = torch::topk(probs, top_k, -1);
+  if (renormalize) weights = weights / weights.sum(-1, true);
+  weights = weights.to(x.scalar_type());
+  const torch::Tensor pairs = experts.flatten();
+  const torch::Tensor order = torch::argsort(pairs, /*stable=*/true);
+  const torch::Tensor rows = torch::div(order, top_k, "floor");
+  const torch::Tensor scales = weights.flatten().index_select(0, order).unsqueeze(1);
+  const torch::Tensor counts = torch::bincount(pairs, {}, num_experts);
+  const int64_t* count = counts.data_ptr<int64_t>();
+  torch::Tensor out = torch::zeros_like(x);
+  const bool one_row = x.size(0) == 1;  // every pair's row is x: no gather, no scatter
+  for (int64_t e = 0, start = 0; e < num_experts; ++e) {
+    if (count[e] == 0) continue;
+    const torch::Tensor picked = rows.narrow(0, start, count[e]);
+    const torch::Tensor y = down[e](gate_up[e].silu_and_mul(
+                                        one_row ? x : x.index_select(0, picked),
+                                        intermediate_size),
+                                    hidden_size, c10::nullopt) *
+                            scales.narrow(0, start, count[e]);
+    if (one_row) {
+      out.add_(y);
+    } else {
+      out.index_add_(0, picked, y);
+    }
+    start += count[e];
+  }
+  if (shared_intermediate_size) {
+    out += torch::sigmoid((*shared_gate)(x, 1, c10::nullopt)) *
+           (*shared_down)(shared_gate_up->silu_and_mul(x, shared_intermediate_size),
+                          hidden_size, c10::nullopt);
+  }
+  return out;
 }
 
 LlamaDecodeStack::LlamaDecodeStack(std::vector<DecoderLayerWeights> layers,
@@ -70,8 +112,9 @@ torch::Tensor LlamaDecodeStack::forward(torch::Tensor x, const torch::Tensor& ro
         block_tables, seq_lens, scale_, window, rows_share_sequences);
     normed = add_rms_norm(layer.o(attention.view({rows, -1}), hidden_size_, c10::nullopt),
                           layer.post_norm, eps_, residual);
-    x = layer.down(layer.gate_up.silu_and_mul(normed, intermediate_size_), hidden_size_,
-                   c10::nullopt);
+    x = layer.moe ? (*layer.moe)(normed, hidden_size_)
+                  : (*layer.down)(layer.gate_up->silu_and_mul(normed, intermediate_size_),
+                                  hidden_size_, c10::nullopt);
   }
   return add_rms_norm(x, final_norm_, eps_, residual);
 }

@@ -4,10 +4,10 @@ CUDA graphs.
 A batch-1 decode step of a small model is ~300 short kernel calls; issued from Python, the
 calls cost a third of the step. `LlamaDecodeStack` (csrc/llama_decode.cpp) runs the same
 kernels in the same order from C++, so the hidden states are bit-identical to the eager
-forward. It covers what those kernels cover: a single-rank Llama-family model with dense MLPs
-(Qwen3's per-head q/k norms included), every linear on the blocked GEMM or on the W4A8/W8A8
-kernel (and its dequantizing GEMM), and the C++ attention backend. Steps with a prefill chunk, and
-everything under `enforce_eager`, run the eager forward.
+forward. It covers what those kernels cover: a single-rank Llama-family model (Qwen3's per-head
+q/k norms and mixture-of-experts MLPs included), every linear on the blocked GEMM or on the
+W4A8/W8A8 kernel (and its dequantizing GEMM), and the C++ attention backend. Steps with a
+prefill chunk, and everything under `enforce_eager`, run the eager forward.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from kvserve.cpp_extension import cpu_kernels
 from kvserve.layers.linear import Linear
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.mlp import MLP
+from kvserve.models.moe import SparseMoeBlock
 from kvserve.quantization.cpu_kernels import WxA8Weight
 from kvserve.worker.input_batch import ModelInputs
 from kvserve.worker.tensor_parallel import tp_group
@@ -52,10 +53,9 @@ class CpuDecodeStack:
         if not isinstance(model, LlamaForCausalLM):
             return False
         for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if not isinstance(mlp, MLP):
-                return False
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            attn = layer.self_attn
+            linears = [attn.qkv_proj, attn.o_proj, *(m for m in layer.mlp.modules()
+                                                     if isinstance(m, Linear))]
             if not isinstance(attn.backend, CpuPagedAttention) or attn.head_dim % 16:
                 return False
             if not all(_runs(lin) for lin in linears):
@@ -95,9 +95,25 @@ def _linear_weights(linear: Linear, kernels: ModuleType) -> object:
 
 def _layer_weights(layer: torch.nn.Module, kernels: ModuleType) -> object:
     attn, mlp = layer.self_attn, layer.mlp
+    dense = isinstance(mlp, MLP)
     return kernels.DecoderLayerWeights(
         layer.input_layernorm.weight, _linear_weights(attn.qkv_proj, kernels),
         _linear_weights(attn.o_proj, kernels), layer.post_attention_layernorm.weight,
-        _linear_weights(mlp.gate_up_proj, kernels), _linear_weights(mlp.down_proj, kernels),
+        _linear_weights(mlp.gate_up_proj, kernels) if dense else None,
+        _linear_weights(mlp.down_proj, kernels) if dense else None,
         attn.qkv_proj.bias, attn.q_norm.weight if attn.q_norm is not None else None,
-        attn.k_norm.weight if attn.k_norm is not None else None)
+        attn.k_norm.weight if attn.k_norm is not None else None,
+        None if dense else _moe_weights(mlp, kernels))
+
+
+def _moe_weights(moe: SparseMoeBlock, kernels: ModuleType) -> object:
+    shared = moe.shared_expert
+    return kernels.MoEWeights(
+        _linear_weights(moe.gate, kernels),
+        [_linear_weights(e.gate_up_proj, kernels) for e in moe.experts],
+        [_linear_weights(e.down_proj, kernels) for e in moe.experts],
+        moe.top_k, moe.experts[0].down_proj.in_features, moe.renormalize,
+        *((None, None, None, 0) if shared is None or moe.shared_expert_gate is None else (
+            _linear_weights(shared.gate_up_proj, kernels),
+            _linear_weights(shared.down_proj, kernels),
+            _linear_weights(moe.shared_expert_gate, kernels), shared.down_proj.in_features)))
