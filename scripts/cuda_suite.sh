@@ -26,6 +26,8 @@
 #   lora         8 adapters in one batch against the base model
 #   structured   JSON-schema output against free output of the same tokens (needs
 #                llguidance and jsonschema importable)
+#   moe          mixture-of-experts models against transformers on CUDA, and
+#                qwen3-moe-small's batch-1 TPOT against its floor and transformers
 #   serve        llama3-8b's server under Poisson load, prompts of 1-4k tokens, chunked
 #                prefill against prefill-first (needs fastapi, uvicorn and pydantic
 #                importable)
@@ -46,10 +48,11 @@ if [ $# -lt 2 ]; then
   exit 2
 fi
 PARTS=(tests qtests quantized kernels latency latency4 step throughput nano preemption speculative
-       lora structured serve)
+       lora structured moe serve)
 declare -A DEFAULT_LIMIT=([tests]=200 [qtests]=300 [quantized]=180 [kernels]=90 [latency]=330
                           [latency4]=240 [step]=200 [throughput]=300 [nano]=240 [preemption]=180
-                          [speculative]=180 [lora]=180 [structured]=180 [serve]=300)
+                          [speculative]=180 [lora]=180 [structured]=180 [moe]=180
+                          [serve]=300)
 SELF=$(realpath "$0")
 RESULTS=$(realpath -m "$1")
 shift
@@ -188,6 +191,12 @@ part_structured() {
     --num-prompts "$PROMPTS" --json "$RESULTS/structured.json"
 }
 
+part_moe() {
+  "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/models/test_moe.py
+  kvserve bench latency --model "$(model qwen3-moe-small)" --device "$DEVICE" --runs 3 \
+    --output-len 128 --json "$RESULTS/moe.json"
+}
+
 if [ "$1" = --one ]; then  # one part, run by the loop below under its limit
   set -e
   "part_$2"
@@ -202,6 +211,7 @@ make_checkpoints() {
     case $part in
       tests|qtests|quantized|kernels) ;;
       nano|preemption) model "$QWEN" "${QWEN_ARCH[@]}" > /dev/null ;;
+      moe) model qwen3-moe-small > /dev/null ;;
       latency4) quantized_model > /dev/null ;;
       *) model "$BIG" > /dev/null ;;
     esac

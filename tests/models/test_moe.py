@@ -93,6 +93,19 @@ def test_decode_stack_equals_the_eager_forward(moe_dirs, arch, dtype):
     assert greedy_with_logprobs(stacked, prompts[:1]) == greedy_with_logprobs(eager, prompts[:1])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", MOE_ARCHES)
+def test_greedy_matches_transformers_on_cuda(moe_dirs, arch):
+    """Eager steps (no CUDA graphs for MoE models) on the Triton attention backend."""
+    path = moe_dirs[arch]
+    llm = LLM(str(path), device="cuda", dtype="float32", max_num_batched_tokens=64)
+    assert llm.engine.core.runner.graphs is None
+    prompts = random_prompts(PROMPT_LENS, seed=1)
+    for prompt, tokens in zip(prompts, run_greedy(llm, prompts), strict=True):
+        assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS), f"prompt of {len(prompt)}"
+
+
 def test_dense_layers_among_sparse_ones(moe_dirs, tmp_path):
     path = with_dense_first_layer(moe_dirs["qwen3_moe"], tmp_path / "mixed")
     llm = LLM(str(path), max_num_batched_tokens=32)

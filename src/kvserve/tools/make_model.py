@@ -72,8 +72,8 @@ PRESETS = {
     "qwen3-30b-a3b": Preset("qwen3_moe", 2048, 6144, 48, 32, 4, 151936, 40960, rope_theta=1e6,
                             tie_word_embeddings=False, head_dim=128, dtype="bfloat16",
                             num_experts=128, experts_per_token=8, moe_intermediate_size=768),
-    # The same at a size a 2-core CPU serves: 64 experts of 8 a token, 0.6B weights of which
-    # 0.1B are active (the experts 0.45B, 56 MB of them a token, in bfloat16).
+    # The same design at a size a 2-core CPU serves: 64 experts of 8 a token, 0.5B weights of
+    # which a token multiplies through 0.1B (its experts' share: 113 MB in bfloat16).
     "qwen3-moe-small": Preset("qwen3_moe", 768, 2048, 12, 12, 4, 32000, 8192,
                               rope_theta=1e6, head_dim=64, dtype="bfloat16", num_experts=64,
                               experts_per_token=8, moe_intermediate_size=256),
