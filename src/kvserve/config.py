@@ -185,6 +185,17 @@ class ModelConfig:
                        moe=self.moe.shard(num_ranks) if self.moe else None)
 
     @property
+    def mlp_columns_per_token(self) -> int:
+        """The MLP columns one token multiplies through, summed over the layers: a dense
+        layer's intermediate size, a sparse one's top-k experts' and shared expert's."""
+        moe = self.moe
+        if moe is None:
+            return self.num_layers * self.intermediate_size
+        sparse = len(moe.sparse_layers)
+        return ((self.num_layers - sparse) * self.intermediate_size + sparse * (
+            moe.top_k * moe.intermediate_size + moe.shared_expert_intermediate_size))
+
+    @property
     def kv_bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem

@@ -111,6 +111,9 @@ def test_dense_layers_among_sparse_ones(moe_dirs, tmp_path):
     llm = LLM(str(path), max_num_batched_tokens=32)
     layers = llm.engine.core.runner.model.layers
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in layers] == [False, True]
+    cfg = llm.engine.core.runner.config.model
+    assert cfg.mlp_columns_per_token == (cfg.intermediate_size
+                                         + cfg.moe.top_k * cfg.moe.intermediate_size)
     prompts = random_prompts([3, 50, 130], seed=9)
     for prompt, tokens in zip(prompts, run_greedy(llm, prompts), strict=True):
         assert tokens == hf_greedy(path, tuple(prompt), MAX_TOKENS), f"prompt of {len(prompt)}"
@@ -164,6 +167,7 @@ def test_the_floor_counts_the_top_k_experts(moe_dirs):
     per_layer = (h * (q + 2 * kv) + q * h + h * moe.num_experts
                  + moe.top_k * 3 * h * moe.intermediate_size)
     params = cfg.num_layers * per_layer + cfg.vocab_size * h
+    assert cfg.mlp_columns_per_token == cfg.num_layers * moe.top_k * moe.intermediate_size
     assert matmul_params(model) == params
     stored = [m.weight_bytes for m in model.modules() if isinstance(m, Linear)]
     expert = sum(m.weight_bytes for m in model.layers[0].mlp.experts[0].modules()

@@ -53,14 +53,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def roofline(config: EngineConfig, device: str) -> StepCostModel:
-    """A step reads the weights once, and each decode its context's KV, at the memory
-    bandwidth; every token costs 2 x params FLOPs at the matmul rate."""
+    """A step reads the weights once (of a mixture of experts, those one token uses), and
+    each decode its context's KV, at the memory bandwidth; every token costs 2 x params
+    FLOPs at the matmul rate."""
     bandwidth, flops = DEVICE_SPECS[device]
     mc = config.model
-    per_layer = (mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
-                 + mc.num_heads * mc.head_dim * mc.hidden_size
-                 + 3 * mc.hidden_size * mc.intermediate_size)
-    params = mc.num_layers * per_layer + 2 * mc.vocab_size * mc.hidden_size
+    attention = (mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
+                 + mc.num_heads * mc.head_dim * mc.hidden_size)
+    params = (mc.num_layers * attention + 3 * mc.hidden_size * mc.mlp_columns_per_token
+              + 2 * mc.vocab_size * mc.hidden_size)
     element = mc.kv_bytes_per_token // (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim)
     token = 2 * params / flops
     return StepCostModel(params * element / bandwidth, token, token,
