@@ -144,9 +144,6 @@ class ModelConfig:
         moe = MoEConfig.from_hf(raw, arch.moe, num_layers) if arch.moe else None
         quantization = (QuantConfig.from_hf(raw["quantization_config"])
                         if raw.get("quantization_config") else None)
-        if moe is not None and quantization is not None:
-            raise CheckpointError(f"model: quantized mixture-of-experts checkpoints "
-                                  f"({arch.name}, {quantization.method}) are not supported")
         return cls(
             path=str(folder),
             architecture=arch.name,

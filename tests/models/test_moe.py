@@ -19,6 +19,9 @@ from kvserve.cpp_extension import cpu_kernels
 from kvserve.errors import CheckpointError
 from kvserve.layers.linear import Linear
 from kvserve.models.moe import SparseMoeBlock
+from kvserve.quantization.cpu_kernels import WxA8Weight, dequantized_gemm_runs
+from kvserve.quantization.gptq import rtn
+from kvserve.quantization.packing import pack_awq
 from kvserve.quantization.quantize import quantize_model
 from kvserve.tools.make_lora import make_lora
 from kvserve.tools.make_model import MOE_ARCHES, make_model
@@ -33,6 +36,11 @@ from tests.models.test_hf_equivalence import (
     run_greedy,
 )
 from tests.models.test_lora import merged_greedy
+from tests.models.test_quantized import (
+    assert_serves_like_its_dequantized_weights,
+    dequantized_copy,
+    only_candidate,
+)
 
 
 @pytest.fixture(scope="module")
@@ -180,18 +188,74 @@ def test_config_errors_name_the_field(moe_dirs, tmp_path):
     folder = tmp_path / "bad"
     shutil.copytree(moe_dirs["qwen3_moe"], folder)
     config = json.loads((folder / "config.json").read_text())
-    for change, message in (({"num_experts_per_tok": 9}, "num_experts_per_tok .9. exceeds"),
+    for change, message in (({"num_experts_per_tok": 9}, r"num_experts_per_tok \(9\) exceeds"),
                             ({"num_experts": 0}, "'num_experts' must be a positive"),
-                            ({"quantization_config": {"quant_method": "gptq", "bits": 4,
-                                                      "group_size": 128}},
-                             "quantized mixture-of-experts")):
+                            ({"moe_intermediate_size": None},
+                             "'moe_intermediate_size' must be a positive")):
         (folder / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(CheckpointError, match=message):
             ModelConfig.from_pretrained(folder)
 
 
 def test_unsupported_tools_refuse_moe(moe_dirs, tmp_path):
-    with pytest.raises(ValueError, match="quantizing mixture-of-experts"):
-        quantize_model(moe_dirs["mixtral"], tmp_path / "q", "rtn", 4)
+    with pytest.raises(ValueError, match="method: gptq calibrates through transformers' dense"):
+        quantize_model(moe_dirs["mixtral"], tmp_path / "q", "gptq", 4)
     with pytest.raises(ValueError, match="train_steps: training qwen3_moe"):
         make_model("tiny", tmp_path / "t", arch="qwen3_moe", train_steps=1)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_rtn_quantized_experts_serve_like_their_dequantized_weights(moe_dirs, tmp_path,
+                                                                   monkeypatch, arch):
+    """Every expert's projections (Mixtral's w1-w3, Qwen's and its shared expert's *_proj)
+    in GPTQ's hub format; the routers stay in full precision."""
+    monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "dequantized")
+    out = quantize_model(moe_dirs[arch], tmp_path / "q", "rtn", 4, group_size=32)
+    names = set(load_file(str(out / "model.safetensors")))
+    block = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    expert = f"model.layers.1.{block}.experts.7." + ("w2" if arch == "mixtral" else "down_proj")
+    assert {f"{expert}.qweight", f"model.layers.1.{block}.gate.weight"} <= names
+    assert f"{expert}.weight" not in names
+    if arch == "qwen2_moe":
+        assert {"model.layers.0.mlp.shared_expert.up_proj.qweight",
+                "model.layers.0.mlp.shared_expert_gate.weight"} <= names
+    assert_serves_like_its_dequantized_weights(out, dequantized_copy(out, tmp_path / "float"))
+
+
+def test_awq_experts_load(moe_dirs, tmp_path):
+    out = tmp_path / "awq"
+    shutil.copytree(moe_dirs["qwen3_moe"], out)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        q = rtn(tensors.pop(name), 4, 32, sym=False)
+        layer = name.removesuffix(".weight")
+        tensors[f"{layer}.qweight"] = pack_awq(q.intweight.t())
+        tensors[f"{layer}.qzeros"] = pack_awq(q.zeros)
+        tensors[f"{layer}.scales"] = q.scales.to(torch.float16)
+    save_file(tensors, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32,
+                                     "zero_point": True, "version": "gemm"}
+    (out / "config.json").write_text(json.dumps(config))
+    assert_serves_like_its_dequantized_weights(out, dequantized_copy(out, tmp_path / "float"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_stack_runs_quantized_experts_as_the_eager_forward(moe_dirs, tmp_path,
+                                                                      monkeypatch, dtype):
+    """4-bit experts on the W4A8 kernel, in the one-call decode stack and eagerly."""
+    if not dequantized_gemm_runs(2, getattr(torch, dtype)):
+        pytest.skip(f"no blocked GEMM for {dtype} on this CPU")
+    monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates",
+                        only_candidate(WxA8Weight))
+    monkeypatch.setattr("kvserve.quantization.cpu_kernels._decisions", {})
+    monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")
+    out = quantize_model(moe_dirs["qwen3_moe"], tmp_path / "q", "rtn", 4, group_size=64)
+    stacked = LLM(str(out), dtype=dtype, max_num_batched_tokens=48)
+    eager = LLM(str(out), dtype=dtype, max_num_batched_tokens=48, enforce_eager=True)
+    assert stacked.engine.core.runner.cpu_decode is not None
+    expert = stacked.engine.core.runner.model.layers[0].mlp.experts[0]
+    assert isinstance(expert.down_proj.kernel, WxA8Weight)
+    prompts = random_prompts([5, 17, 70, 3, 40], seed=4)
+    for batch in (prompts, prompts[:1]):
+        assert greedy_with_logprobs(stacked, batch) == greedy_with_logprobs(eager, batch)

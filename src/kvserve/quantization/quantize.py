@@ -3,6 +3,10 @@ quantized by RTN or GPTQ, written in GPTQ's hub format (`packing.py`) so that ot
 read the files too, or by SqueezeLLM (`squeezellm.py`), written in the lookup-table layout
 the README documents.
 
+RTN needs no model: it rounds the checkpoint's projection weights as they are read, for
+any architecture the engine loads (the experts of a mixture of experts included; routers
+stay in full precision, as GPTQ's hub files keep them).
+
 GPTQ runs layer by layer: calibration windows from the training split of the local corpus
 go through the model, hooks sum each linear layer's input Hessian for one decoder layer at a
 time, and that layer's weights are replaced by their quantized values before the next
@@ -15,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -23,6 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from kvserve.config import ModelConfig
+from kvserve.models.loader import iter_checkpoint
 from kvserve.quantization.gptq import QuantizedWeight, gptq, rtn
 from kvserve.quantization.hub_format import QuantConfig
 from kvserve.quantization.packing import pack_gptq, pack_rows
@@ -34,6 +41,11 @@ from kvserve.worker.cpu_allocator import retain_freed_memory
 METHODS = ("rtn", "gptq", "squeezellm")
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                 "special_tokens_map.json")
+
+
+# A decoder layer's projection weights: attention's and the MLP's, and each expert's (Mixtral
+# names them w1-w3); not a router (`gate`) or the shared expert's gate.
+_PROJECTION = re.compile(r"model\.layers\.\d+\..*\.(\w+_proj|w[123])\.weight$")
 
 
 class _StopForward(Exception):
@@ -65,15 +77,22 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
     # A checkpoint at all? (In the dtype the layers are quantized in: `auto` would log.)
     source_config = ModelConfig.from_pretrained(source, dtype="float32")
     quantization = source_config.quantization
-    if source_config.moe is not None:
-        raise ValueError(f"model: quantizing mixture-of-experts models "
-                         f"({source_config.architecture}) is not supported")
     if quantization is not None:
         raise ValueError(f"model: {str(source)!r} is already quantized ({quantization.method}, "
                          f"{quantization.bits} bits); quantize its full-precision original")
     if out.resolve() == source.resolve():
         raise ValueError("output: the quantized checkpoint needs a folder of its own, not "
                          "the model's")
+    if method == "rtn":
+        config = QuantConfig("gptq", bits, group_size, False, sym, lm_head=lm_head)
+        tensors, quantized, tied = _rtn(source, source_config.tie_word_embeddings, config,
+                                        progress)
+        _write(tensors, tied, source, out, quantized, config, max_shard_bytes)
+        return out
+    if source_config.moe is not None:
+        raise ValueError(f"method: {method} calibrates through transformers' dense linear "
+                         f"layers; a mixture-of-experts model ({source_config.architecture}) "
+                         f"quantizes with rtn")
     retain_freed_memory()  # each layer's temporaries reuse the last one's pages
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     stages = [(f"model.layers.{index}", layer, {name: m for name, m in layer.named_modules()
@@ -87,15 +106,13 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
     if method == "squeezellm":
         group_size = -1  # a lookup table per row: no groups
     for name, m in [*stages[0][2].items(), *stages[-1][2].items()]:
-        _check_shape(name, m, bits, group_size)
+        _check_shape(name, m.in_features, m.out_features, bits, group_size)
     for name, fraction in (("outlier_fraction", outlier_fraction),
                            ("sensitive_fraction", sensitive_fraction)):
         if not 0 <= fraction < 1:
             raise ValueError(f"{name} must be in [0, 1), got {fraction}")
-    calibration = None
-    if method != "rtn":
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
-        calibration = _calibration(tokenizer, num_samples, seq_len, seed)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
+    calibration = _calibration(tokenizer, num_samples, seq_len, seed)
     fisher = _fisher(model, [m for *_, linears in stages for m in linears.values()],
                      calibration, progress) if method == "squeezellm" else {}
     quantized: dict[str, QuantizedWeight | LutWeight] = {}
@@ -108,25 +125,44 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
             if method == "squeezellm":
                 q: QuantizedWeight | LutWeight = squeezellm(
                     weight, fisher[linear], bits, outlier_fraction, sensitive_fraction)
-            elif method == "gptq":
-                q = gptq(weight, hessians[name], bits, group, sym, act_order)
             else:
-                q = rtn(weight, bits, group, sym)
+                q = gptq(weight, hessians[name], bits, group, sym, act_order)
             linear.weight.data.copy_(q.dequantize())  # later layers see the quantized layer
             quantized[f"{prefix}.{name}".lstrip(".")] = q
     config = (QuantConfig("squeezellm", bits, -1, lm_head=lm_head) if method == "squeezellm"
-              else QuantConfig("gptq", bits, group_size, act_order and method == "gptq", sym,
-                               lm_head=lm_head))
-    _write(model, source, out, quantized, config, max_shard_bytes)
+              else QuantConfig("gptq", bits, group_size, act_order, sym, lm_head=lm_head))
+    _write(model.state_dict().items(), model.config.tie_word_embeddings, source, out,
+           quantized, config, max_shard_bytes)
     return out
 
 
-def _check_shape(name: str, linear: nn.Linear, bits: int, group_size: int) -> None:
-    if group_size != -1 and linear.in_features % group_size:
+def _rtn(source: Path, tied: bool, config: QuantConfig, progress: bool
+         ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, QuantizedWeight], bool]:
+    """The checkpoint's tensors, and its decoder projections (and LM head) rounded to
+    nearest; whether the LM head stays tied to the embedding."""
+    tensors = list(iter_checkpoint(source))
+    targets = [(name, t) for name, t in tensors
+               if _PROJECTION.match(name) or (config.lm_head and name == "lm_head.weight")]
+    if config.lm_head and tied:  # the LM head gets weights of its own, quantized
+        targets += [("lm_head.weight", t) for name, t in tensors
+                    if name == "model.embed_tokens.weight"]
+        tied = False
+    quantized = {}
+    for name, weight in tqdm(targets, desc=f"rtn {config.bits}-bit", unit=" tensors",
+                             disable=not progress):
+        _check_shape(name, weight.shape[1], weight.shape[0], config.bits, config.group_size)
+        group = weight.shape[1] if config.group_size == -1 else config.group_size
+        quantized[name.removesuffix(".weight")] = rtn(weight, config.bits, group, config.sym)
+    return tensors, quantized, tied
+
+
+def _check_shape(name: str, in_features: int, out_features: int, bits: int,
+                 group_size: int) -> None:
+    if group_size != -1 and in_features % group_size:
         raise ValueError(f"group_size {group_size} does not divide {name}'s "
-                         f"{linear.in_features} input features")
-    if (linear.in_features * bits) % 32 or (linear.out_features * bits) % 32:
-        raise ValueError(f"{name} ({linear.in_features} -> {linear.out_features}) does not pack "
+                         f"{in_features} input features")
+    if (in_features * bits) % 32 or (out_features * bits) % 32:
+        raise ValueError(f"{name} ({in_features} -> {out_features}) does not pack "
                          f"into 32-bit words at {bits} bits")
 
 
@@ -183,13 +219,17 @@ def _fisher(model: nn.Module, linears: list[nn.Linear], calibration: torch.Tenso
     return {m: total / len(calibration) for m, total in sums.items()}
 
 
-def _write(model: nn.Module, source: Path, out: Path,
-           quantized: dict[str, QuantizedWeight | LutWeight], config: QuantConfig,
+def _write(named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool, source: Path,
+           out: Path, quantized: dict[str, QuantizedWeight | LutWeight], config: QuantConfig,
            max_shard_bytes: int) -> None:
+    """The checkpoint's tensors, the `quantized` layers' in place of their weights (an LM
+    head quantized from a tied embedding, after them)."""
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    tied = model.config.tie_word_embeddings
-    for name, tensor in model.state_dict().items():
+    named_tensors = list(named_tensors)
+    if "lm_head" in quantized and all(name != "lm_head.weight" for name, _ in named_tensors):
+        named_tensors.append(("lm_head.weight", torch.empty(0)))
+    for name, tensor in named_tensors:
         layer = name.removesuffix(".weight")
         q = quantized.get(layer)
         if isinstance(q, LutWeight):
