@@ -24,3 +24,10 @@ def test_sharded_checkpoint_has_a_complete_index(tmp_path):
     assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
     assert "model.layers.1.self_attn.q_proj.bias" in index["weight_map"]
     assert not (folder / "model.safetensors").exists()
+
+
+def test_num_layers_keeps_the_presets_other_shapes(tmp_path):
+    config = json.loads((make_model("tiny", tmp_path / "l", arch="qwen3_moe", num_layers=3)
+                         / "config.json").read_text())
+    assert config["num_hidden_layers"] == 3 and config["hidden_size"] == 64
+    assert config["num_experts"] == 8 and config["moe_intermediate_size"] == 64

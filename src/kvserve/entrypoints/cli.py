@@ -69,7 +69,7 @@ def _make_model(args: argparse.Namespace) -> None:
     path = make_model(args.preset, args.output, arch=args.arch, seed=args.seed,
                       dtype=args.dtype, max_shard_bytes=int(args.max_shard_size * GiB),
                       train_steps=args.train_steps, distill_from=args.distill_from,
-                      progress=True)
+                      num_layers=args.num_layers, progress=True)
     print(f"wrote {path}")
 
 
@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     mk.add_argument("--max-shard-size", type=positive_float, default=2.0,
                     help="GiB per safetensors file")
+    mk.add_argument("--num-layers", type=positive_int, default=None,
+                    help="fewer (or more) decoder layers than the preset's, of its shapes: "
+                         "a model's per-layer costs in less memory and time")
     mk.add_argument("--train-steps", type=int, default=0,
                     help="train this many steps on the standard library's sources (the "
                          "held-out loss goes to training.json); 0 keeps random weights")

@@ -201,7 +201,8 @@ class Linear(nn.Module):
              tensor: torch.Tensor | QuantizedWeight | LutWeight) -> None:
         """Takes a checkpoint tensor (`[out, in]` weight, quantized or not) as its shard, or
         copies an `[out]` bias into its range."""
-        assert self.form == "loading", "load() after prepare()"
+        if self.form != "loading":
+            raise ValueError("the layer has all its parts already (a tensor given twice?)")
         if self.parallel is not None and tp_group().size > 1:
             tensor = self._rank_share(kind, tensor)
         start = sum(self.output_sizes[:shard])

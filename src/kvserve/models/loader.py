@@ -34,6 +34,11 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
     missing |= {(name, "weight", 0) for name, module in modules.items()
                 if hasattr(module, "weight") and not isinstance(module, Linear)}
     missing.add(("embed_tokens", "weight", 0))
+    # A linear layer is prepared as soon as its last part arrives, so the checkpoint's
+    # tensors (a quantized layer's unpacked integers, 4x its packed bytes) are freed layer by
+    # layer rather than all held until the end.
+    parts_left = {name: len(module.checkpoint_parts()) for name, module in modules.items()
+                  if isinstance(module, Linear)}
     embedding: torch.Tensor | None = None
     tensors = dequantize_checkpoint(iter_checkpoint(Path(cfg.path)), cfg.quantization,
                                     keep_integers=True)
@@ -66,21 +71,27 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
                 _copy_exact(getattr(modules[name], kind), tensor)
         except ValueError as e:
             raise CheckpointError(f"model: tensor {hf_name!r}: {e}") from None
+        if (name, kind, shard) in missing and name in parts_left:
+            parts_left[name] -= 1
+            if not parts_left[name]:
+                _prepare(name, modules[name])
         missing.discard((name, kind, shard))
     if ("lm_head", "weight", 0) in missing and cfg.tie_word_embeddings and embedding is not None:
         model.lm_head.load("weight", 0, embedding)
         missing.discard(("lm_head", "weight", 0))
+        _prepare("lm_head", model.lm_head)
     if missing:
         names = sorted(f"{n}.{k}" + (f"[shard {s}]" if s else "") for n, k, s in missing)
         raise CheckpointError(f"model: checkpoint {cfg.path!r} lacks tensors: "
                               f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}")
-    for name, module in modules.items():
-        if isinstance(module, Linear):
-            try:
-                module.prepare()
-            except ValueError as e:
-                raise CheckpointError(f"model: layer {name!r}: {e}") from None
     return model.eval()
+
+
+def _prepare(name: str, linear: Linear) -> None:
+    try:
+        linear.prepare()
+    except ValueError as e:
+        raise CheckpointError(f"model: layer {name!r}: {e}") from None
 
 
 def iter_checkpoint(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

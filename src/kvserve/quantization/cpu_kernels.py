@@ -161,16 +161,22 @@ _decisions: dict[tuple[object, ...], tuple[int, int | None, int | None]] = {}
 # path for them (torch's int4 took 28x one row's time for 64 rows of a 2,048 x 128,256 LM
 # head, 1.07x as fast as W4A8 on one row; W4A8 through the dequantizing GEMM 3.5x).
 ONE_ROW_SLACK = 1.25
+# How much faster on one row the dense GEMM must be for a quantized layer to run dequantized:
+# its weight takes 2-4x the memory. A close call flipped between runs on the 1,024 experts'
+# down projections of an 8-layer Qwen3-30B-A3B-shaped 4-bit model; where it went dense, a
+# token streamed 145 MB more (TPOT 13.0-13.9 ms against 11.7) and the model held 2.3 GB more.
+DENSE_MARGIN = 1.25
 
 
 def fastest(candidates: CpuCandidates,
             dense: Callable[[], Callable[[torch.Tensor], torch.Tensor]] | None,
             in_features: int, dtype: torch.dtype) -> IntegerWeight | None:
     """The candidate fastest on one row of this shape, or None where the dense matmul `dense`
-    builds (if given; called only to time it) beats them all; measured once per shape, the
-    median of a few runs each. W4A8/W8A8, where it runs many rows as an integer GEMM or its AMX
-    tiles or dequantizing GEMM are faster from some row count up, is preferred to a kernel at
-    most ONE_ROW_SLACK faster on one row, and switches to the latter from those row counts."""
+    builds (if given; called only to time it) beats them all by DENSE_MARGIN; measured once
+    per shape, the median of a few runs each. W4A8/W8A8, where it runs many rows as an
+    integer GEMM or its AMX tiles or dequantizing GEMM are faster from some row count up, is
+    preferred to a kernel at most ONE_ROW_SLACK faster on one row, and switches to the
+    latter from those row counts."""
     kinds = list(candidates.packers)
     key = (in_features, dense is None, dtype, candidates.layout, *kinds)
     if key not in _decisions:
@@ -178,7 +184,7 @@ def fastest(candidates: CpuCandidates,
         x = torch.randn(1, in_features, dtype=dtype)
         times = [_median_time(c.matmul, x) for c in packed]
         if dense is not None:
-            times.append(_median_time(dense(), x))
+            times.append(DENSE_MARGIN * _median_time(dense(), x))
         index = min(range(len(times)), key=times.__getitem__)
         amx_from = dequantized_from = None
         wxa8 = kinds.index(WxA8Weight) if WxA8Weight in kinds else None

@@ -94,12 +94,14 @@ MOE_ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe")
 def make_model(preset: str, output: str | Path, arch: str | None = None, seed: int = 0,
                dtype: str | None = None, max_shard_bytes: int = 2 << 30,
                sliding_window: int | None = None, train_steps: int = 0,
-               distill_from: str | Path | None = None, progress: bool = False) -> Path:
-    """Writes a checkpoint folder for `preset` (optionally as another architecture) and
-    returns its path; with `train_steps`, trains it that many steps on local text first, or
-    on the continuations of the checkpoint `distill_from` (`train.py`), and writes
-    `training.json` beside it. The same arguments always give the same files (on a machine
-    with the same number of threads, when training)."""
+               distill_from: str | Path | None = None, num_layers: int | None = None,
+               progress: bool = False) -> Path:
+    """Writes a checkpoint folder for `preset` (optionally as another architecture, or with
+    `num_layers` decoder layers) and returns its path; with `train_steps`, trains it that
+    many steps on local text first, or on the continuations of the checkpoint
+    `distill_from` (`train.py`), and writes `training.json` beside it. The same arguments
+    always give the same files (on a machine with the same number of threads, when
+    training)."""
     if train_steps < 0:
         raise ValueError(f"train_steps must be >= 0, got {train_steps}")
     if distill_from is not None and not train_steps:
@@ -110,6 +112,10 @@ def make_model(preset: str, output: str | Path, arch: str | None = None, seed: i
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     spec = PRESETS[preset]
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        spec = replace(spec, num_layers=num_layers)
     if arch is not None:
         if arch not in ARCHES:
             raise ValueError(f"arch must be one of {sorted(ARCHES)}, got {arch!r}")
