@@ -86,22 +86,67 @@ def test_a_width_llama_cpp_has_no_like_type_for_is_refused(llama_dir: Path, tmp_
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob("*.partial"))
 
 
-def test_llama_cpp_scores_the_next_token_as_kvserve_does(llama_dir: Path, tmp_path: Path
-                                                          ) -> None:
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_llama_cpp_scores_the_next_token_as_kvserve_does(llama_dir: Path, tmp_path: Path,
+                                                          arch: str) -> None:
     """Where llama-cpp-python is installed: the same top-5 next tokens, logprobs within
     1e-2 (llama.cpp keeps its KV cache in float16)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     from kvserve import LLM, SamplingParams
+    from kvserve.tools.make_model import make_model
     from tests.conftest import random_prompts
 
+    model = llama_dir if arch == "llama" else make_model("tiny", tmp_path / arch, arch=arch)
     prompt = random_prompts([60], seed=4)[0]
-    path = cached_gguf(llama_dir, torch.float32, tmp_path)
+    path = cached_gguf(model, torch.float32, tmp_path)
     peer = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False)
     peer.eval(prompt)
     theirs = torch.log_softmax(torch.tensor(peer.scores[len(prompt) - 1]), -1)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
-    ours = LLM(str(llama_dir), dtype="float32").generate(
+    ours = LLM(str(model), dtype="float32").generate(
         [{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].logprobs[0]
     assert list(ours)[:5] == torch.topk(theirs, 5).indices.tolist()
     for token, entry in ours.items():
         assert abs(entry.logprob - theirs[token].item()) < 1e-2
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_mixtral_experts_are_stacked_per_layer(tmp_path: Path, bits: int | None) -> None:
+    """llama.cpp's Llama graph with experts: the router as ffn_gate_inp, each layer's w1, w3
+    and w2 stacked over the experts (in Q4_0 for a 4-bit checkpoint)."""
+    from kvserve.tools.make_model import make_model
+
+    model = make_model("tiny", tmp_path / "mixtral", arch="mixtral")
+    if bits is not None:
+        model = quantize_model(model, tmp_path / "q", "rtn", bits, group_size=32)
+    out = tmp_path / "model.gguf"
+    export_gguf(model, torch.float32, out)
+    reader = gguf.GGUFReader(str(out))
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = ModelConfig.from_pretrained(model, "float32")
+    checkpoint = dict(dequantize_checkpoint(iter_checkpoint(model), cfg.quantization))
+    experts = cfg.moe.num_experts
+    assert int(reader.fields["llama.expert_count"].parts[-1][0]) == experts
+    assert int(reader.fields["llama.expert_used_count"].parts[-1][0]) == cfg.moe.top_k
+    assert len(tensors) == len(checkpoint) - cfg.num_layers * 3 * (experts - 1)
+    assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    up = tensors["blk.1.ffn_up_exps.weight"]
+    stacked = torch.stack([checkpoint[f"model.layers.1.block_sparse_moe.experts.{e}.w3.weight"]
+                           for e in range(experts)]).numpy()
+    if bits is None:
+        assert np.array_equal(np.array(up.data).reshape(stacked.shape), stacked)
+    else:
+        assert up.tensor_type == gguf.GGMLQuantizationType.Q4_0
+        assert np.array_equal(np.array(up.data).reshape(-1), gguf.quants.quantize(
+            stacked, gguf.GGMLQuantizationType.Q4_0).reshape(-1))
+
+
+def test_a_sliding_window_and_other_moe_arches_are_refused(tmp_path: Path) -> None:
+    from kvserve.tools.make_model import make_model
+
+    model = make_model("tiny", tmp_path / "mixtral", arch="mixtral", sliding_window=64)
+    with pytest.raises(ValueError, match="sliding_window is 64"):
+        export_gguf(model, torch.float32, tmp_path / "x.gguf")
+    with pytest.raises(ValueError, match="not Qwen3MoeForCausalLM"):
+        export_gguf(make_model("tiny", tmp_path / "q", arch="qwen3_moe"), torch.float32,
+                    tmp_path / "y.gguf")

@@ -1,6 +1,8 @@
-"""A Llama checkpoint folder as a GGUF file, llama.cpp's format, written with the `gguf`
-package's writer: so that llama.cpp runs on the very same weights as kvserve and
-transformers in `kvserve bench ... --baseline llamacpp`.
+"""A Llama or Mixtral checkpoint folder as a GGUF file, llama.cpp's format, written with the
+`gguf` package's writer: so that llama.cpp runs on the very same weights as kvserve and
+transformers in `kvserve bench ... --baseline llamacpp`. Mixtral is llama.cpp's Llama graph
+with experts: each layer's router as `ffn_gate_inp`, and its experts' w1, w3 and w2 stacked
+into one tensor each (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`).
 
 Matmul weights and the embedding are written in the requested dtype (float32 or bfloat16),
 norms in float32. A quantized checkpoint's layers (GPTQ, AWQ, SqueezeLLM) are dequantized and
@@ -45,7 +47,12 @@ _LAYER_TENSORS = {
     "mlp.gate_proj.weight": "blk.{}.ffn_gate.weight",
     "mlp.up_proj.weight": "blk.{}.ffn_up.weight",
     "mlp.down_proj.weight": "blk.{}.ffn_down.weight",
+    "block_sparse_moe.gate.weight": "blk.{}.ffn_gate_inp.weight",
 }
+# A Mixtral expert's tensors -> the GGUF tensor that stacks them over the experts.
+_EXPERT_TENSORS = {"w1": "blk.{}.ffn_gate_exps.weight", "w3": "blk.{}.ffn_up_exps.weight",
+                   "w2": "blk.{}.ffn_down_exps.weight"}
+_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
 # GGUF keys (the writer's `add_<key>`) -> ModelConfig fields.
 _HYPERPARAMETERS = {
     "context_length": "max_position_embeddings", "embedding_length": "hidden_size",
@@ -101,9 +108,12 @@ def export_gguf(model: str | Path, dtype: torch.dtype, out: Path) -> None:
     folder = Path(model)
     cfg = ModelConfig.from_pretrained(folder, "float32")
     weight_type(cfg.quantization, dtype)  # refuses what cannot be written
-    if cfg.architecture != "LlamaForCausalLM":
-        raise ValueError(f"model: GGUF export supports LlamaForCausalLM checkpoints, not "
-                         f"{cfg.architecture}")
+    if cfg.architecture not in _ARCHITECTURES:
+        raise ValueError(f"model: GGUF export supports {' and '.join(_ARCHITECTURES)} "
+                         f"checkpoints, not {cfg.architecture}")
+    if cfg.sliding_window:
+        raise ValueError(f"model: llama.cpp's Llama graph attends without a window; this "
+                         f"checkpoint's sliding_window is {cfg.sliding_window}")
     quantized_type = None if cfg.quantization is None else gguf.GGMLQuantizationType[
         GGUF_QUANTIZED_TYPES[cfg.quantization.bits]]
     writer = gguf.GGUFWriter(str(out), "llama")
@@ -114,27 +124,42 @@ def export_gguf(model: str | Path, dtype: torch.dtype, out: Path) -> None:
         gguf.LlamaFileType[f"MOSTLY_{quantized_type.name}"] if quantized_type is not None
         else gguf.LlamaFileType.MOSTLY_BF16 if dtype == torch.bfloat16
         else gguf.LlamaFileType.ALL_F32)
+    if cfg.moe is not None:
+        writer.add_expert_count(cfg.moe.num_experts)
+        writer.add_expert_used_count(cfg.moe.top_k)
     _add_tokenizer(writer, folder, cfg)
     tensors = dequantize_checkpoint(iter_checkpoint(folder), cfg.quantization,
                                     keep_integers=True)
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # stacked tensor -> the experts' so far
     for name, tensor in tensors:
-        gguf_name = _gguf_name(name)
-        if gguf_name is None:
-            raise ValueError(f"model: no GGUF name for checkpoint tensor {name!r}")
         quantized = isinstance(tensor, QuantizedWeight | LutWeight)
         if quantized:
             tensor = tensor.dequantize()
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = to_interleaved(tensor, cfg.head_dim)
+        expert = _expert_part(name)
+        if expert is not None and cfg.moe is not None:
+            stacked, index = expert
+            parts = experts.setdefault(stacked, {})
+            parts[index] = tensor
+            if len(parts) < cfg.moe.num_experts:
+                continue
+            name, tensor = stacked, torch.stack([parts[e] for e in sorted(parts)])
+            del experts[stacked]
+        gguf_name = _gguf_name(name) if expert is None else name
+        if gguf_name is None:
+            raise ValueError(f"model: no GGUF name for checkpoint tensor {name!r}")
         data = tensor.float().numpy()
         if quantized:
             writer.add_tensor(gguf_name, gguf.quants.quantize(data, quantized_type),
                               raw_dtype=quantized_type)
-        elif data.ndim == 2 and dtype == torch.bfloat16:
+        elif data.ndim >= 2 and dtype == torch.bfloat16:
             writer.add_tensor(gguf_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.BF16),
                               raw_dtype=gguf.GGMLQuantizationType.BF16)
         else:
             writer.add_tensor(gguf_name, data)
+    if experts:
+        raise ValueError(f"model: the checkpoint lacks experts of {sorted(experts)[0]}")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -147,6 +172,15 @@ def _gguf_name(name: str) -> str | None:
     parts = name.split(".", 3)  # model.layers.{i}.{rest}
     if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_TENSORS:
         return _LAYER_TENSORS[parts[3]].format(parts[2])
+    return None
+
+
+def _expert_part(name: str) -> tuple[str, int] | None:
+    """(the GGUF tensor that stacks it, the expert) for a Mixtral expert's tensor."""
+    parts = name.split(".")  # model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight
+    if (len(parts) == 8 and parts[:2] == ["model", "layers"] and parts[3:5] == [
+            "block_sparse_moe", "experts"] and parts[6] in _EXPERT_TENSORS):
+        return _EXPERT_TENSORS[parts[6]].format(parts[2]), int(parts[5])
     return None
 
 

@@ -126,8 +126,10 @@ def make_model(preset: str, output: str | Path, arch: str | None = None, seed: i
         if train_steps:
             raise ValueError(f"train_steps: training {spec.arch} checkpoints is not supported")
         spec = _with_experts(spec)
-    if spec.arch in ("mistral", "mixtral"):
+    if spec.arch == "mistral":
         spec = replace(spec, sliding_window=sliding_window or spec.max_position_embeddings // 8)
+    elif spec.arch == "mixtral":  # Mixtral-8x7B attends without a window, unless given one
+        spec = replace(spec, sliding_window=sliding_window)
     if dtype is not None:
         spec = replace(spec, dtype=dtype)
     out = Path(output)
