@@ -6,6 +6,8 @@
 // the small kernel itself (a third of the step on a 2-core EPYC).
 #include "kvserve_cpu.h"
 
+#include <algorithm>
+#include <numeric>
 #include <utility>
 
 namespace kvserve {
@@ -26,7 +28,8 @@ torch::Tensor LinearWeights::silu_and_mul(const torch::Tensor& x, int64_t n) con
 
 // The rows' (row, expert) pairs sorted by expert, each expert run once over its rows'
 // gathered inputs, its outputs scaled by the router's weights and added into their rows in
-// that order.
+// that order. One row (a batch-1 decode) takes its experts in that order with no sorting,
+// gathering or scattering: the same ops on the same values, a third of the calls.
 torch::Tensor MoEWeights::operator()(const torch::Tensor& x, int64_t hidden_size) const {
   const int64_t num_experts = static_cast<int64_t>(gate_up.size());
   const torch::Tensor probs =
@@ -34,28 +37,32 @@ torch::Tensor MoEWeights::operator()(const torch::Tensor& x, int64_t hidden_size
   auto [weights, experts] = torch::topk(probs, top_k, -1);
   if (renormalize) weights = weights / weights.sum(-1, true);
   weights = weights.to(x.scalar_type());
-  const torch::Tensor pairs = experts.flatten();
-  const torch::Tensor order = torch::argsort(pairs, /*stable=*/true);
-  const torch::Tensor rows = torch::div(order, top_k, "floor");
-  const torch::Tensor scales = weights.flatten().index_select(0, order).unsqueeze(1);
-  const torch::Tensor counts = torch::bincount(pairs, {}, num_experts);
-  const int64_t* count = counts.data_ptr<int64_t>();
+  const auto run = [&](int64_t e, const torch::Tensor& rows) {
+    return down[e](gate_up[e].silu_and_mul(rows, intermediate_size), hidden_size,
+                   c10::nullopt);
+  };
   torch::Tensor out = torch::zeros_like(x);
-  const bool one_row = x.size(0) == 1;  // every pair's row is x: no gather, no scatter
-  for (int64_t e = 0, start = 0; e < num_experts; ++e) {
-    if (count[e] == 0) continue;
-    const torch::Tensor picked = rows.narrow(0, start, count[e]);
-    const torch::Tensor y = down[e](gate_up[e].silu_and_mul(
-                                        one_row ? x : x.index_select(0, picked),
-                                        intermediate_size),
-                                    hidden_size, c10::nullopt) *
-                            scales.narrow(0, start, count[e]);
-    if (one_row) {
-      out.add_(y);
-    } else {
-      out.index_add_(0, picked, y);
+  if (x.size(0) == 1) {
+    const int64_t* ids = experts.data_ptr<int64_t>();
+    std::vector<int64_t> order(top_k);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+    for (const int64_t j : order) out.add_(run(ids[j], x) * weights.narrow(1, j, 1));
+  } else {
+    const torch::Tensor pairs = experts.flatten();
+    const torch::Tensor order = torch::argsort(pairs, /*stable=*/true);
+    const torch::Tensor rows = torch::div(order, top_k, "floor");
+    const torch::Tensor scales = weights.flatten().index_select(0, order).unsqueeze(1);
+    const torch::Tensor counts = torch::bincount(pairs, {}, num_experts);
+    const int64_t* count = counts.data_ptr<int64_t>();
+    for (int64_t e = 0, start = 0; e < num_experts; ++e) {
+      if (count[e] == 0) continue;
+      const torch::Tensor picked = rows.narrow(0, start, count[e]);
+      out.index_add_(0, picked, run(e, x.index_select(0, picked)) *
+                                    scales.narrow(0, start, count[e]));
+      start += count[e];
     }
-    start += count[e];
   }
   if (shared_intermediate_size) {
     out += torch::sigmoid((*shared_gate)(x, 1, c10::nullopt)) *
