@@ -21,15 +21,16 @@ import contextlib
 import json
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
 from kvserve.config import ModelConfig
-from kvserve.models.loader import iter_checkpoint
+from kvserve.models.loader import checkpoint_files, iter_checkpoint
 from kvserve.quantization.gptq import QuantizedWeight, gptq, rtn
 from kvserve.quantization.hub_format import QuantConfig
 from kvserve.quantization.packing import pack_gptq, pack_rows
@@ -46,6 +47,9 @@ COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.js
 # A decoder layer's projection weights: attention's and the MLP's, and each expert's (Mixtral
 # names them w1-w3); not a router (`gate`) or the shared expert's gate.
 _PROJECTION = re.compile(r"model\.layers\.\d+\..*\.(\w+_proj|w[123])\.weight$")
+
+
+Layer = torch.Tensor | QuantizedWeight | LutWeight  # a checkpoint tensor, or a quantized layer
 
 
 class _StopForward(Exception):
@@ -85,9 +89,11 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
                          "the model's")
     if method == "rtn":
         config = QuantConfig("gptq", bits, group_size, False, sym, lm_head=lm_head)
-        tensors, quantized, tied = _rtn(source, source_config.tie_word_embeddings, config,
-                                        progress)
-        _write(tensors, tied, source, out, quantized, config, max_shard_bytes)
+        tied = source_config.tie_word_embeddings
+        for name, (out_features, in_features) in _rounded_shapes(source, tied, config):
+            _check_shape(name, in_features, out_features, bits, group_size)
+        _write(_rtn(source, tied, config), tied and not lm_head, source, out, config,
+               max_shard_bytes, progress)
         return out
     if source_config.moe is not None:
         raise ValueError(f"method: {method} calibrates through transformers' dense linear "
@@ -131,29 +137,40 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
             quantized[f"{prefix}.{name}".lstrip(".")] = q
     config = (QuantConfig("squeezellm", bits, -1, lm_head=lm_head) if method == "squeezellm"
               else QuantConfig("gptq", bits, group_size, act_order, sym, lm_head=lm_head))
-    _write(model.state_dict().items(), model.config.tie_word_embeddings, source, out,
-           quantized, config, max_shard_bytes)
+    tied = model.config.tie_word_embeddings
+    _write(((name, quantized.get(name.removesuffix(".weight"), tensor))
+            for name, tensor in model.state_dict().items()
+            if not (tied and name == "lm_head.weight")),
+           tied, source, out, config, max_shard_bytes, progress=False)
     return out
 
 
-def _rtn(source: Path, tied: bool, config: QuantConfig, progress: bool
-         ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, QuantizedWeight], bool]:
-    """The checkpoint's tensors, and its decoder projections (and LM head) rounded to
-    nearest; whether the LM head stays tied to the embedding."""
-    tensors = list(iter_checkpoint(source))
-    targets = [(name, t) for name, t in tensors
-               if _PROJECTION.match(name) or (config.lm_head and name == "lm_head.weight")]
-    if config.lm_head and tied:  # the LM head gets weights of its own, quantized
-        targets += [("lm_head.weight", t) for name, t in tensors
-                    if name == "model.embed_tokens.weight"]
-        tied = False
-    quantized = {}
-    for name, weight in tqdm(targets, desc=f"rtn {config.bits}-bit", unit=" tensors",
-                             disable=not progress):
-        _check_shape(name, weight.shape[1], weight.shape[0], config.bits, config.group_size)
-        group = weight.shape[1] if config.group_size == -1 else config.group_size
-        quantized[name.removesuffix(".weight")] = rtn(weight, config.bits, group, config.sym)
-    return tensors, quantized, tied
+def _rtn(source: Path, tied: bool, config: QuantConfig) -> Iterator[tuple[str, Layer]]:
+    """The checkpoint's tensors as they are read, its decoder projections (and LM head)
+    rounded to nearest; with `lm_head`, a tied LM head as weights of its own, quantized, after
+    the embedding."""
+    for name, tensor in iter_checkpoint(source):
+        rounded = _PROJECTION.match(name) or (config.lm_head and name == "lm_head.weight")
+        yield name, _round(tensor, config) if rounded else tensor
+        if config.lm_head and tied and name == "model.embed_tokens.weight":
+            yield "lm_head.weight", _round(tensor, config)
+
+
+def _round(weight: torch.Tensor, config: QuantConfig) -> QuantizedWeight:
+    group = weight.shape[1] if config.group_size == -1 else config.group_size
+    return rtn(weight, config.bits, group, config.sym)
+
+
+def _rounded_shapes(source: Path, tied: bool, config: QuantConfig
+                    ) -> Iterator[tuple[str, tuple[int, int]]]:
+    """The shapes of the weights `_rtn` rounds, from the files' headers (no tensor read)."""
+    for file in checkpoint_files(source):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                head = config.lm_head and name == (
+                    "model.embed_tokens.weight" if tied else "lm_head.weight")
+                if _PROJECTION.match(name) or head:
+                    yield name, tuple(f.get_slice(name).get_shape())
 
 
 def _check_shape(name: str, in_features: int, out_features: int, bits: int,
@@ -219,33 +236,32 @@ def _fisher(model: nn.Module, linears: list[nn.Linear], calibration: torch.Tenso
     return {m: total / len(calibration) for m, total in sums.items()}
 
 
-def _write(named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool, source: Path,
-           out: Path, quantized: dict[str, QuantizedWeight | LutWeight], config: QuantConfig,
-           max_shard_bytes: int) -> None:
-    """The checkpoint's tensors, the `quantized` layers' in place of their weights (an LM
-    head quantized from a tied embedding, after them)."""
-    out.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    named_tensors = list(named_tensors)
-    if "lm_head" in quantized and all(name != "lm_head.weight" for name, _ in named_tensors):
-        named_tensors.append(("lm_head.weight", torch.empty(0)))
-    for name, tensor in named_tensors:
+def _hub_tensors(named: Iterable[tuple[str, Layer]], config: QuantConfig
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in named:
         layer = name.removesuffix(".weight")
-        q = quantized.get(layer)
-        if isinstance(q, LutWeight):
-            tensors.update({f"{layer}.qweight": pack_rows(q.indices.t(), config.bits),
-                            f"{layer}.lookup_table": q.lookup_table.to(torch.float16),
-                            f"{layer}.sparse_rows": q.sparse_rows.to(torch.int32),
-                            f"{layer}.sparse_cols": q.sparse_cols.to(torch.int32),
-                            f"{layer}.sparse_values": q.sparse_values.to(torch.float16)})
-        elif q is not None:
-            qweight, qzeros = pack_gptq(q.intweight, q.zeros, config.bits)
-            tensors.update({f"{layer}.qweight": qweight, f"{layer}.qzeros": qzeros,
-                            f"{layer}.scales": q.scales.to(torch.float16),
-                            f"{layer}.g_idx": q.g_idx.to(torch.int32)})
-        elif not (tied and name == "lm_head.weight"):
-            tensors[name] = tensor.contiguous()
-    write_weights(out, iter(tensors.items()), None, max_shard_bytes, progress=False)
+        if isinstance(tensor, LutWeight):
+            yield from {f"{layer}.qweight": pack_rows(tensor.indices.t(), config.bits),
+                        f"{layer}.lookup_table": tensor.lookup_table.to(torch.float16),
+                        f"{layer}.sparse_rows": tensor.sparse_rows.to(torch.int32),
+                        f"{layer}.sparse_cols": tensor.sparse_cols.to(torch.int32),
+                        f"{layer}.sparse_values": tensor.sparse_values.to(torch.float16)
+                        }.items()
+        elif isinstance(tensor, QuantizedWeight):
+            qweight, qzeros = pack_gptq(tensor.intweight, tensor.zeros, config.bits)
+            yield from {f"{layer}.qweight": qweight, f"{layer}.qzeros": qzeros,
+                        f"{layer}.scales": tensor.scales.to(torch.float16),
+                        f"{layer}.g_idx": tensor.g_idx.to(torch.int32)}.items()
+        else:
+            yield name, tensor
+
+
+def _write(named: Iterable[tuple[str, Layer]], tied: bool, source: Path, out: Path,
+           config: QuantConfig, max_shard_bytes: int, progress: bool) -> None:
+    """Writes the checkpoint's tensors, each quantized layer as its parts in the hub's format,
+    shard by shard as they come: only a shard's worth is held at a time."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_weights(out, _hub_tensors(named, config), None, max_shard_bytes, progress)
     raw = json.loads((source / "config.json").read_text())
     raw["quantization_config"] = config.to_hf()
     raw["tie_word_embeddings"] = tied
