@@ -20,8 +20,6 @@ from kvserve.errors import CheckpointError
 from kvserve.layers.linear import Linear
 from kvserve.models.moe import SparseMoeBlock
 from kvserve.quantization.cpu_kernels import WxA8Weight, dequantized_gemm_runs
-from kvserve.quantization.gptq import rtn
-from kvserve.quantization.packing import pack_awq
 from kvserve.quantization.quantize import quantize_model
 from kvserve.tools.make_lora import make_lora
 from kvserve.tools.make_model import MOE_ARCHES, make_model
@@ -38,6 +36,7 @@ from tests.models.test_hf_equivalence import (
 from tests.models.test_lora import merged_greedy
 from tests.models.test_quantized import (
     assert_serves_like_its_dequantized_weights,
+    awq_copy,
     dequantized_copy,
     only_candidate,
 )
@@ -223,20 +222,7 @@ def test_rtn_quantized_experts_serve_like_their_dequantized_weights(moe_dirs, tm
 
 
 def test_awq_experts_load(moe_dirs, tmp_path):
-    out = tmp_path / "awq"
-    shutil.copytree(moe_dirs["qwen3_moe"], out)
-    tensors = load_file(str(out / "model.safetensors"))
-    for name in [n for n in tensors if n.endswith("proj.weight")]:
-        q = rtn(tensors.pop(name), 4, 32, sym=False)
-        layer = name.removesuffix(".weight")
-        tensors[f"{layer}.qweight"] = pack_awq(q.intweight.t())
-        tensors[f"{layer}.qzeros"] = pack_awq(q.zeros)
-        tensors[f"{layer}.scales"] = q.scales.to(torch.float16)
-    save_file(tensors, str(out / "model.safetensors"))
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32,
-                                     "zero_point": True, "version": "gemm"}
-    (out / "config.json").write_text(json.dumps(config))
+    out = awq_copy(moe_dirs["qwen3_moe"], tmp_path / "awq")
     assert_serves_like_its_dequantized_weights(out, dequantized_copy(out, tmp_path / "float"))
 
 

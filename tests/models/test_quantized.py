@@ -101,10 +101,10 @@ def test_kvserve_quantize_output_serves_like_its_dequantized_weights(trained_tin
     assert_serves_like_its_dequantized_weights(out, reference)
 
 
-def test_awq_checkpoints_load(trained_tiny, tmp_path):
-    out = tmp_path / "awq"
-    shutil.copytree(trained_tiny, out)
-    tensors = load_file(str(trained_tiny / "model.safetensors"))
+def awq_copy(source: Path, out: Path) -> Path:
+    """`source` with its decoder projections (each expert's too) as 4-bit AWQ layers."""
+    shutil.copytree(source, out)
+    tensors = load_file(str(source / "model.safetensors"))
     for name in [n for n in tensors if ".layers." in n and n.endswith("proj.weight")]:
         q = rtn(tensors.pop(name), 4, 32, sym=False)
         layer = name.removesuffix(".weight")
@@ -116,6 +116,11 @@ def test_awq_checkpoints_load(trained_tiny, tmp_path):
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32,
                                      "zero_point": True, "version": "gemm"}
     (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_awq_checkpoints_load(trained_tiny, tmp_path):
+    out = awq_copy(trained_tiny, tmp_path / "awq")
     assert_serves_like_its_dequantized_weights(out, dequantized_copy(out, tmp_path / "float"))
 
 
