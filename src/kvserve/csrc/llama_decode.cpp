@@ -1,9 +1,9 @@
 // A Llama-family decode step (one new token per sequence) through all decoder layers in one
 // call: the same kernels, in the same order, as the eager forward of models/llama.py (and
-// models/moe.py for experts), so the
-// hidden states are bit for bit the same. What it saves is the Python between them: a batch-1
-// step of a 30-layer model issues about 300 kernel calls, and from Python each costs more than
-// the small kernel itself (a third of the step on a 2-core EPYC).
+// models/moe.py for experts), so the hidden states are bit for bit the same. What it saves is
+// the Python between them: a batch-1 step of a 30-layer model issues about 300 kernel calls,
+// and from Python each costs more than the small kernel itself (a third of the step on a
+// 2-core EPYC).
 #include "kvserve_cpu.h"
 
 #include <algorithm>

@@ -148,12 +148,23 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
 def _rtn(source: Path, tied: bool, config: QuantConfig) -> Iterator[tuple[str, Layer]]:
     """The checkpoint's tensors as they are read, its decoder projections (and LM head)
     rounded to nearest; with `lm_head`, a tied LM head as weights of its own, quantized, after
-    the embedding."""
+    the embedding (a tied one's copy in the files is left out, as the transformers path
+    leaves it)."""
     for name, tensor in iter_checkpoint(source):
-        rounded = _PROJECTION.match(name) or (config.lm_head and name == "lm_head.weight")
-        yield name, _round(tensor, config) if rounded else tensor
-        if config.lm_head and tied and name == "model.embed_tokens.weight":
+        if tied and name == "lm_head.weight":
+            continue  # the embedding's copy: tied again on load, or quantized after it
+        yield name, _round(tensor, config) if _rounds(name, config) else tensor
+        if _heads_tied_lm_head(name, tied, config):
             yield "lm_head.weight", _round(tensor, config)
+
+
+def _rounds(name: str, config: QuantConfig) -> bool:
+    return bool(_PROJECTION.match(name)) or (config.lm_head and name == "lm_head.weight")
+
+
+def _heads_tied_lm_head(name: str, tied: bool, config: QuantConfig) -> bool:
+    """Whether `name` is the embedding that a quantized LM head is made from."""
+    return config.lm_head and tied and name == "model.embed_tokens.weight"
 
 
 def _round(weight: torch.Tensor, config: QuantConfig) -> QuantizedWeight:
@@ -167,9 +178,7 @@ def _rounded_shapes(source: Path, tied: bool, config: QuantConfig
     for file in checkpoint_files(source):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                head = config.lm_head and name == (
-                    "model.embed_tokens.weight" if tied else "lm_head.weight")
-                if _PROJECTION.match(name) or head:
+                if _rounds(name, config) or _heads_tied_lm_head(name, tied, config):
                     yield name, tuple(f.get_slice(name).get_shape())
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvserve.models.registry import ARCHITECTURES
 from kvserve.tools.checkpoint_files import write_json, write_weights
 from kvserve.tools.tokenizer import tokenizer_config, train_tokenizer
 from kvserve.tools.train import train
@@ -88,7 +89,7 @@ ARCHES = {
     "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
-MOE_ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHES = tuple(arch for arch, (name, _) in ARCHES.items() if ARCHITECTURES[name].moe)
 
 
 def make_model(preset: str, output: str | Path, arch: str | None = None, seed: int = 0,
@@ -217,6 +218,7 @@ def hf_config(spec: Preset) -> dict[str, Any]:
 def _tensors(spec: Preset, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors in a fixed order, drawn from one seeded generator."""
     gen = torch.Generator().manual_seed(seed)
+    arch = ARCHITECTURES[ARCHES[spec.arch][0]]
     head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
     h = spec.hidden_size
 
@@ -230,9 +232,9 @@ def _tensors(spec: Preset, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
         for name, rows in (("q", spec.num_heads), ("k", spec.num_kv_heads),
                            ("v", spec.num_kv_heads)):
             yield p + f"self_attn.{name}_proj.weight", normal(rows * head_dim, h)
-            if spec.arch in ("qwen2", "qwen2_moe"):
+            if arch.qkv_bias:
                 yield p + f"self_attn.{name}_proj.bias", normal(rows * head_dim)
-        if spec.arch in ("qwen3", "qwen3_moe"):
+        if arch.qk_norm:
             yield p + "self_attn.q_norm.weight", 1.0 + normal(head_dim)
             yield p + "self_attn.k_norm.weight", 1.0 + normal(head_dim)
         yield p + "self_attn.o_proj.weight", normal(h, spec.num_heads * head_dim)
@@ -247,14 +249,15 @@ def _mlp_tensors(spec: Preset, prefix: str, normal: Callable[..., torch.Tensor]
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """A layer's MLP, or its router and experts under the names of the arch's hub files."""
     h = spec.hidden_size
-    if spec.arch not in MOE_ARCHES:
+    moe = ARCHITECTURES[ARCHES[spec.arch][0]].moe
+    if moe is None:
         yield from _gated_mlp(prefix + "mlp.", spec.intermediate_size, h, normal)
         return
-    block = prefix + ("block_sparse_moe." if spec.arch == "mixtral" else "mlp.")
+    block = prefix + ("block_sparse_moe." if moe == "mixtral" else "mlp.")
     yield block + "gate.weight", normal(spec.num_experts, h)
     for e in range(spec.num_experts):
         expert = f"{block}experts.{e}."
-        if spec.arch == "mixtral":
+        if moe == "mixtral":
             size = spec.moe_intermediate_size
             yield expert + "w1.weight", normal(size, h)
             yield expert + "w2.weight", normal(h, size)
