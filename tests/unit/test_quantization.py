@@ -341,11 +341,14 @@ def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
     of 2 rows x 32 outputs, 80 outputs leave a 16-output tile and 24 are one of 24), and the
     largest products every lane can hold: weights at their maximum, activations all at 127
     (without AVX-VNNI, AVX2's GEMM sums 8 channel quads of 4-bit values, or of 8-bit values'
-    nibbles, in int16 lanes before widening)."""
+    nibbles, in int16 lanes before widening). With AVX512-VNNI, 4-bit weights on few rows run
+    over pairs of blocks, 4 or 2 outputs at a time: 21 outputs leave one over, and 9 groups
+    of 64 channels a block without a pair."""
     torch.manual_seed(0)
     top = (1 << bits) - 1
     for (group, groups), n in itertools.product(
-            ((64, 9), (128, 8), (128, 17), (192, 3), (256, 1), (512, 2), (1024, 1)), (24, 80)):
+            ((64, 9), (128, 8), (128, 17), (192, 3), (256, 1), (512, 2), (1024, 1)),
+            (21, 24, 80)):
         k = group * groups
         scales, zeros = torch.rand(n, groups) + 0.5, torch.randint(0, top + 1, (n, groups))
         for q, x in ((torch.randint(0, top + 1, (n, k)), torch.randn(35, k)),

@@ -27,6 +27,7 @@
 namespace {
 
 constexpr int64_t kBlock = 64;  // input channels per packed block
+constexpr int64_t kPair = 2 * kBlock;  // input channels per pair of blocks (paired:: below)
 constexpr int64_t kRows = 4;    // activation rows served by one pass over a weight row
 // How far ahead of each block the weights (the outputs' rows lie end to end) are fetched into
 // L1: with the hardware prefetcher alone, one row streamed 4-bit weights at 0.75-0.9x the rate
@@ -143,7 +144,7 @@ inline __m256i lane_totals(const __m256i d[8]) {
 // vector, scaled by eight groups' scales at once.
 template <int BITS, int ROWS, int BLOCKS>
 inline void avx2_weight_row(const uint8_t* w, const int8_t* xq, const float* x_scale,
-                            const float* x_sum, const float* scale, const float* zero,
+                            const float* x_zero, const float* scale, const float* zero,
                             int64_t k, int64_t groups, int64_t blocks, float* out) {
   __m256 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
@@ -168,8 +169,8 @@ inline void avx2_weight_row(const uint8_t* w, const int8_t* xq, const float* x_s
     const __m256 zs = _mm256_mul_ps(_mm256_maskload_ps(zero + g0, lanes), s);
     for (int r = 0; r < ROWS; ++r) {
       const __m256 xs = _mm256_maskload_ps(x_scale + r * groups + g0, lanes);
-      const __m256 xz = _mm256_mul_ps(xs, _mm256_maskload_ps(x_sum + r * groups + g0, lanes));
-      // x_scale * (scale * dot - scale * zero * x_sum), per group
+      const __m256 xz = _mm256_maskload_ps(x_zero + r * groups + g0, lanes);
+      // x_scale * scale * dot - scale * zero * x_zero, per group
       const __m256i row_dots[8] = {dots[0][r], dots[1][r], dots[2][r], dots[3][r],
                                    dots[4][r], dots[5][r], dots[6][r], dots[7][r]};
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_totals(row_dots)), _mm256_mul_ps(s, xs),
@@ -186,14 +187,14 @@ inline void avx2_weight_row(const uint8_t* w, const int8_t* xq, const float* x_s
 }
 #endif
 
-// out[r] = sum over groups g of x_scale[r, g] * (scale[g] * dot(q_g, xq[r]_g)
-//                                             - scale[g] * zero[g] * x_sum[r, g])
+// out[r] = sum over groups g of x_scale[r, g] * scale[g] * dot(q_g, xq[r]_g)
+//                               - scale[g] * zero[g] * x_zero[r, g]
 // for ROWS activation rows `k` apart, over one weight row: each block of 64 weights is
 // loaded once for all rows, and a group's integer sums are scaled into float lanes, so
 // lanes are summed once per output.
 template <int BITS, int ROWS>
 inline void weight_row(const uint8_t* w, const int8_t* xq, const float* x_scale,
-                       const float* x_sum, const float* scale, const float* zero,
+                       const float* x_zero, const float* scale, const float* zero,
                        int64_t k, int64_t groups, int64_t blocks, float* out) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   constexpr int64_t kBytes = kBlock * BITS / 8;
@@ -213,17 +214,17 @@ inline void weight_row(const uint8_t* w, const int8_t* xq, const float* x_scale,
       const float xs = x_scale[r * groups + g];
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_set1_ps(xs * scale[g]),
                                acc[r]);
-      zero_terms[r] += xs * (zero[g] * scale[g]) * x_sum[r * groups + g];
+      zero_terms[r] += (zero[g] * scale[g]) * x_zero[r * groups + g];
     }
   }
   for (int r = 0; r < ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - zero_terms[r];
 #elif defined(__AVX2__)
   switch (blocks) {  // the common group sizes, 64 and 128 channels, with unrolled loops
-    case 1: return avx2_weight_row<BITS, ROWS, 1>(w, xq, x_scale, x_sum, scale, zero, k, groups,
+    case 1: return avx2_weight_row<BITS, ROWS, 1>(w, xq, x_scale, x_zero, scale, zero, k, groups,
                                                   blocks, out);
-    case 2: return avx2_weight_row<BITS, ROWS, 2>(w, xq, x_scale, x_sum, scale, zero, k, groups,
+    case 2: return avx2_weight_row<BITS, ROWS, 2>(w, xq, x_scale, x_zero, scale, zero, k, groups,
                                                   blocks, out);
-    default: return avx2_weight_row<BITS, ROWS, 0>(w, xq, x_scale, x_sum, scale, zero, k,
+    default: return avx2_weight_row<BITS, ROWS, 0>(w, xq, x_scale, x_zero, scale, zero, k,
                                                    groups, blocks, out);
   }
 #else
@@ -238,40 +239,188 @@ inline void weight_row(const uint8_t* w, const int8_t* xq, const float* x_scale,
         dot += q * xq[r * k + c];
       }
       const float xs = x_scale[r * groups + g];
-      total += xs * (scale[g] * static_cast<float>(dot) -
-                     (zero[g] * scale[g]) * x_sum[r * groups + g]);
+      total += xs * scale[g] * static_cast<float>(dot) -
+               (zero[g] * scale[g]) * x_zero[r * groups + g];
     }
     out[r] = total;
   }
 #endif
 }
 
-template <int BITS>
-void weight_rows(const uint8_t* w, const int8_t* xq, const float* xs, const float* xsum,
-                 const float* scale, const float* zero, int64_t m, int64_t k, int64_t groups,
-                 int64_t blocks, float* out, int64_t n) {
-  float row_out[kRows];
+// Calls fn(std::integral_constant<int, ROWS>{}, r0) for each tile [r0, r0 + ROWS) of m rows,
+// ROWS at most kRows.
+template <typename Fn>
+inline void row_tiles(int64_t m, const Fn& fn) {
   for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-    const int64_t rows = std::min(kRows, m - r0);
-    const int8_t* x = xq + r0 * k;
-    const float* s0 = xs + r0 * groups;
-    const float* t0 = xsum + r0 * groups;
-    switch (rows) {
-      case 4: weight_row<BITS, 4>(w, x, s0, t0, scale, zero, k, groups, blocks, row_out); break;
-      case 3: weight_row<BITS, 3>(w, x, s0, t0, scale, zero, k, groups, blocks, row_out); break;
-      case 2: weight_row<BITS, 2>(w, x, s0, t0, scale, zero, k, groups, blocks, row_out); break;
-      default: weight_row<BITS, 1>(w, x, s0, t0, scale, zero, k, groups, blocks, row_out);
+    switch (std::min(kRows, m - r0)) {
+      case 4: fn(std::integral_constant<int, 4>{}, r0); break;
+      case 3: fn(std::integral_constant<int, 3>{}, r0); break;
+      case 2: fn(std::integral_constant<int, 2>{}, r0); break;
+      default: fn(std::integral_constant<int, 1>{}, r0);
     }
-    for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * n] = row_out[r];
   }
 }
 
-// Each row's activations as int8, one scale per (row, group), with each group's sum of integers.
+template <int BITS>
+void weight_rows(const uint8_t* w, const int8_t* xq, const float* xs, const float* xz,
+                 const float* scale, const float* zero, int64_t m, int64_t k, int64_t groups,
+                 int64_t blocks, float* out, int64_t n) {
+  row_tiles(m, [&](auto tile, int64_t r0) {
+    constexpr int rows = decltype(tile)::value;
+    float row_out[rows];
+    weight_row<BITS, rows>(w, xq + r0 * k, xs + r0 * groups, xz + r0 * groups, scale, zero, k,
+                           groups, blocks, row_out);
+    for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * n] = row_out[r];
+  });
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 4-bit weights on a few rows, over blocks in pairs: one 64-byte load holds blocks 2u and
+// 2u + 1, whose low nibbles (each block's channels 0-31) and high ones (32-63) are two
+// `vpdpbusd` operands as they lie, against activations laid out in that order (paired_position).
+// That is a load, three bit operations and two multiply-adds per 128 weights, where
+// weight_row widens each block on its own; with groups of 64 channels, a pair's two groups
+// are scaled in one vector, each half by its group's scale; and the zero terms are summed
+// 16 groups at a time, apart from the integer work.
+namespace paired {
+
+// out[r * n + o] for ROWS rows (`k` apart in xp, in paired_position's order) and OUTS outputs
+// (`row_bytes` apart in w, `groups` apart in scale and zero): x_scale and x_zero
+// (x_scale * the sum of a group's integers) are the rows' [ROWS, groups]. A weight vector
+// serves every row, an activation vector every output, and the ROWS * OUTS multiply-add
+// chains run side by side.
+template <int ROWS, int OUTS>
+inline void tile(const uint8_t* w, int64_t row_bytes, const int8_t* xp, const float* x_scale,
+                 const float* x_zero, const float* scale, const float* zero, int64_t k,
+                 int64_t groups, int64_t blocks, float* out, int64_t n) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  // Lanes 0-7 of a pair's sums are block 2u's, lanes 8-15 block 2u + 1's.
+  const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const int64_t pairs = k / kPair, per_sum = std::max<int64_t>(1, blocks / 2);
+  __m512 acc[ROWS][OUTS];
+  __m512i dots[ROWS][OUTS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int o = 0; o < OUTS; ++o) {
+      acc[r][o] = _mm512_setzero_ps();
+      dots[r][o] = _mm512_setzero_si512();
+    }
+  // A sum runs over per_sum pairs; groups of 64 channels split each pair's between two.
+  const int64_t split = blocks == 1 ? 1 : 0;
+  for (int64_t i = 0; i < pairs / per_sum; ++i) {
+    for (int64_t u = i * per_sum; u < (i + 1) * per_sum; ++u) {
+      __m512i x[ROWS][2];
+      for (int r = 0; r < ROWS; ++r)
+        for (int h = 0; h < 2; ++h)
+          x[r][h] = _mm512_loadu_si512(xp + r * k + u * kPair + 64 * h);
+      for (int o = 0; o < OUTS; ++o) {
+        const uint8_t* wo = w + o * row_bytes + u * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(wo + kPrefetchBytes), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(wo);
+        const __m512i lo = _mm512_and_si512(v, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < ROWS; ++r)
+          dots[r][o] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dots[r][o], lo, x[r][0]), hi,
+                                           x[r][1]);
+      }
+    }
+    // The sums, scaled: each half by its group's scale, or both by their one group's.
+    const int64_t low = i * (1 + split);
+    const auto pair_of = [&](const float* v) {
+      return split ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(v + low)))
+                   : _mm_broadcast_ss(v + low);
+    };
+    __m128 xs[ROWS];
+    for (int r = 0; r < ROWS; ++r) xs[r] = pair_of(x_scale + r * groups);
+    for (int o = 0; o < OUTS; ++o) {
+      const __m128 s = pair_of(scale + o * groups);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 both =
+            _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_mul_ps(s, xs[r])));
+        acc[r][o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][o]), both, acc[r][o]);
+        dots[r][o] = _mm512_setzero_si512();
+      }
+    }
+  }
+  if (pairs * kPair < k) {  // a last group of 64 channels, alone: half a pair
+    const int64_t g = groups - 1;
+    const __m256i nibbles = _mm256_set1_epi8(0x0F);
+    for (int o = 0; o < OUTS; ++o) {
+      const __m256i v =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + o * row_bytes + pairs * 64));
+      const __m256i lo = _mm256_and_si256(v, nibbles);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibbles);
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t* xr = xp + r * k + pairs * kPair;
+        __m256i d = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo,
+                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)));
+        d = _mm256_dpbusd_epi32(d, hi,
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32)));
+        const __m256 part = _mm256_mul_ps(
+            _mm256_cvtepi32_ps(d),
+            _mm256_set1_ps(scale[o * groups + g] * x_scale[r * groups + g]));
+        acc[r][o] = _mm512_add_ps(acc[r][o], _mm512_zextps256_ps512(part));
+      }
+    }
+  }
+  for (int64_t g = 0; g < groups; g += 16) {  // less scale * zero * x_zero, 16 groups at a time
+    const __mmask16 lanes = groups - g >= 16 ? 0xFFFF : (1u << (groups - g)) - 1;
+    for (int o = 0; o < OUTS; ++o) {
+      const __m512 scaled_zero =
+          _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, scale + o * groups + g),
+                        _mm512_maskz_loadu_ps(lanes, zero + o * groups + g));
+      for (int r = 0; r < ROWS; ++r)
+        acc[r][o] = _mm512_fnmadd_ps(
+            scaled_zero, _mm512_maskz_loadu_ps(lanes, x_zero + r * groups + g), acc[r][o]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int o = 0; o < OUTS; ++o) out[r * n + o] = _mm512_reduce_add_ps(acc[r][o]);
+}
+
+// Outputs [begin, end) of ROWS rows of out [m, n]: kOuts at a time (half as many from 3 rows
+// on, for the registers), the rest one by one.
+template <int ROWS>
+void outputs(const uint8_t* w, int64_t row_bytes, const int8_t* xp, const float* x_scale,
+             const float* x_zero, const float* scale, const float* zero, int64_t k,
+             int64_t groups, int64_t blocks, float* out, int64_t n, int64_t begin, int64_t end) {
+  constexpr int kOuts = ROWS <= 2 ? 4 : 2;
+  int64_t o = begin;
+  for (; o + kOuts <= end; o += kOuts)
+    tile<ROWS, kOuts>(w + o * row_bytes, row_bytes, xp, x_scale, x_zero, scale + o * groups,
+                      zero + o * groups, k, groups, blocks, out + o, n);
+  for (; o < end; ++o)
+    tile<ROWS, 1>(w + o * row_bytes, row_bytes, xp, x_scale, x_zero, scale + o * groups,
+                  zero + o * groups, k, groups, blocks, out + o, n);
+}
+
+}  // namespace paired
+#endif
+
+// Where channel c of a row of k goes in the order paired:: reads: each pair of blocks as
+// [2u: 0-31, 2u + 1: 0-31, 2u: 32-63, 2u + 1: 32-63]; a last block without a pair as it is.
+inline int64_t paired_position(int64_t c, int64_t k) {
+  if (c >= k / kPair * kPair) return c;
+  return c / kPair * kPair + (c / 32 % 2) * 64 + (c / kBlock % 2) * 32 + c % 32;
+}
+
+// Whether paired:: runs a layer's few rows: 4-bit weights in groups of 64 channels or of a
+// multiple of 128, on AVX512-VNNI.
+bool paired_runs(int64_t bits, int64_t blocks) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return bits == 4 && (blocks == 1 || blocks % 2 == 0);
+#else
+  return false;
+#endif
+}
+
+// Each row's activations as int8, one scale per (row, group), with each group's scale times
+// its sum of integers (what a weight's zero point multiplies).
 struct QuantizedRows {
-  torch::Tensor q, scale, sum;  // [m, k] int8; [m, groups] float32 twice
+  torch::Tensor q, scale, scaled_sum;  // [m, k] int8; [m, groups] float32 twice
 };
 
-QuantizedRows quantize_rows(const torch::Tensor& x, int64_t group) {
+// The rows quantized, in channel order or (paired) in paired_position's.
+QuantizedRows quantize_rows(const torch::Tensor& x, int64_t group, bool paired) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / group;
   QuantizedRows rows{torch::empty({m, k}, torch::kInt8),
                      torch::empty({m, groups}, torch::kFloat32),
@@ -279,11 +428,14 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t group) {
   const float* xp = x.data_ptr<float>();
   int8_t* xqp = rows.q.data_ptr<int8_t>();
   float* xs = rows.scale.data_ptr<float>();
-  float* xsum = rows.sum.data_ptr<float>();
+  float* xz = rows.scaled_sum.data_ptr<float>();
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* v = xp + r * group;
-      int8_t* q = xqp + r * group;
+      const int64_t c0 = r % groups * group;
+      int8_t* q = xqp + r / groups * k;
+      // Runs of 16 channels stay together in either order.
+      const auto at = [&](int64_t j) { return q + (paired ? paired_position(c0 + j, k) : c0 + j); };
 #ifdef __AVX512F__
       __m512 top = _mm512_setzero_ps();
       for (int64_t j = 0; j < group; j += 16)
@@ -293,7 +445,7 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t group) {
       __m512i totals = _mm512_setzero_si512();
       for (int64_t j = 0; j < group; j += 16) {  // rounded to nearest even, as nearbyint
         const __m512i level = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j), inv));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j), _mm512_cvtepi32_epi8(level));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(at(j)), _mm512_cvtepi32_epi8(level));
         totals = _mm512_add_epi32(totals, level);
       }
       const int32_t total = _mm512_reduce_add_epi32(totals);
@@ -303,12 +455,13 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t group) {
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       int32_t total = 0;
       for (int64_t j = 0; j < group; ++j) {
-        q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
-        total += q[j];
+        const int8_t level = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+        *at(j) = level;
+        total += level;
       }
 #endif
       xs[r] = amax / 127.f;
-      xsum[r] = static_cast<float>(total);
+      xz[r] = xs[r] * static_cast<float>(total);
     }
   });
   return rows;
@@ -587,10 +740,8 @@ void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scale
   const int64_t chunk = kBlock * std::gcd(group / kBlock, Isa::kChunk / kBlock);
   const int64_t row_bytes = k * BITS / 8;
   const int8_t* xq = rows.q.data_ptr<int8_t>();
-  // Each row's scale times its integer sum, per group: the zero point's share.
-  const torch::Tensor scaled_sum_tensor = rows.scale * rows.sum;
   const float* x_scale = rows.scale.data_ptr<float>();
-  const float* x_scaled_sum = scaled_sum_tensor.data_ptr<float>();
+  const float* x_scaled_sum = rows.scaled_sum.data_ptr<float>();
   std::fill(out, out + m * n, 0.f);
   const int64_t tiles = (n / kOutputs + kMaxBlocks - 1) / kMaxBlocks;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -679,7 +830,7 @@ void lay_out(const QuantizedRows& rows, int64_t slabs, int8_t* tiles, float* sca
   const int64_t units = k / kUnit;
   const int8_t* q = rows.q.data_ptr<int8_t>();
   const float* xs = rows.scale.data_ptr<float>();
-  const float* xsum = rows.sum.data_ptr<float>();
+  const float* xz = rows.scaled_sum.data_ptr<float>();
   // A tile's row q holds channels 4q..4q+3 of each of the 16 rows: the rows' 64 bytes, as 16
   // 32-bit words each, transposed.
   at::parallel_for(0, slabs * units, 16, [&](int64_t begin, int64_t end) {
@@ -712,8 +863,7 @@ void lay_out(const QuantizedRows& rows, int64_t slabs, int8_t* tiles, float* sca
       for (int64_t r = 0; r < 16; ++r) {
         const int64_t row = s * 16 + r;
         scale[(s * groups + g) * 16 + r] = row < m ? xs[row * groups + g] : 0.f;
-        scaled_sum[(s * groups + g) * 16 + r] =
-            row < m ? xs[row * groups + g] * xsum[row * groups + g] : 0.f;
+        scaled_sum[(s * groups + g) * 16 + r] = row < m ? xz[row * groups + g] : 0.f;
       }
 }
 
@@ -883,7 +1033,7 @@ torch::Tensor wxa8_amx_matmul(torch::Tensor x, torch::Tensor packed, torch::Tens
   auto out = torch::empty({m, n}, torch::kFloat32);
 #if defined(KVSERVE_AMX) && defined(__AMX_INT8__)
   if (m == 0) return out;
-  const QuantizedRows rows = quantize_rows(x, group);
+  const QuantizedRows rows = quantize_rows(x, group, false);
   with_bits(bits, [&](auto b) {
     amx_int8::matmul<decltype(b)::value>(rows, packed.data_ptr<uint8_t>(),
                                          scales.data_ptr<float>(), zeros.data_ptr<float>(), n,
@@ -897,8 +1047,9 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
                           torch::Tensor zeros, int64_t group, int64_t bits) {
   check_inputs(x, packed, scales, zeros, group, bits);
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  const int64_t groups = k / group;
-  const QuantizedRows rows = quantize_rows(x, group);
+  const int64_t groups = k / group, row_bytes = k * bits / 8, blocks = group / kBlock;
+  const bool paired = !wxa8_gemm_runs(m, n) && paired_runs(bits, blocks);
+  const QuantizedRows rows = quantize_rows(x, group, paired);
   auto out = torch::empty({m, n}, torch::kFloat32);
 #if defined(__AVX2__)
   if (wxa8_gemm_runs(m, n)) {
@@ -911,17 +1062,28 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 #endif
   const int8_t* xqp = rows.q.data_ptr<int8_t>();
   const float* xs = rows.scale.data_ptr<float>();
-  const float* xsum = rows.sum.data_ptr<float>();
+  const float* xz = rows.scaled_sum.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* zp = zeros.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t row_bytes = k * bits / 8, blocks = group / kBlock;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (paired) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      row_tiles(m, [&](auto tile, int64_t r0) {
+        paired::outputs<decltype(tile)::value>(wp, row_bytes, xqp + r0 * k, xs + r0 * groups,
+                                               xz + r0 * groups, sp, zp, k, groups, blocks,
+                                               op + r0 * n, n, begin, end);
+      });
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const uint8_t* w = wp + o * row_bytes;
       with_bits(bits, [&](auto b) {
-        weight_rows<decltype(b)::value>(w, xqp, xs, xsum, sp + o * groups, zp + o * groups, m,
+        weight_rows<decltype(b)::value>(w, xqp, xs, xz, sp + o * groups, zp + o * groups, m,
                                         k, groups, blocks, op + o, n);
       });
     }
