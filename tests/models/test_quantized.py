@@ -237,6 +237,32 @@ def test_the_decode_stack_runs_w4a8_layers_as_the_eager_forward(trained_tiny, tm
         assert greedy_with_logprobs(stacked, batch) == greedy_with_logprobs(eager, batch)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("kernel", "bits", "group_size", "sym"),
+                         [(Int4Weight, 4, 32, True), (Int8Weight, 8, -1, False)])
+def test_the_decode_stack_runs_torch_int4_and_int8_layers_as_the_eager_forward(
+        trained_tiny, tmp_path, monkeypatch, dtype, kernel, bits, group_size, sym):
+    """Whichever kernel a layer's timing picks, the model stays on the stack: torch's int4
+    kernel, and its int8 one with zero terms (asymmetric), give the same logprobs to the bit as
+    eager."""
+    monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates", only_candidate(kernel))
+    monkeypatch.setattr("kvserve.quantization.cpu_kernels._decisions", {})
+    monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")  # whatever the dense GEMM's time
+    out = quantize_model(trained_tiny, tmp_path / "q", "rtn", bits, group_size=group_size,
+                         sym=sym)
+    stacked = LLM(str(out), dtype=dtype, max_num_batched_tokens=48)
+    eager = LLM(str(out), dtype=dtype, max_num_batched_tokens=48, enforce_eager=True)
+    assert stacked.engine.core.runner.cpu_decode is not None
+    linears = [m for m in stacked.engine.core.runner.model.layers.modules()
+               if isinstance(m, Linear)]
+    assert all(isinstance(m.kernel, kernel) for m in linears)
+    if kernel is Int8Weight:
+        assert any(m.kernel.zero_terms is not None for m in linears)
+    prompts = random_prompts([5, 17, 70, 3, 40], seed=4)
+    for batch in (prompts, prompts[:1]):
+        assert greedy_with_logprobs(stacked, batch) == greedy_with_logprobs(eager, batch)
+
+
 def test_a_quantized_lm_head_is_written_untied_and_serves_like_its_dequantized_weights(
         trained_tiny, tmp_path):
     out = quantize_model(trained_tiny, tmp_path / "q", "rtn", 8, lm_head=True)

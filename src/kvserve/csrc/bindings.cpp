@@ -60,18 +60,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dequantized_linear from dequantized_from rows up");
   // Module-local classes: a second build of these kernels (for another instruction set) can
   // load into the same process.
+  using Kind = LinearWeights::Kind;
   py::class_<LinearWeights>(m, "LinearWeights", py::module_local())
       .def(py::init([](torch::Tensor packed) { return LinearWeights{packed}; }),
            py::arg("packed"))
       .def(py::init([](torch::Tensor weight, int64_t bits, torch::Tensor scales,
                        torch::Tensor zeros, c10::optional<torch::Tensor> input_order,
                        int64_t group, int64_t amx_from, int64_t dequantized_from) {
-             return LinearWeights{weight, bits, scales, zeros, input_order, group,
-                                  amx_from, dequantized_from};
+             return LinearWeights{weight, Kind::kWxA8, bits, scales, zeros,
+                                  input_order, group, amx_from, dequantized_from};
            }),
            py::arg("weight"), py::arg("bits"), py::arg("scales"), py::arg("zeros"),
            py::arg("input_order"), py::arg("group"), py::arg("amx_from"),
-           py::arg("dequantized_from"));
+           py::arg("dequantized_from"))
+      .def_static(
+          "int4",
+          [](torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group,
+             c10::optional<torch::Tensor> input_order) {
+            return LinearWeights{packed, Kind::kInt4, 4, scales_and_zeros, c10::nullopt,
+                                 input_order, group};
+          },
+          py::arg("packed"), py::arg("scales_and_zeros"), py::arg("group"),
+          py::arg("input_order"))
+      .def_static(
+          "int8",
+          [](torch::Tensor weight, torch::Tensor scales,
+             c10::optional<torch::Tensor> zero_terms) {
+            return LinearWeights{weight, Kind::kInt8, 8, scales, zero_terms};
+          },
+          py::arg("weight"), py::arg("scales"), py::arg("zero_terms"));
   py::class_<MoEWeights>(m, "MoEWeights", py::module_local())
       .def(py::init<LinearWeights, std::vector<LinearWeights>, std::vector<LinearWeights>,
                     int64_t, int64_t, bool, c10::optional<LinearWeights>,

@@ -75,10 +75,18 @@ bool logsumexp_and_greater_supported();  // built with AVX-512
 std::tuple<torch::Tensor, torch::Tensor> logsumexp_and_greater(const torch::Tensor& logits,
                                                                const torch::Tensor& thresholds);
 
-// llama_decode.cpp: a linear layer of the decode stack, run as the eager forward runs it: a
-// weight packed by pack_weight (bits 0), or a W4A8/W8A8 one, on wxa8_linear.
+// llama_decode.cpp: a linear layer of the decode stack, run as the eager forward runs it, on
+// any kernel the CPU runs quantized layers on (quantization/cpu_kernels.py), so that which one
+// a layer's timing picks never takes a model off the stack.
 struct LinearWeights {
-  torch::Tensor weight;  // packed, or [n, k * bits / 8] uint8
+  enum class Kind {
+    kBlocked,  // weight: packed by pack_weight
+    kWxA8,     // weight [n, k * bits / 8] uint8, scales, zeros: on wxa8_linear
+    kInt4,     // weight packed by torch's int4 CPU kernel, scales: its scales and zeros
+    kInt8,     // weight [n, k] int8, scales [n] bfloat16, zeros: the zero terms (if any)
+  };
+  torch::Tensor weight;
+  Kind kind = Kind::kBlocked;
   int64_t bits = 0;
   c10::optional<torch::Tensor> scales, zeros, input_order;
   int64_t group = 0, amx_from = 0, dequantized_from = 0;  // 0: never

@@ -12,18 +12,39 @@
 
 namespace kvserve {
 
+// The quantized kinds as Int4Weight.matmul, Int8Weight.matmul and WxA8Weight.matmul run them.
 torch::Tensor LinearWeights::operator()(const torch::Tensor& x, int64_t n,
                                         const c10::optional<torch::Tensor>& bias) const {
-  if (bits == 0) return blocked_linear(x, weight, n, bias);
-  const torch::Tensor out =
-      wxa8_linear(x, weight, *scales, *zeros, input_order, group, bits, amx_from,
-                  dequantized_from);
+  torch::Tensor out;
+  switch (kind) {
+    case Kind::kBlocked:
+      return blocked_linear(x, weight, n, bias);
+    case Kind::kWxA8:
+      out = wxa8_linear(x, weight, *scales, *zeros, input_order, group, bits, amx_from,
+                        dequantized_from);
+      break;
+    case Kind::kInt4: {
+      const torch::Tensor rows = x.to(torch::kBFloat16);
+      out = at::_weight_int4pack_mm_for_cpu(
+                (input_order ? rows.index_select(1, *input_order) : rows).contiguous(), weight,
+                group, *scales)
+                .to(x.scalar_type());
+      break;
+    }
+    case Kind::kInt8: {
+      const torch::Tensor rows = x.to(torch::kBFloat16);
+      out = at::_weight_int8pack_mm(rows, weight, *scales);
+      if (zeros) out = out.to(torch::kFloat) - rows.to(torch::kFloat).sum(1, true) * *zeros;
+      out = out.to(x.scalar_type());
+      break;
+    }
+  }
   return bias ? out + *bias : out;
 }
 
 torch::Tensor LinearWeights::silu_and_mul(const torch::Tensor& x, int64_t n) const {
-  return bits == 0 ? blocked_linear_silu_and_mul(x, weight, n)
-                   : kvserve::silu_and_mul((*this)(x, 2 * n, c10::nullopt));
+  return kind == Kind::kBlocked ? blocked_linear_silu_and_mul(x, weight, n)
+                                : kvserve::silu_and_mul((*this)(x, 2 * n, c10::nullopt));
 }
 
 // The rows' (row, expert) pairs sorted by expert, each expert run once over its rows'

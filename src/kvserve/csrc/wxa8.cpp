@@ -11,6 +11,7 @@
 #include "kvserve_cpu.h"
 #include "amx.h"
 #include "dequantize.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 
@@ -25,6 +26,10 @@
 #include <vector>
 
 namespace {
+
+#ifdef __AVX512F__
+namespace simd = kvserve::simd;
+#endif
 
 constexpr int64_t kBlock = 64;  // input channels per packed block
 constexpr int64_t kPair = 2 * kBlock;  // input channels per pair of blocks (paired:: below)
@@ -419,19 +424,29 @@ struct QuantizedRows {
   torch::Tensor q, scale, scaled_sum;  // [m, k] int8; [m, groups] float32 twice
 };
 
-// The rows quantized, in channel order or (paired) in paired_position's.
-QuantizedRows quantize_rows(const torch::Tensor& x, int64_t group, bool paired) {
+// Whether quantize_rows reads bfloat16 rows itself, where the float32 ones would otherwise be
+// a conversion apart: its AVX-512 loop widens them through simd.h, where the CPU has
+// AVX512-BF16; its plain loop always.
+#if !defined(__AVX512F__) || defined(__AVX512BF16__)
+constexpr bool kReadsBFloat16 = true;
+#else
+constexpr bool kReadsBFloat16 = false;
+#endif
+
+// The rows of x [m, k] quantized, in channel order or (paired) in paired_position's.
+template <typename T>
+QuantizedRows quantize_rows_of(const torch::Tensor& x, int64_t group, bool paired) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / group;
   QuantizedRows rows{torch::empty({m, k}, torch::kInt8),
                      torch::empty({m, groups}, torch::kFloat32),
                      torch::empty({m, groups}, torch::kFloat32)};
-  const float* xp = x.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
   int8_t* xqp = rows.q.data_ptr<int8_t>();
   float* xs = rows.scale.data_ptr<float>();
   float* xz = rows.scaled_sum.data_ptr<float>();
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* v = xp + r * group;
+      const T* v = xp + r * group;
       const int64_t c0 = r % groups * group;
       int8_t* q = xqp + r / groups * k;
       // Runs of 16 channels stay together in either order.
@@ -439,23 +454,24 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t group, bool paired) 
 #ifdef __AVX512F__
       __m512 top = _mm512_setzero_ps();
       for (int64_t j = 0; j < group; j += 16)
-        top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(v + j)));
+        top = _mm512_max_ps(top, _mm512_abs_ps(simd::Lanes<T>::load(v + j, 0xFFFF)));
       const float amax = _mm512_reduce_max_ps(top);
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       __m512i totals = _mm512_setzero_si512();
       for (int64_t j = 0; j < group; j += 16) {  // rounded to nearest even, as nearbyint
-        const __m512i level = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + j), inv));
+        const __m512i level =
+            _mm512_cvtps_epi32(_mm512_mul_ps(simd::Lanes<T>::load(v + j, 0xFFFF), inv));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(at(j)), _mm512_cvtepi32_epi8(level));
         totals = _mm512_add_epi32(totals, level);
       }
       const int32_t total = _mm512_reduce_add_epi32(totals);
 #else
       float amax = 0.f;
-      for (int64_t j = 0; j < group; ++j) amax = std::max(amax, std::fabs(v[j]));
+      for (int64_t j = 0; j < group; ++j) amax = std::max(amax, std::fabs(float(v[j])));
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
       int32_t total = 0;
       for (int64_t j = 0; j < group; ++j) {
-        const int8_t level = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+        const int8_t level = static_cast<int8_t>(std::nearbyint(float(v[j]) * inv));
         *at(j) = level;
         total += level;
       }
@@ -465,6 +481,36 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t group, bool paired) 
     }
   });
   return rows;
+}
+
+QuantizedRows quantize_rows(const torch::Tensor& x, int64_t group, bool paired) {
+#if !defined(__AVX512F__) || defined(__AVX512BF16__)
+  if (x.scalar_type() == torch::kBFloat16) return quantize_rows_of<at::BFloat16>(x, group, paired);
+#endif
+  return quantize_rows_of<float>(x, group, paired);
+}
+
+// The float32 output in `dtype`: bfloat16 rounded by simd.h's store where the CPU has
+// AVX512-BF16 (to nearest even, as torch rounds it) in one loop of its own, not torch's
+// conversion machinery, a few microseconds of a one-row call.
+torch::Tensor in_dtype(const torch::Tensor& out, at::ScalarType dtype) {
+#ifdef __AVX512BF16__
+  if (dtype == torch::kBFloat16) {
+    torch::Tensor result = torch::empty(out.sizes(), dtype);
+    const float* src = out.data_ptr<float>();
+    at::BFloat16* dst = result.data_ptr<at::BFloat16>();
+    const int64_t count = out.numel();
+    at::parallel_for(0, (count + 15) / 16, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin * 16; i < std::min(end * 16, count); i += 16) {
+        const __mmask16 lanes = simd::first_lanes(count - i);
+        simd::Lanes<at::BFloat16>::store(dst + i, simd::Lanes<float>::load(src + i, lanes),
+                                         lanes);
+      }
+    });
+    return result;
+  }
+#endif
+  return out.to(dtype);
 }
 
 #if defined(__AVX2__)
@@ -787,8 +833,10 @@ void with_bits(int64_t bits, Fn fn) {
 // x [M, K] float32; packed [N, K * bits / 8] uint8; scales and zeros [N, K / group] float32.
 void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                   const torch::Tensor& zeros, int64_t group, int64_t bits) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2,
-              "wxa8: contiguous 2-D float32 input");
+  TORCH_CHECK((x.dtype() == torch::kFloat32 ||
+               (kReadsBFloat16 && x.dtype() == torch::kBFloat16)) &&
+                  x.is_contiguous() && x.dim() == 2,
+              "wxa8: contiguous 2-D float32 input", kReadsBFloat16 ? " (or bfloat16)" : "");
   TORCH_CHECK(bits == 4 || bits == 8, "wxa8: 4 or 8 bits, got ", bits);
   const int64_t k = x.size(1), n = packed.size(0);
   TORCH_CHECK(group % kBlock == 0 && k % group == 0 && packed.size(1) * 8 == k * bits &&
@@ -1100,11 +1148,13 @@ torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
   if (dequantized_from > 0 && m >= dequantized_from)
     return dequantized_linear(rows.contiguous(), packed, scales, zeros, group, bits)
         .to(x.scalar_type());
-  const torch::Tensor x_float = rows.to(torch::kFloat).contiguous();
+  const torch::Tensor readable = kReadsBFloat16 && x.scalar_type() == torch::kBFloat16
+                                     ? rows.contiguous()
+                                     : rows.to(torch::kFloat).contiguous();
   const torch::Tensor out = amx_from > 0 && m >= amx_from
-                                ? wxa8_amx_matmul(x_float, packed, scales, zeros, group, bits)
-                                : wxa8_matmul(x_float, packed, scales, zeros, group, bits);
-  return out.to(x.scalar_type());
+                                ? wxa8_amx_matmul(readable, packed, scales, zeros, group, bits)
+                                : wxa8_matmul(readable, packed, scales, zeros, group, bits);
+  return in_dtype(out, x.scalar_type());
 }
 
 }  // namespace kvserve

@@ -57,10 +57,10 @@ class Int8Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).bfloat16()
-        out = torch._weight_int8pack_mm(rows, self.weight, self.scales).to(x.dtype)
+        out = torch._weight_int8pack_mm(rows, self.weight, self.scales)
         if self.zero_terms is not None:
-            out = out - rows.float().sum(1, keepdim=True).to(x.dtype) * self.zero_terms
-        return out.reshape(*x.shape[:-1], -1)
+            out = out.float() - rows.float().sum(1, keepdim=True) * self.zero_terms
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ A batch-1 decode step of a small model is ~300 short kernel calls; issued from P
 calls cost a third of the step. `LlamaDecodeStack` (csrc/llama_decode.cpp) runs the same
 kernels in the same order from C++, so the hidden states are bit-identical to the eager
 forward. It covers what those kernels cover: a single-rank Llama-family model (Qwen3's per-head
-q/k norms and mixture-of-experts MLPs included), every linear on the blocked GEMM or on the
-W4A8/W8A8 kernel (and its dequantizing GEMM), and the C++ attention backend. Steps with a
-prefill chunk, and everything under `enforce_eager`, run the eager forward.
+q/k norms and mixture-of-experts MLPs included), every linear on the blocked GEMM or on any of
+the CPU's quantized kernels, and the C++ attention backend. Steps with a prefill chunk, and
+everything under `enforce_eager`, run the eager forward.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from kvserve.layers.linear import Linear
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.mlp import MLP
 from kvserve.models.moe import SparseMoeBlock
-from kvserve.quantization.cpu_kernels import WxA8Weight
+from kvserve.quantization.cpu_kernels import Int8Weight, WxA8Weight
+from kvserve.quantization.torch_int4 import Int4Weight
 from kvserve.worker.input_batch import ModelInputs
 from kvserve.worker.tensor_parallel import tp_group
 
@@ -82,13 +83,18 @@ def _runs(linear: Linear) -> bool:
     """Whether the stack runs this linear as its forward does."""
     if linear.kernel is None:
         return linear.form == "blocked"
-    return isinstance(linear.kernel, WxA8Weight)
+    return isinstance(linear.kernel, (WxA8Weight, Int4Weight, Int8Weight))
 
 
 def _linear_weights(linear: Linear, kernels: ModuleType) -> object:
     q = linear.kernel
     if q is None:
         return kernels.LinearWeights(linear.weight)
+    if isinstance(q, Int4Weight):
+        return kernels.LinearWeights.int4(q.packed, q.scales_and_zeros, q.group_size,
+                                          q.input_order)
+    if isinstance(q, Int8Weight):
+        return kernels.LinearWeights.int8(q.weight, q.scales, q.zero_terms)
     return kernels.LinearWeights(q.packed, q.bits, q.scales, q.zeros, q.input_order,
                                  q.group_size, q.amx_from or 0, q.dequantized_from or 0)
 
