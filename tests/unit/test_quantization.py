@@ -487,6 +487,29 @@ def test_a_crossover_is_searched_only_where_the_challenger_wins_at_the_most_rows
     assert timed == timed_rows
 
 
+def test_a_timed_kernel_reads_its_own_weights_from_memory_and_nothing_else_is_evicted(
+        monkeypatch):
+    """A layer's timing evicts the tensors of the kernel (or layer) whose method it times, so
+    its weights come from memory as in a decode step while its code and buffers stay warm; a
+    callable with no such owner empties the caches."""
+    evicted, flushes = [], []
+    monkeypatch.setattr(cpu_kernels_module, "evict_from_caches",
+                        lambda tensors: evicted.append([t.data_ptr() for t in tensors]))
+    monkeypatch.setattr(cpu_kernels_module, "flush_cpu_caches", lambda: flushes.append(1))
+    intweight = torch.randint(0, 16, (32, 128), dtype=torch.uint8)
+    kernel = Int8Weight(intweight.to(torch.int8), torch.ones(32, dtype=torch.bfloat16), None)
+    cpu_kernels_module._median_time(kernel.matmul, torch.randn(1, 128), runs=3)
+    assert evicted == [[kernel.weight.data_ptr(), kernel.scales.data_ptr()]] * 3 and not flushes
+    cpu_kernels_module._median_time(lambda x: x @ intweight.float().t(), torch.randn(1, 128),
+                                    runs=3)
+    assert len(evicted) == 3 and len(flushes) == 3
+    if cpu_kernels() is not None:  # any size, the last line included; contiguous ones only
+        for t in (torch.empty(0), torch.ones(3, dtype=torch.uint8), torch.ones(1000)):
+            cpu_kernels().evict_from_caches(t)
+        with pytest.raises(RuntimeError, match="contiguous"):
+            cpu_kernels().evict_from_caches(torch.ones(4, 4).t())
+
+
 @pytest.mark.parametrize("gemm_runs", [True, False])
 def test_w4a8_within_its_one_row_slack_is_chosen_where_its_integer_gemm_serves_many_rows(
         monkeypatch, gemm_runs):

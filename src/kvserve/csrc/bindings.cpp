@@ -42,6 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of a prefill chunk (or of some of its positions) over its context");
   m.def("apply_token_bitmask", &kvserve::apply_token_bitmask, release,
         "-inf, in place, for the tokens a grammar's bitmask row leaves out");
+  m.def("evict_from_caches", &kvserve::evict_from_caches, release,
+        "drops a contiguous tensor's bytes from every cache level");
   m.def("greedy_tokens", &kvserve::greedy_tokens, release,
         "each row's torch.argmax of [rows, vocab] float32 logits");
   m.def("logsumexp_and_greater_supported", &kvserve::logsumexp_and_greater_supported,

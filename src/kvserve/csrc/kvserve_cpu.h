@@ -69,6 +69,9 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::
 void apply_token_bitmask(torch::Tensor logits, const torch::Tensor& bitmask,
                          const torch::Tensor& rows);
 
+// cache_lines.cpp: t's bytes dropped from every cache level (clflush).
+void evict_from_caches(const torch::Tensor& t);
+
 // logits.cpp
 torch::Tensor greedy_tokens(const torch::Tensor& logits);
 bool logsumexp_and_greater_supported();  // built with AVX-512
