@@ -1,6 +1,7 @@
 """GGUF export for llama.cpp: every tensor under its GGUF name in the requested dtype (a
-quantized checkpoint's layers in Q4_0 or Q8_0), q/k rows in llama.cpp's adjacent-pair rotary
-order, and the vocabulary padded to the model's."""
+quantized checkpoint's layers in Q4_0 or Q8_0), q/k rows in the rotary order of llama.cpp's
+graph for the architecture, experts stacked per layer, and the vocabulary padded to the
+model's."""
 
 from __future__ import annotations
 
@@ -86,11 +87,13 @@ def test_a_width_llama_cpp_has_no_like_type_for_is_refused(llama_dir: Path, tmp_
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob("*.partial"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"])
 def test_llama_cpp_scores_the_next_token_as_kvserve_does(llama_dir: Path, tmp_path: Path,
                                                           arch: str) -> None:
     """Where llama-cpp-python is installed: the same top-5 next tokens, logprobs within
-    1e-2 (llama.cpp keeps its KV cache in float16)."""
+    1e-2 (llama.cpp keeps its KV cache in float16). Its Llama graph rotates q/k as adjacent
+    pairs (the rows reordered), its Qwen graphs as halves; Qwen2 adds q/k/v biases, Qwen3 per-
+    head q/k norms, Qwen3-MoE experts."""
     llama_cpp = pytest.importorskip("llama_cpp")
     from kvserve import LLM, SamplingParams
     from kvserve.tools.make_model import make_model
@@ -141,12 +144,39 @@ def test_mixtral_experts_are_stacked_per_layer(tmp_path: Path, bits: int | None)
             stacked, gguf.GGMLQuantizationType.Q4_0).reshape(-1))
 
 
+def test_qwen3_moe_experts_are_stacked_under_llama_cpps_names(tmp_path: Path) -> None:
+    """The qwen3moe graph: the router, each layer's experts stacked, the per-head q/k norms,
+    the experts' width as its own key, and q/k rows as the checkpoint has them (NEOX)."""
+    from kvserve.tools.make_model import make_model
+
+    model = make_model("tiny", tmp_path / "q", arch="qwen3_moe")
+    out = tmp_path / "model.gguf"
+    export_gguf(model, torch.float32, out)
+    reader = gguf.GGUFReader(str(out))
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = ModelConfig.from_pretrained(model, "float32")
+    checkpoint = dict(iter_checkpoint(model))
+    assert int(reader.fields["qwen3moe.expert_feed_forward_length"].parts[-1][0]) == \
+        cfg.moe.intermediate_size
+    assert len(tensors) == len(checkpoint) - cfg.num_layers * 3 * (cfg.moe.num_experts - 1)
+    down = torch.stack([checkpoint[f"model.layers.0.mlp.experts.{e}.down_proj.weight"]
+                        for e in range(cfg.moe.num_experts)]).numpy()
+    assert np.array_equal(np.array(tensors["blk.0.ffn_down_exps.weight"].data).reshape(
+        down.shape), down)
+    for ours, theirs in (("self_attn.q_proj.weight", "attn_q.weight"),
+                         ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+                         ("mlp.gate.weight", "ffn_gate_inp.weight")):
+        want = checkpoint[f"model.layers.1.{ours}"].numpy()
+        assert np.array_equal(np.array(tensors[f"blk.1.{theirs}"].data).reshape(want.shape),
+                              want)
+
+
 def test_a_sliding_window_and_other_moe_arches_are_refused(tmp_path: Path) -> None:
     from kvserve.tools.make_model import make_model
 
     model = make_model("tiny", tmp_path / "mixtral", arch="mixtral", sliding_window=64)
     with pytest.raises(ValueError, match="sliding_window is 64"):
         export_gguf(model, torch.float32, tmp_path / "x.gguf")
-    with pytest.raises(ValueError, match="not Qwen3MoeForCausalLM"):
-        export_gguf(make_model("tiny", tmp_path / "q", arch="qwen3_moe"), torch.float32,
+    with pytest.raises(ValueError, match="not Qwen2MoeForCausalLM"):
+        export_gguf(make_model("tiny", tmp_path / "q", arch="qwen2_moe"), torch.float32,
                     tmp_path / "y.gguf")

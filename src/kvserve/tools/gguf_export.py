@@ -1,8 +1,10 @@
-"""A Llama or Mixtral checkpoint folder as a GGUF file, llama.cpp's format, written with the
-`gguf` package's writer: so that llama.cpp runs on the very same weights as kvserve and
-transformers in `kvserve bench ... --baseline llamacpp`. Mixtral is llama.cpp's Llama graph
-with experts: each layer's router as `ffn_gate_inp`, and its experts' w1, w3 and w2 stacked
-into one tensor each (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`).
+"""A Llama, Mixtral, Qwen2, Qwen3 or Qwen3-MoE checkpoint folder as a GGUF file, llama.cpp's
+format, written with the `gguf` package's writer: so that llama.cpp runs on the very same
+weights as kvserve and transformers in `kvserve bench ... --baseline llamacpp`. Mixtral is
+llama.cpp's Llama graph with experts, and Qwen3-MoE its `qwen3moe` graph: each layer's router
+as `ffn_gate_inp`, and its experts' gate, up and down projections stacked into one tensor
+each (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`). Qwen2's q/k/v biases and Qwen3's
+per-head q/k norms go in as `attn_{q,k,v}.bias` and `attn_{q,k}_norm`.
 
 Matmul weights and the embedding are written in the requested dtype (float32 or bfloat16),
 norms in float32. A quantized checkpoint's layers (GPTQ, AWQ, SqueezeLLM) are dequantized and
@@ -11,7 +13,8 @@ weights with one float16 scale: 4.5 and 8.5 bits per weight), so that llama.cpp 
 quantized kernels on the same model; its other tensors keep the requested dtype.
 
 llama.cpp's Llama graph rotates adjacent pairs of q/k dimensions, so their rows are reordered
-from the checkpoint's rotate-half order as kvserve's own loader does. The tokenizer goes in as
+from the checkpoint's rotate-half order as kvserve's own loader does; its Qwen graphs rotate
+halves (NEOX), as the checkpoint is. The tokenizer goes in as
 GGUF's byte-level BPE (`gpt2`) vocabulary, padded to the model's vocab.
 """
 
@@ -48,11 +51,24 @@ _LAYER_TENSORS = {
     "mlp.up_proj.weight": "blk.{}.ffn_up.weight",
     "mlp.down_proj.weight": "blk.{}.ffn_down.weight",
     "block_sparse_moe.gate.weight": "blk.{}.ffn_gate_inp.weight",
+    "mlp.gate.weight": "blk.{}.ffn_gate_inp.weight",
+    "self_attn.q_proj.bias": "blk.{}.attn_q.bias",
+    "self_attn.k_proj.bias": "blk.{}.attn_k.bias",
+    "self_attn.v_proj.bias": "blk.{}.attn_v.bias",
+    "self_attn.q_norm.weight": "blk.{}.attn_q_norm.weight",
+    "self_attn.k_norm.weight": "blk.{}.attn_k_norm.weight",
 }
-# A Mixtral expert's tensors -> the GGUF tensor that stacks them over the experts.
-_EXPERT_TENSORS = {"w1": "blk.{}.ffn_gate_exps.weight", "w3": "blk.{}.ffn_up_exps.weight",
-                   "w2": "blk.{}.ffn_down_exps.weight"}
-_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
+# An expert's tensors (Mixtral's, Qwen's) -> the GGUF tensor that stacks them over the experts.
+_EXPERT_TENSORS = {
+    "w1": "blk.{}.ffn_gate_exps.weight", "w3": "blk.{}.ffn_up_exps.weight",
+    "w2": "blk.{}.ffn_down_exps.weight", "gate_proj": "blk.{}.ffn_gate_exps.weight",
+    "up_proj": "blk.{}.ffn_up_exps.weight", "down_proj": "blk.{}.ffn_down_exps.weight"}
+_EXPERT_PARENTS = ("block_sparse_moe", "mlp")  # Mixtral's, Qwen's
+# Architectures -> llama.cpp's graph for them.
+_GRAPHS = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama",
+           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+           "Qwen3MoeForCausalLM": "qwen3moe"}
+_INTERLEAVED_ROPE_GRAPHS = ("llama",)
 # GGUF keys (the writer's `add_<key>`) -> ModelConfig fields.
 _HYPERPARAMETERS = {
     "context_length": "max_position_embeddings", "embedding_length": "hidden_size",
@@ -108,15 +124,22 @@ def export_gguf(model: str | Path, dtype: torch.dtype, out: Path) -> None:
     folder = Path(model)
     cfg = ModelConfig.from_pretrained(folder, "float32")
     weight_type(cfg.quantization, dtype)  # refuses what cannot be written
-    if cfg.architecture not in _ARCHITECTURES:
-        raise ValueError(f"model: GGUF export supports {' and '.join(_ARCHITECTURES)} "
-                         f"checkpoints, not {cfg.architecture}")
+    if cfg.architecture not in _GRAPHS:
+        raise ValueError(f"model: GGUF export supports {', '.join(_GRAPHS)} checkpoints, not "
+                         f"{cfg.architecture}")
+    graph = _GRAPHS[cfg.architecture]
     if cfg.sliding_window:
-        raise ValueError(f"model: llama.cpp's Llama graph attends without a window; this "
+        raise ValueError(f"model: llama.cpp's {graph} graph attends without a window; this "
                          f"checkpoint's sliding_window is {cfg.sliding_window}")
+    if graph == "qwen3moe" and (not cfg.moe.renormalize or
+                                len(cfg.moe.sparse_layers) != cfg.num_layers):
+        raise ValueError("model: llama.cpp's qwen3moe graph has experts in every layer and "
+                         "renormalizes their top-k weights; this checkpoint's norm_topk_prob "
+                         "is false, or mlp_only_layers or decoder_sparse_step leave layers "
+                         "dense")
     quantized_type = None if cfg.quantization is None else gguf.GGMLQuantizationType[
         GGUF_QUANTIZED_TYPES[cfg.quantization.bits]]
-    writer = gguf.GGUFWriter(str(out), "llama")
+    writer = gguf.GGUFWriter(str(out), graph)
     writer.add_name(folder.name)
     for key, field in _HYPERPARAMETERS.items():
         getattr(writer, f"add_{key}")(getattr(cfg, field))
@@ -127,6 +150,7 @@ def export_gguf(model: str | Path, dtype: torch.dtype, out: Path) -> None:
     if cfg.moe is not None:
         writer.add_expert_count(cfg.moe.num_experts)
         writer.add_expert_used_count(cfg.moe.top_k)
+        writer.add_expert_feed_forward_length(cfg.moe.intermediate_size)
     _add_tokenizer(writer, folder, cfg)
     tensors = dequantize_checkpoint(iter_checkpoint(folder), cfg.quantization,
                                     keep_integers=True)
@@ -135,7 +159,8 @@ def export_gguf(model: str | Path, dtype: torch.dtype, out: Path) -> None:
         quantized = isinstance(tensor, QuantizedWeight | LutWeight)
         if quantized:
             tensor = tensor.dequantize()
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if (graph in _INTERLEAVED_ROPE_GRAPHS
+                and name.endswith(("q_proj.weight", "k_proj.weight"))):
             tensor = to_interleaved(tensor, cfg.head_dim)
         expert = _expert_part(name)
         if expert is not None and cfg.moe is not None:
@@ -176,10 +201,10 @@ def _gguf_name(name: str) -> str | None:
 
 
 def _expert_part(name: str) -> tuple[str, int] | None:
-    """(the GGUF tensor that stacks it, the expert) for a Mixtral expert's tensor."""
-    parts = name.split(".")  # model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight
-    if (len(parts) == 8 and parts[:2] == ["model", "layers"] and parts[3:5] == [
-            "block_sparse_moe", "experts"] and parts[6] in _EXPERT_TENSORS):
+    """(the GGUF tensor that stacks it, the expert) for an expert's tensor."""
+    parts = name.split(".")  # model.layers.{i}.{block_sparse_moe|mlp}.experts.{e}.{w}.weight
+    if (len(parts) == 8 and parts[:2] == ["model", "layers"] and parts[3] in _EXPERT_PARENTS
+            and parts[4] == "experts" and parts[6] in _EXPERT_TENSORS):
         return _EXPERT_TENSORS[parts[6]].format(parts[2]), int(parts[5])
     return None
 
