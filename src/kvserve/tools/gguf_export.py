@@ -14,8 +14,8 @@ quantized kernels on the same model; its other tensors keep the requested dtype.
 
 llama.cpp's Llama graph rotates adjacent pairs of q/k dimensions, so their rows are reordered
 from the checkpoint's rotate-half order as kvserve's own loader does; its Qwen graphs rotate
-halves (NEOX), as the checkpoint is. The tokenizer goes in as
-GGUF's byte-level BPE (`gpt2`) vocabulary, padded to the model's vocab.
+halves (NEOX), as the checkpoint is. The tokenizer goes in as GGUF's byte-level BPE (`gpt2`)
+vocabulary, padded to the model's vocab.
 """
 
 from __future__ import annotations
