@@ -343,7 +343,8 @@ def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
     (without AVX-VNNI, AVX2's GEMM sums 8 channel quads of 4-bit values, or of 8-bit values'
     nibbles, in int16 lanes before widening). With AVX512-VNNI, 4-bit weights on few rows run
     over pairs of blocks, 4 or 2 outputs at a time: 21 outputs leave one over, and 9 groups
-    of 64 channels a block without a pair."""
+    of 64 channels a block without a pair. bfloat16 rows give the float32 rows' output rounded
+    to bfloat16."""
     torch.manual_seed(0)
     top = (1 << bits) - 1
     for (group, groups), n in itertools.product(
@@ -359,6 +360,15 @@ def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
                 want = _wxa8_reference(x[:rows], q, scales, zeros.float(), group)
                 assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), \
                     (group, groups, rows)
+    # bfloat16 rows, read and rounded in the kernel's own loops, as torch would convert them
+    x = torch.randn(20, 576).bfloat16()
+    q = torch.randint(0, top + 1, (48, 576))
+    scales, zeros = torch.rand(48, 9) + 0.5, torch.randint(0, top + 1, (48, 9)).float()
+    for rows in (1, 3, 20):
+        got = gemm.wxa8_linear(x[:rows], wxa8_packed(q, bits), scales, zeros, None, 64, bits, 0, 0)
+        want = gemm.wxa8_linear(x[:rows].float(), wxa8_packed(q, bits), scales, zeros, None, 64,
+                                bits, 0, 0)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16()), rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
