@@ -1096,11 +1096,11 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   check_inputs(x, packed, scales, zeros, group, bits);
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
   const int64_t groups = k / group, row_bytes = k * bits / 8, blocks = group / kBlock;
-  const bool paired = !wxa8_gemm_runs(m, n) && paired_runs(bits, blocks);
+  const bool many_rows = wxa8_gemm_runs(m, n), paired = !many_rows && paired_runs(bits, blocks);
   const QuantizedRows rows = quantize_rows(x, group, paired);
   auto out = torch::empty({m, n}, torch::kFloat32);
 #if defined(__AVX2__)
-  if (wxa8_gemm_runs(m, n)) {
+  if (many_rows) {
     with_bits(bits, [&](auto b) {
       gemm::matmul<decltype(b)::value>(rows, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
                                        zeros.data_ptr<float>(), n, group, out.data_ptr<float>());

@@ -22,7 +22,7 @@ from kvserve.layers.linear import Linear
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.mlp import MLP
 from kvserve.models.moe import SparseMoeBlock
-from kvserve.quantization.cpu_kernels import Int8Weight, WxA8Weight
+from kvserve.quantization.cpu_kernels import Int8Weight, IntegerWeight
 from kvserve.quantization.torch_int4 import Int4Weight
 from kvserve.worker.input_batch import ModelInputs
 from kvserve.worker.tensor_parallel import tp_group
@@ -83,7 +83,7 @@ def _runs(linear: Linear) -> bool:
     """Whether the stack runs this linear as its forward does."""
     if linear.kernel is None:
         return linear.form == "blocked"
-    return isinstance(linear.kernel, (WxA8Weight, Int4Weight, Int8Weight))
+    return isinstance(linear.kernel, IntegerWeight)
 
 
 def _linear_weights(linear: Linear, kernels: ModuleType) -> object:
