@@ -339,12 +339,15 @@ def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
     the many-row GEMM's 16 (VNNI, AVX-VNNI) or 32 (AVX2) rows and more (VNNI: tiles of 4 rows x
     64 outputs, 80 outputs leave a 16-output tile and 24 keep the per-row kernel; AVX2: tiles
     of 2 rows x 32 outputs, 80 outputs leave a 16-output tile and 24 are one of 24), and the
-    largest products every lane can hold: weights at their maximum, activations all at 127
-    (without AVX-VNNI, AVX2's GEMM sums 8 channel quads of 4-bit values, or of 8-bit values'
-    nibbles, in int16 lanes before widening). With AVX512-VNNI, 4-bit weights on few rows run
-    over pairs of blocks, 4 or 2 outputs at a time: 21 outputs leave one over, and 9 groups
-    of 64 channels a block without a pair. bfloat16 rows give the float32 rows' output rounded
-    to bfloat16."""
+    largest products every lane can hold: weights at their maximum, activations all at 127,
+    and weights at zero, activations at -127 (without AVX-VNNI, AVX2's GEMM sums 8 channel
+    quads of 4-bit values, or of 8-bit values' nibbles, in int16 lanes before widening, and on
+    one or two rows multiplies 8-bit weights as q - 128 by the activations given their signs).
+    With AVX512-VNNI, 4-bit weights on few rows run over pairs of blocks, 4 or 2 outputs at a
+    time: 21 outputs leave one over, and 9 groups of 64 channels a block without a pair.
+    Without VNNI, 8-bit weights on one or two rows go over each thread's outputs as 4 (2) runs
+    side by side: 21 and 80 outputs leave some over. bfloat16 rows give the float32 rows'
+    output rounded to bfloat16."""
     torch.manual_seed(0)
     top = (1 << bits) - 1
     for (group, groups), n in itertools.product(
@@ -353,7 +356,8 @@ def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
         k = group * groups
         scales, zeros = torch.rand(n, groups) + 0.5, torch.randint(0, top + 1, (n, groups))
         for q, x in ((torch.randint(0, top + 1, (n, k)), torch.randn(35, k)),
-                     (torch.full((n, k), top), torch.ones(35, k))):
+                     (torch.full((n, k), top), torch.ones(35, k)),
+                     (torch.zeros(n, k, dtype=torch.long), -torch.ones(35, k))):
             for rows in (1, 2, 3, 4, 5, 16, 23, 32, 35):
                 got = gemm.wxa8_matmul(x[:rows].contiguous(), wxa8_packed(q, bits), scales,
                                        zeros.float(), group, bits)
