@@ -521,9 +521,21 @@ bool paired_runs(int64_t bits, int64_t blocks) {
 }
 
 // Each row's activations as int8, one scale per (row, group), with each group's scale times
-// its sum of integers (what a weight's zero point multiplies).
+// its sum of integers (what a weight's zero point multiplies), in one allocation: a one-row
+// call of a small layer lasts a few microseconds, of which each allocation is a tenth.
 struct QuantizedRows {
-  torch::Tensor q, scale, scaled_sum;  // [m, k] int8; [m, groups] float32 twice
+  int64_t m, k, groups;
+  torch::Tensor storage;  // holds the three below
+  float* scale;           // [m, groups]
+  float* scaled_sum;      // [m, groups]
+  int8_t* q;              // [m, k]
+
+  QuantizedRows(int64_t m, int64_t k, int64_t groups)
+      : m(m), k(k), groups(groups),
+        storage(torch::empty({2 * m * groups * 4 + m * k}, torch::kUInt8)),
+        scale(reinterpret_cast<float*>(storage.data_ptr<uint8_t>())),
+        scaled_sum(scale + m * groups),
+        q(reinterpret_cast<int8_t*>(scaled_sum + m * groups)) {}
 };
 
 // Whether quantize_rows reads bfloat16 rows itself, where the float32 ones would otherwise be
@@ -539,13 +551,11 @@ constexpr bool kReadsBFloat16 = false;
 template <typename T>
 QuantizedRows quantize_rows_of(const torch::Tensor& x, int64_t group, bool paired) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / group;
-  QuantizedRows rows{torch::empty({m, k}, torch::kInt8),
-                     torch::empty({m, groups}, torch::kFloat32),
-                     torch::empty({m, groups}, torch::kFloat32)};
+  QuantizedRows rows(m, k, groups);
   const T* xp = x.data_ptr<T>();
-  int8_t* xqp = rows.q.data_ptr<int8_t>();
-  float* xs = rows.scale.data_ptr<float>();
-  float* xz = rows.scaled_sum.data_ptr<float>();
+  int8_t* xqp = rows.q;
+  float* xs = rows.scale;
+  float* xz = rows.scaled_sum;
   at::parallel_for(0, m * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* v = xp + r * group;
@@ -883,13 +893,13 @@ template <int BITS>
 void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scales,
             const float* zeros, int64_t n, int64_t group, float* out) {
   constexpr int kOutputs = Isa::kOutputs, kMaxBlocks = Isa::kMaxBlocks;
-  const int64_t m = rows.q.size(0), k = rows.q.size(1), groups = k / group;
+  const int64_t m = rows.m, k = rows.k, groups = rows.groups;
   // A whole number of chunks to a group: 64-channel blocks, at most kChunk channels.
   const int64_t chunk = kBlock * std::gcd(group / kBlock, Isa::kChunk / kBlock);
   const int64_t row_bytes = k * BITS / 8;
-  const int8_t* xq = rows.q.data_ptr<int8_t>();
-  const float* x_scale = rows.scale.data_ptr<float>();
-  const float* x_scaled_sum = rows.scaled_sum.data_ptr<float>();
+  const int8_t* xq = rows.q;
+  const float* x_scale = rows.scale;
+  const float* x_scaled_sum = rows.scaled_sum;
   std::fill(out, out + m * n, 0.f);
   const int64_t tiles = (n / kOutputs + kMaxBlocks - 1) / kMaxBlocks;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -976,11 +986,11 @@ inline int64_t channel(int64_t u, int h, int p) {
 template <int BITS>
 void lay_out(const QuantizedRows& rows, int64_t slabs, int8_t* tiles, float* scale,
              float* scaled_sum) {
-  const int64_t m = rows.q.size(0), k = rows.q.size(1), groups = rows.scale.size(1);
+  const int64_t m = rows.m, k = rows.k, groups = rows.groups;
   const int64_t units = k / kUnit;
-  const int8_t* q = rows.q.data_ptr<int8_t>();
-  const float* xs = rows.scale.data_ptr<float>();
-  const float* xz = rows.scaled_sum.data_ptr<float>();
+  const int8_t* q = rows.q;
+  const float* xs = rows.scale;
+  const float* xz = rows.scaled_sum;
   // A tile's row q holds channels 4q..4q+3 of each of the 16 rows: the rows' 64 bytes, as 16
   // 32-bit words each, transposed.
   at::parallel_for(0, slabs * units, 16, [&](int64_t begin, int64_t end) {
@@ -1057,7 +1067,7 @@ struct TileSet<1> {
 template <int BITS>
 void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scales,
             const float* zeros, int64_t n, int64_t group, float* out) {
-  const int64_t m = rows.q.size(0), k = rows.q.size(1), groups = k / group;
+  const int64_t m = rows.m, k = rows.k, groups = rows.groups;
   const int64_t units = k / kUnit, units_per_group = group / kUnit;
   const int64_t slabs = (m + 15) / 16, row_bytes = k * BITS / 8;
   // torch's CPU allocator aligns to 64 bytes, as the tiles' stores need.
@@ -1210,9 +1220,9 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     return out;
   }
 #endif
-  const int8_t* xqp = rows.q.data_ptr<int8_t>();
-  const float* xs = rows.scale.data_ptr<float>();
-  const float* xz = rows.scaled_sum.data_ptr<float>();
+  const int8_t* xqp = rows.q;
+  const float* xs = rows.scale;
+  const float* xz = rows.scaled_sum;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* zp = zeros.data_ptr<float>();
