@@ -99,12 +99,6 @@ inline __m256 exp(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
 }
 
-// Lanes [0, left) set, for masked loads and stores of a row's last, partial register.
-inline __m256i first_lanes(int64_t left) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, kHalf))),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 inline float sum_of(__m256 v) {
   const __m128 quads = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 pairs = _mm_add_ps(quads, _mm_movehl_ps(quads, quads));
@@ -123,7 +117,7 @@ inline float max_of(const float* s, int64_t n) {
   const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 max = lowest;
   for (int64_t i = 0; i < n; i += kHalf) {
-    const __m256i mask = first_lanes(n - i);
+    const __m256i mask = simd::first_avx2_lanes(n - i);
     max = _mm256_max_ps(max, _mm256_blendv_ps(lowest, _mm256_maskload_ps(s + i, mask),
                                               _mm256_castsi256_ps(mask)));
   }
@@ -151,7 +145,7 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
   __m256 total = _mm256_setzero_ps();
   const __m256 shift = _mm256_set1_ps(max);
   for (int64_t i = 0; i < n; i += kHalf) {
-    const __m256i mask = first_lanes(n - i);
+    const __m256i mask = simd::first_avx2_lanes(n - i);
     const __m256 e = _mm256_and_ps(exp(_mm256_sub_ps(_mm256_maskload_ps(s + i, mask), shift)),
                                    _mm256_castsi256_ps(mask));
     _mm256_maskstore_ps(s + i, mask, e);
@@ -253,7 +247,7 @@ struct WidenedTiles {
         for (int64_t t = 0; t < kHalf; ++t)
           acc[t] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows[first + t] + d), acc[t]);
       }
-      _mm256_maskstore_ps(out + first, first_lanes(count - first),
+      _mm256_maskstore_ps(out + first, simd::first_avx2_lanes(count - first),
                           _mm256_mul_ps(sum_lanes(acc), _mm256_set1_ps(scale)));
     }
 #else

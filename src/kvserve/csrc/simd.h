@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <iterator>
 
 namespace kvserve::simd {
@@ -25,6 +26,19 @@ constexpr float kExpTaylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24,
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define KVSERVE_BLOCKED_FLOAT32 1
 #include <immintrin.h>
+#endif
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+namespace kvserve::simd {
+// The int32 mask of the first min(8, left) lanes of a 256-bit register, for masked loads and
+// stores of a row's last, partial register.
+inline __m256i first_avx2_lanes(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+}  // namespace kvserve::simd
 #endif
 
 #ifdef __AVX512F__

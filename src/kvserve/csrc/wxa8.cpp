@@ -27,9 +27,7 @@
 
 namespace {
 
-#ifdef __AVX512F__
 namespace simd = kvserve::simd;
-#endif
 
 constexpr int64_t kBlock = 64;  // input channels per packed block
 constexpr int64_t kPair = 2 * kBlock;  // input channels per pair of blocks (paired:: below)
@@ -135,6 +133,15 @@ inline void group_dots(const uint8_t* w, const int8_t* xq, int64_t k, int64_t b0
 #endif
 }
 
+// The sum of v's 8 lanes, from lane 0 up.
+inline float lane_sum(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float total = 0.f;
+  for (float lane : lanes) total += lane;
+  return total;
+}
+
 // Lane i: the sum of the 8 lanes of d[i].
 inline __m256i lane_totals(const __m256i d[8]) {
   const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]),
@@ -168,8 +175,7 @@ inline void avx2_weight_row(const uint8_t* w, const int8_t* xq, const float* x_s
           for (int r = 0; r < ROWS; ++r) dots[i][r] = _mm256_setzero_si256();
       }
     }
-    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
-                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i lanes = simd::first_avx2_lanes(count);
     const __m256 s = _mm256_maskload_ps(scale + g0, lanes);
     const __m256 zs = _mm256_mul_ps(_mm256_maskload_ps(zero + g0, lanes), s);
     for (int r = 0; r < ROWS; ++r) {
@@ -182,13 +188,7 @@ inline void avx2_weight_row(const uint8_t* w, const int8_t* xq, const float* x_s
                                _mm256_fnmadd_ps(zs, xz, acc[r]));
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc[r]);
-    float total = 0.f;
-    for (float lane : lanes) total += lane;
-    out[r] = total;
-  }
+  for (int r = 0; r < ROWS; ++r) out[r] = lane_sum(acc[r]);
 }
 #endif
 
@@ -341,8 +341,7 @@ inline void tile(const uint8_t* w, int64_t spread, const int8_t* xq, const float
   }
   // less scale * (zero - 128) * x_zero, 8 groups at a time
   for (int64_t g = 0; g < groups; g += 8) {
-    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(groups - g)),
-                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i lanes = simd::first_avx2_lanes(groups - g);
     for (int o = 0; o < OUTS; ++o) {
       const int64_t at = o * spread * groups + g;
       const __m256 scaled_zero = _mm256_mul_ps(
@@ -354,13 +353,7 @@ inline void tile(const uint8_t* w, int64_t spread, const int8_t* xq, const float
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int o = 0; o < OUTS; ++o) {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, acc[r][o]);
-      float total = 0.f;
-      for (float lane : lanes) total += lane;
-      out[r * n + o * spread] = total;
-    }
+    for (int o = 0; o < OUTS; ++o) out[r * n + o * spread] = lane_sum(acc[r][o]);
 }
 
 // Outputs [begin, end) of ROWS rows of out [m, n]: kStreams runs (two for two rows, for the
