@@ -22,7 +22,8 @@ constexpr float kExpTaylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24,
 }  // namespace kvserve::simd
 
 // Where the blocked float32 GEMM is built: AVX-512, or AVX2 with FMA (a block as two 256-bit
-// halves). The rest of this file, and the kernels built on it, are AVX-512 only.
+// halves). The rest of this file, and the kernels built on it, are AVX-512 only, but for one
+// AVX2 mask.
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define KVSERVE_BLOCKED_FLOAT32 1
 #include <immintrin.h>
