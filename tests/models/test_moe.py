@@ -19,7 +19,7 @@ from kvserve.cpp_extension import cpu_kernels
 from kvserve.errors import CheckpointError
 from kvserve.layers.linear import Linear
 from kvserve.models.moe import SparseMoeBlock
-from kvserve.quantization.cpu_kernels import WxA8Weight, dequantized_gemm_runs
+from kvserve.quantization.cpu_kernels import WxA8Weight
 from kvserve.quantization.quantize import quantize_model
 from kvserve.tools.make_lora import make_lora
 from kvserve.tools.make_model import MOE_ARCHES, make_model
@@ -83,14 +83,18 @@ def test_greedy_matches_transformers(moe_dirs, arch, setting):
         assert llm.engine.core.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", MOE_ARCHES)
-def test_decode_stack_equals_the_eager_forward(moe_dirs, arch, dtype):
-    """The C++ decode stack routes as the eager MoE block does, to the bit."""
+def skip_without_decode_stack(dtype: str) -> None:
     kernels = cpu_kernels()
     if kernels is None or not kernels.gemm_supports(torch.empty(16, 2,
                                                                 dtype=getattr(torch, dtype))):
         pytest.skip(f"no blocked {dtype} GEMM on this CPU, so no decode stack")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", MOE_ARCHES)
+def test_decode_stack_equals_the_eager_forward(moe_dirs, arch, dtype):
+    """The C++ decode stack routes as the eager MoE block does, to the bit."""
+    skip_without_decode_stack(dtype)
     prompts = random_prompts([5, 17, 70, 3, 40], seed=4)
     stacked = LLM(str(moe_dirs[arch]), dtype=dtype, max_num_batched_tokens=48)
     eager = LLM(str(moe_dirs[arch]), dtype=dtype, max_num_batched_tokens=48,
@@ -226,17 +230,21 @@ def test_awq_experts_load(moe_dirs, tmp_path):
     assert_serves_like_its_dequantized_weights(out, dequantized_copy(out, tmp_path / "float"))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("dtype", "bits"), [("float32", 4), ("bfloat16", 4), ("float32", 8)])
 def test_the_decode_stack_runs_quantized_experts_as_the_eager_forward(moe_dirs, tmp_path,
-                                                                      monkeypatch, dtype):
-    """4-bit experts on the W4A8 kernel, in the one-call decode stack and eagerly."""
-    if not dequantized_gemm_runs(2, getattr(torch, dtype)):
-        pytest.skip(f"no blocked GEMM for {dtype} on this CPU")
+                                                                      monkeypatch, dtype, bits):
+    """Experts on the W4A8/W8A8 kernel, in the one-call decode stack (one row's experts in
+    one call) and eagerly (a call apiece)."""
+    skip_without_decode_stack(dtype)
     monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates",
                         only_candidate(WxA8Weight))
     monkeypatch.setattr("kvserve.quantization.cpu_kernels._decisions", {})
     monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")
-    out = quantize_model(moe_dirs["qwen3_moe"], tmp_path / "q", "rtn", 4, group_size=64)
+    # Four experts a token, so that summing them in another order would change the bits.
+    source = shutil.copytree(moe_dirs["qwen3_moe"], tmp_path / "top4")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(config | {"num_experts_per_tok": 4}))
+    out = quantize_model(source, tmp_path / "q", "rtn", bits, group_size=64)
     stacked = LLM(str(out), dtype=dtype, max_num_batched_tokens=48)
     eager = LLM(str(out), dtype=dtype, max_num_batched_tokens=48, enforce_eager=True)
     assert stacked.engine.core.runner.cpu_decode is not None

@@ -596,6 +596,12 @@ QuantizedRows quantize_rows(const torch::Tensor& x, int64_t group, bool paired) 
   return quantize_rows_of<float>(x, group, paired);
 }
 
+// x as quantize_rows reads it: contiguous, and in float32 unless it reads x's bfloat16.
+torch::Tensor readable(const torch::Tensor& x) {
+  return kReadsBFloat16 && x.scalar_type() == torch::kBFloat16 ? x.contiguous()
+                                                                : x.to(torch::kFloat).contiguous();
+}
+
 // The float32 output in `dtype`: bfloat16 rounded by simd.h's store where the CPU has
 // AVX512-BF16 (to nearest even, as torch rounds it) in one loop of its own, not torch's
 // conversion machinery, a few microseconds of a one-row call.
@@ -955,6 +961,40 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const tor
               "wxa8: float32 scales and zeros of [n, k / group]");
 }
 
+// Outputs [begin, end) of out [m, n] for a few rows quantized into xq, xs and xz (in
+// paired_position's order where `paired`): the paired, stream or per-row kernels. An output's
+// value does not depend on the range it is computed in, so any split gives the same result.
+void few_rows(const int8_t* xq, const float* xs, const float* xz, int64_t m, bool paired,
+              const uint8_t* wp, const float* sp, const float* zp, int64_t k, int64_t group,
+              int64_t bits, float* op, int64_t n, int64_t begin, int64_t end) {
+  const int64_t groups = k / group, blocks = group / kBlock;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (paired) {
+    row_tiles(m, [&](auto tile, int64_t r0) {
+      paired::outputs<decltype(tile)::value>(wp, k * bits / 8, xq + r0 * k, xs + r0 * groups,
+                                             xz + r0 * groups, sp, zp, k, groups, blocks,
+                                             op + r0 * n, n, begin, end);
+    });
+    return;
+  }
+#endif
+#ifdef KVSERVE_WXA8_STREAMS
+  if (bits == 8 && (m == 1 || m == 2)) {
+    if (m == 2)
+      streams::outputs<2>(wp, xq, xs, xz, sp, zp, k, groups, blocks, op, n, begin, end);
+    else
+      streams::outputs<1>(wp, xq, xs, xz, sp, zp, k, groups, blocks, op, n, begin, end);
+    return;
+  }
+#endif
+  for (int64_t o = begin; o < end; ++o) {
+    with_bits(bits, [&](auto b) {
+      weight_rows<decltype(b)::value>(wp + o * k * bits / 8, xq, xs, xz, sp + o * groups,
+                                      zp + o * groups, m, k, groups, blocks, op + o, n);
+    });
+  }
+}
+
 #if defined(KVSERVE_AMX) && defined(__AMX_INT8__)
 // W4A8/W8A8 on AMX's int8 tiles: 16 outputs' weights as the left tile (one output per row,
 // 64 channels), 16 activation rows as the right one, so a 4-bit weight is widened by masking
@@ -1201,8 +1241,8 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
                           torch::Tensor zeros, int64_t group, int64_t bits) {
   check_inputs(x, packed, scales, zeros, group, bits);
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  const int64_t groups = k / group, row_bytes = k * bits / 8, blocks = group / kBlock;
-  const bool many_rows = wxa8_gemm_runs(m, n), paired = !many_rows && paired_runs(bits, blocks);
+  const bool many_rows = wxa8_gemm_runs(m, n),
+             paired = !many_rows && paired_runs(bits, group / kBlock);
   const QuantizedRows rows = quantize_rows(x, group, paired);
   auto out = torch::empty({m, n}, torch::kFloat32);
 #if defined(__AVX2__)
@@ -1214,44 +1254,10 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     return out;
   }
 #endif
-  const int8_t* xqp = rows.q;
-  const float* xs = rows.scale;
-  const float* xz = rows.scaled_sum;
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* zp = zeros.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (paired) {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      row_tiles(m, [&](auto tile, int64_t r0) {
-        paired::outputs<decltype(tile)::value>(wp, row_bytes, xqp + r0 * k, xs + r0 * groups,
-                                               xz + r0 * groups, sp, zp, k, groups, blocks,
-                                               op + r0 * n, n, begin, end);
-      });
-    });
-    return out;
-  }
-#endif
-#ifdef KVSERVE_WXA8_STREAMS
-  if (bits == 8 && (m == 1 || m == 2)) {
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      if (m == 2)
-        streams::outputs<2>(wp, xqp, xs, xz, sp, zp, k, groups, blocks, op, n, begin, end);
-      else
-        streams::outputs<1>(wp, xqp, xs, xz, sp, zp, k, groups, blocks, op, n, begin, end);
-    });
-    return out;
-  }
-#endif
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t o = begin; o < end; ++o) {
-      const uint8_t* w = wp + o * row_bytes;
-      with_bits(bits, [&](auto b) {
-        weight_rows<decltype(b)::value>(w, xqp, xs, xz, sp + o * groups, zp + o * groups, m,
-                                        k, groups, blocks, op + o, n);
-      });
-    }
+    few_rows(rows.q, rows.scale, rows.scaled_sum, m, paired, packed.data_ptr<uint8_t>(),
+             scales.data_ptr<float>(), zeros.data_ptr<float>(), k, group, bits,
+             out.data_ptr<float>(), n, begin, end);
   });
   return out;
 }
@@ -1265,12 +1271,43 @@ torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
   if (dequantized_from > 0 && m >= dequantized_from)
     return dequantized_linear(rows.contiguous(), packed, scales, zeros, group, bits)
         .to(x.scalar_type());
-  const torch::Tensor readable = kReadsBFloat16 && x.scalar_type() == torch::kBFloat16
-                                     ? rows.contiguous()
-                                     : rows.to(torch::kFloat).contiguous();
+  const torch::Tensor input = readable(rows);
   const torch::Tensor out = amx_from > 0 && m >= amx_from
-                                ? wxa8_amx_matmul(readable, packed, scales, zeros, group, bits)
-                                : wxa8_matmul(readable, packed, scales, zeros, group, bits);
+                                ? wxa8_amx_matmul(input, packed, scales, zeros, group, bits)
+                                : wxa8_matmul(input, packed, scales, zeros, group, bits);
+  return in_dtype(out, x.scalar_type());
+}
+
+torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const LinearWeights*>& layers) {
+  TORCH_CHECK(!layers.empty(), "wxa8_experts: no layers");
+  const LinearWeights& first = *layers.front();
+  const int64_t count = static_cast<int64_t>(layers.size()), m = x.size(0), k = x.size(1);
+  const int64_t n = first.weight.size(0), group = first.group, bits = first.bits;
+  TORCH_CHECK(x.dim() == 2 && (m == 1 || m == count), "wxa8_experts: one row, or one per layer (",
+              count, "), got ", m);
+  const torch::Tensor input = readable(x);
+  for (const LinearWeights* layer : layers) {
+    TORCH_CHECK(layer->one_row_wxa8() && layer->group == group && layer->bits == bits &&
+                    layer->weight.size(0) == n,
+                "wxa8_experts: W4A8/W8A8 layers of one shape, group and width, without "
+                "act-order, AMX or dequantization on one row");
+    check_inputs(input, layer->weight, *layer->scales, *layer->zeros, group, bits);
+  }
+  const int64_t groups = k / group;
+  const bool paired = paired_runs(bits, group / kBlock);
+  const QuantizedRows rows = quantize_rows(input, group, paired);
+  torch::Tensor out = torch::empty({count, n}, torch::kFloat32);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, count * n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin / n; e * n < end; ++e) {
+      const LinearWeights& layer = *layers[e];
+      const int64_t r = m == 1 ? 0 : e;
+      few_rows(rows.q + r * k, rows.scale + r * groups, rows.scaled_sum + r * groups, 1, paired,
+               layer.weight.data_ptr<uint8_t>(), layer.scales->data_ptr<float>(),
+               layer.zeros->data_ptr<float>(), k, group, bits, op + e * n, n,
+               std::max<int64_t>(begin - e * n, 0), std::min(end - e * n, n));
+    }
+  });
   return in_dtype(out, x.scalar_type());
 }
 
