@@ -5,6 +5,7 @@ model's."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -87,13 +88,13 @@ def test_a_width_llama_cpp_has_no_like_type_for_is_refused(llama_dir: Path, tmp_
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob("*.partial"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"])
 def test_llama_cpp_scores_the_next_token_as_kvserve_does(llama_dir: Path, tmp_path: Path,
                                                           arch: str) -> None:
     """Where llama-cpp-python is installed: the same top-5 next tokens, logprobs within
     1e-2 (llama.cpp keeps its KV cache in float16). Its Llama graph rotates q/k as adjacent
     pairs (the rows reordered), its Qwen graphs as halves; Qwen2 adds q/k/v biases, Qwen3 per-
-    head q/k norms, Qwen3-MoE experts."""
+    head q/k norms, the MoEs experts (Qwen2-MoE's with its gated shared expert)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     from kvserve import LLM, SamplingParams
     from kvserve.tools.make_model import make_model
@@ -171,12 +172,44 @@ def test_qwen3_moe_experts_are_stacked_under_llama_cpps_names(tmp_path: Path) ->
                               want)
 
 
-def test_a_sliding_window_and_other_moe_arches_are_refused(tmp_path: Path) -> None:
+def test_qwen2_moe_shared_expert_goes_under_llama_cpps_names(tmp_path: Path) -> None:
+    """The qwen2moe graph: the shared expert's projections as ffn_*_shexp, its width as a
+    key of its own, its [1, hidden] sigmoid gate as the vector ffn_gate_inp_shexp, and the
+    tied embedding also as output.weight, without which the graph does not load."""
+    from kvserve.tools.make_model import make_model
+
+    model = make_model("tiny", tmp_path / "q", arch="qwen2_moe")
+    out = tmp_path / "model.gguf"
+    export_gguf(model, torch.float32, out)
+    reader = gguf.GGUFReader(str(out))
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = ModelConfig.from_pretrained(model, "float32")
+    checkpoint = dict(iter_checkpoint(model))
+    assert int(reader.fields["qwen2moe.expert_shared_feed_forward_length"].parts[-1][0]) == \
+        cfg.moe.shared_expert_intermediate_size
+    assert cfg.tie_word_embeddings
+    assert len(tensors) == len(checkpoint) + 1 - cfg.num_layers * 3 * (cfg.moe.num_experts - 1)
+    assert np.array_equal(np.array(tensors["output.weight"].data),
+                          np.array(tensors["token_embd.weight"].data))
+    gate = tensors["blk.1.ffn_gate_inp_shexp.weight"]
+    assert gate.n_elements == cfg.hidden_size and len(gate.shape) == 1
+    for ours, theirs in (("mlp.shared_expert.down_proj.weight", "ffn_down_shexp.weight"),
+                         ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
+                         ("self_attn.v_proj.bias", "attn_v.bias")):
+        want = checkpoint[f"model.layers.1.{ours}"].numpy()
+        assert np.array_equal(np.array(tensors[f"blk.1.{theirs}"].data).reshape(want.shape),
+                              want)
+
+
+def test_a_sliding_window_and_other_routings_are_refused(tmp_path: Path) -> None:
     from kvserve.tools.make_model import make_model
 
     model = make_model("tiny", tmp_path / "mixtral", arch="mixtral", sliding_window=64)
     with pytest.raises(ValueError, match="sliding_window is 64"):
         export_gguf(model, torch.float32, tmp_path / "x.gguf")
-    with pytest.raises(ValueError, match="not Qwen2MoeForCausalLM"):
-        export_gguf(make_model("tiny", tmp_path / "q", arch="qwen2_moe"), torch.float32,
-                    tmp_path / "y.gguf")
+    model = make_model("tiny", tmp_path / "q", arch="qwen2_moe")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"norm_topk_prob": True}))
+    with pytest.raises(ValueError, match="qwen2moe graph .* never renormalizes .* "
+                                         "norm_topk_prob is true"):
+        export_gguf(model, torch.float32, tmp_path / "y.gguf")

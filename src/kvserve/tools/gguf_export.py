@@ -1,10 +1,12 @@
-"""A Llama, Mixtral, Qwen2, Qwen3 or Qwen3-MoE checkpoint folder as a GGUF file, llama.cpp's
-format, written with the `gguf` package's writer: so that llama.cpp runs on the very same
-weights as kvserve and transformers in `kvserve bench ... --baseline llamacpp`. Mixtral is
-llama.cpp's Llama graph with experts, and Qwen3-MoE its `qwen3moe` graph: each layer's router
-as `ffn_gate_inp`, and its experts' gate, up and down projections stacked into one tensor
-each (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`). Qwen2's q/k/v biases and Qwen3's
-per-head q/k norms go in as `attn_{q,k,v}.bias` and `attn_{q,k}_norm`.
+"""A Llama, Mixtral, Qwen2, Qwen2-MoE, Qwen3 or Qwen3-MoE checkpoint folder as a GGUF file,
+llama.cpp's format, written with the `gguf` package's writer: so that llama.cpp runs on the
+very same weights as kvserve and transformers in `kvserve bench ... --baseline llamacpp`.
+Mixtral is llama.cpp's Llama graph with experts, and the Qwen MoEs its `qwen2moe` and
+`qwen3moe` graphs: each layer's router as `ffn_gate_inp`, and its experts' gate, up and down
+projections stacked into one tensor each (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`);
+Qwen2-MoE's shared expert as `ffn_{gate,up,down}_shexp` and its sigmoid gate as the vector
+`ffn_gate_inp_shexp`. Qwen2's q/k/v biases and Qwen3's per-head q/k norms go in as
+`attn_{q,k,v}.bias` and `attn_{q,k}_norm`.
 
 Matmul weights and the embedding are written in the requested dtype (float32 or bfloat16),
 norms in float32. A quantized checkpoint's layers (GPTQ, AWQ, SqueezeLLM) are dequantized and
@@ -25,6 +27,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvserve.config import ModelConfig
@@ -57,6 +60,10 @@ _LAYER_TENSORS = {
     "self_attn.v_proj.bias": "blk.{}.attn_v.bias",
     "self_attn.q_norm.weight": "blk.{}.attn_q_norm.weight",
     "self_attn.k_norm.weight": "blk.{}.attn_k_norm.weight",
+    "mlp.shared_expert.gate_proj.weight": "blk.{}.ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "blk.{}.ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "blk.{}.ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "blk.{}.ffn_gate_inp_shexp.weight",  # [1, h] as [h]
 }
 # An expert's tensors (Mixtral's, Qwen's) -> the GGUF tensor that stacks them over the experts.
 _EXPERT_TENSORS = {
@@ -66,8 +73,12 @@ _EXPERT_TENSORS = {
 _EXPERT_PARENTS = ("block_sparse_moe", "mlp")  # Mixtral's, Qwen's
 # Architectures -> llama.cpp's graph for them.
 _GRAPHS = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama",
-           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-           "Qwen3MoeForCausalLM": "qwen3moe"}
+           "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2moe",
+           "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe"}
+# llama.cpp's MoE graphs of Qwen -> whether they rescale the top-k weights to sum to 1.
+_RENORMALIZING_GRAPHS = {"qwen2moe": False, "qwen3moe": True}
+# Graphs that load no model without `output.weight`: a tied one gets the embedding's copy.
+_UNTIED_GRAPHS = ("qwen2moe",)
 _INTERLEAVED_ROPE_GRAPHS = ("llama",)
 # GGUF keys (the writer's `add_<key>`) -> ModelConfig fields.
 _HYPERPARAMETERS = {
@@ -131,12 +142,14 @@ def export_gguf(model: str | Path, dtype: torch.dtype, out: Path) -> None:
     if cfg.sliding_window:
         raise ValueError(f"model: llama.cpp's {graph} graph attends without a window; this "
                          f"checkpoint's sliding_window is {cfg.sliding_window}")
-    if graph == "qwen3moe" and (not cfg.moe.renormalize or
-                                len(cfg.moe.sparse_layers) != cfg.num_layers):
-        raise ValueError("model: llama.cpp's qwen3moe graph has experts in every layer and "
-                         "renormalizes their top-k weights; this checkpoint's norm_topk_prob "
-                         "is false, or mlp_only_layers or decoder_sparse_step leave layers "
-                         "dense")
+    if graph in _RENORMALIZING_GRAPHS and cfg.moe is not None and (
+            cfg.moe.renormalize != _RENORMALIZING_GRAPHS[graph]
+            or len(cfg.moe.sparse_layers) != cfg.num_layers):
+        raise ValueError(f"model: llama.cpp's {graph} graph has experts in every layer and "
+                         f"{'' if _RENORMALIZING_GRAPHS[graph] else 'never '}renormalizes "
+                         f"their top-k weights; this checkpoint's norm_topk_prob is "
+                         f"{str(cfg.moe.renormalize).lower()}, or mlp_only_layers or "
+                         f"decoder_sparse_step leave layers dense")
     quantized_type = None if cfg.quantization is None else gguf.GGMLQuantizationType[
         GGUF_QUANTIZED_TYPES[cfg.quantization.bits]]
     writer = gguf.GGUFWriter(str(out), graph)
@@ -151,10 +164,24 @@ def export_gguf(model: str | Path, dtype: torch.dtype, out: Path) -> None:
         writer.add_expert_count(cfg.moe.num_experts)
         writer.add_expert_used_count(cfg.moe.top_k)
         writer.add_expert_feed_forward_length(cfg.moe.intermediate_size)
+        if cfg.moe.shared_expert_intermediate_size:
+            writer.add_expert_shared_feed_forward_length(
+                cfg.moe.shared_expert_intermediate_size)
     _add_tokenizer(writer, folder, cfg)
     tensors = dequantize_checkpoint(iter_checkpoint(folder), cfg.quantization,
                                     keep_integers=True)
     experts: dict[str, dict[int, torch.Tensor]] = {}  # stacked tensor -> the experts' so far
+
+    def add(gguf_name: str, data: np.ndarray, quantized: bool) -> None:
+        if quantized:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, quantized_type),
+                              raw_dtype=quantized_type)
+        elif data.ndim >= 2 and dtype == torch.bfloat16:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.BF16),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(gguf_name, data)
+
     for name, tensor in tensors:
         quantized = isinstance(tensor, QuantizedWeight | LutWeight)
         if quantized:
@@ -175,14 +202,12 @@ def export_gguf(model: str | Path, dtype: torch.dtype, out: Path) -> None:
         if gguf_name is None:
             raise ValueError(f"model: no GGUF name for checkpoint tensor {name!r}")
         data = tensor.float().numpy()
-        if quantized:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(data, quantized_type),
-                              raw_dtype=quantized_type)
-        elif data.ndim >= 2 and dtype == torch.bfloat16:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.BF16),
-                              raw_dtype=gguf.GGMLQuantizationType.BF16)
-        else:
-            writer.add_tensor(gguf_name, data)
+        if gguf_name.endswith("ffn_gate_inp_shexp.weight"):
+            data = data.reshape(-1)
+        add(gguf_name, data, quantized)
+        if (gguf_name == "token_embd.weight" and cfg.tie_word_embeddings
+                and graph in _UNTIED_GRAPHS):
+            add("output.weight", data, quantized)
     if experts:
         raise ValueError(f"model: the checkpoint lacks experts of {sorted(experts)[0]}")
     writer.write_header_to_file()
