@@ -145,18 +145,32 @@ def test_mixtral_experts_are_stacked_per_layer(tmp_path: Path, bits: int | None)
             stacked, gguf.GGMLQuantizationType.Q4_0).reshape(-1))
 
 
-def test_qwen3_moe_experts_are_stacked_under_llama_cpps_names(tmp_path: Path) -> None:
-    """The qwen3moe graph: the router, each layer's experts stacked, the per-head q/k norms,
-    the experts' width as its own key, and q/k rows as the checkpoint has them (NEOX)."""
+def exported_tiny(tmp_path: Path, arch: str) -> tuple[object, dict, ModelConfig, dict]:
+    """A tiny `arch` checkpoint exported: the GGUF's reader and tensors by name, and the
+    checkpoint's config and tensors."""
     from kvserve.tools.make_model import make_model
 
-    model = make_model("tiny", tmp_path / "q", arch="qwen3_moe")
+    model = make_model("tiny", tmp_path / arch, arch=arch)
     out = tmp_path / "model.gguf"
     export_gguf(model, torch.float32, out)
     reader = gguf.GGUFReader(str(out))
-    tensors = {t.name: t for t in reader.tensors}
-    cfg = ModelConfig.from_pretrained(model, "float32")
-    checkpoint = dict(iter_checkpoint(model))
+    return (reader, {t.name: t for t in reader.tensors},
+            ModelConfig.from_pretrained(model, "float32"), dict(iter_checkpoint(model)))
+
+
+def assert_layer_tensors(tensors: dict, checkpoint: dict,
+                         names: tuple[tuple[str, str], ...]) -> None:
+    """Layer 1's checkpoint tensors, as (their name, the GGUF's), hold the same values."""
+    for ours, theirs in names:
+        want = checkpoint[f"model.layers.1.{ours}"].numpy()
+        assert np.array_equal(np.array(tensors[f"blk.1.{theirs}"].data).reshape(want.shape),
+                              want)
+
+
+def test_qwen3_moe_experts_are_stacked_under_llama_cpps_names(tmp_path: Path) -> None:
+    """The qwen3moe graph: the router, each layer's experts stacked, the per-head q/k norms,
+    the experts' width as its own key, and q/k rows as the checkpoint has them (NEOX)."""
+    reader, tensors, cfg, checkpoint = exported_tiny(tmp_path, "qwen3_moe")
     assert int(reader.fields["qwen3moe.expert_feed_forward_length"].parts[-1][0]) == \
         cfg.moe.intermediate_size
     assert len(tensors) == len(checkpoint) - cfg.num_layers * 3 * (cfg.moe.num_experts - 1)
@@ -164,27 +178,16 @@ def test_qwen3_moe_experts_are_stacked_under_llama_cpps_names(tmp_path: Path) ->
                         for e in range(cfg.moe.num_experts)]).numpy()
     assert np.array_equal(np.array(tensors["blk.0.ffn_down_exps.weight"].data).reshape(
         down.shape), down)
-    for ours, theirs in (("self_attn.q_proj.weight", "attn_q.weight"),
-                         ("self_attn.k_norm.weight", "attn_k_norm.weight"),
-                         ("mlp.gate.weight", "ffn_gate_inp.weight")):
-        want = checkpoint[f"model.layers.1.{ours}"].numpy()
-        assert np.array_equal(np.array(tensors[f"blk.1.{theirs}"].data).reshape(want.shape),
-                              want)
+    assert_layer_tensors(tensors, checkpoint, (("self_attn.q_proj.weight", "attn_q.weight"),
+                                               ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+                                               ("mlp.gate.weight", "ffn_gate_inp.weight")))
 
 
 def test_qwen2_moe_shared_expert_goes_under_llama_cpps_names(tmp_path: Path) -> None:
     """The qwen2moe graph: the shared expert's projections as ffn_*_shexp, its width as a
     key of its own, its [1, hidden] sigmoid gate as the vector ffn_gate_inp_shexp, and the
     tied embedding also as output.weight, without which the graph does not load."""
-    from kvserve.tools.make_model import make_model
-
-    model = make_model("tiny", tmp_path / "q", arch="qwen2_moe")
-    out = tmp_path / "model.gguf"
-    export_gguf(model, torch.float32, out)
-    reader = gguf.GGUFReader(str(out))
-    tensors = {t.name: t for t in reader.tensors}
-    cfg = ModelConfig.from_pretrained(model, "float32")
-    checkpoint = dict(iter_checkpoint(model))
+    reader, tensors, cfg, checkpoint = exported_tiny(tmp_path, "qwen2_moe")
     assert int(reader.fields["qwen2moe.expert_shared_feed_forward_length"].parts[-1][0]) == \
         cfg.moe.shared_expert_intermediate_size
     assert cfg.tie_word_embeddings
@@ -193,12 +196,10 @@ def test_qwen2_moe_shared_expert_goes_under_llama_cpps_names(tmp_path: Path) -> 
                           np.array(tensors["token_embd.weight"].data))
     gate = tensors["blk.1.ffn_gate_inp_shexp.weight"]
     assert gate.n_elements == cfg.hidden_size and len(gate.shape) == 1
-    for ours, theirs in (("mlp.shared_expert.down_proj.weight", "ffn_down_shexp.weight"),
-                         ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
-                         ("self_attn.v_proj.bias", "attn_v.bias")):
-        want = checkpoint[f"model.layers.1.{ours}"].numpy()
-        assert np.array_equal(np.array(tensors[f"blk.1.{theirs}"].data).reshape(want.shape),
-                              want)
+    assert_layer_tensors(tensors, checkpoint,
+                         (("mlp.shared_expert.down_proj.weight", "ffn_down_shexp.weight"),
+                          ("mlp.shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
+                          ("self_attn.v_proj.bias", "attn_v.bias")))
 
 
 def test_a_sliding_window_and_other_routings_are_refused(tmp_path: Path) -> None:
