@@ -98,17 +98,14 @@ struct LinearWeights {
                            const c10::optional<torch::Tensor>& bias) const;
   // silu(gate) * up of this [gate; up] layer with n outputs each.
   torch::Tensor silu_and_mul(const torch::Tensor& x, int64_t n) const;
-  // Whether one row runs on wxa8_matmul's few-row kernels as they are: a W4A8/W8A8 layer
-  // without act-order, whose one row goes neither to AMX nor to the dequantizing GEMM.
-  bool one_row_wxa8() const {
-    return kind == Kind::kWxA8 && !input_order && amx_from != 1 && dequantized_from != 1;
-  }
 };
 
-// wxa8.cpp: row e of x [e, k] (or its one row, for every e) through layers[e], each a
-// one_row_wxa8 layer of one shape, group and width, as wxa8_linear runs it: [e, n] in x's
-// dtype. A decode step's experts, each a few microseconds of work, in one call: a shared row
-// quantized once, and one parallel region for all.
+// wxa8.cpp: row e of x [e, k] (or its one row, for every e) through layers[e], as wxa8_linear
+// runs it: [e, n] in x's dtype. A decode step's experts, each a few microseconds of work, in
+// one call: a shared row quantized once, and one parallel region for all. It takes W4A8/W8A8
+// layers of one shape, group and width, without act-order, whose one row goes neither to AMX
+// nor to the dequantizing GEMM (wxa8_experts_run).
+bool wxa8_experts_run(const std::vector<const LinearWeights*>& layers);
 torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const LinearWeights*>& layers);
 
 // A mixture-of-experts MLP's weights, run as models/moe.py runs them.

@@ -94,13 +94,7 @@ torch::Tensor MoEWeights::operator()(const torch::Tensor& x, int64_t hidden_size
       ups.push_back(&gate_up[ids[j]]);
       downs.push_back(&down[ids[j]]);
     }
-    const auto one_call = [](const std::vector<const LinearWeights*>& layers) {
-      return std::all_of(layers.begin(), layers.end(), [&](const LinearWeights* layer) {
-        return layer->one_row_wxa8() && layer->group == layers[0]->group &&
-               layer->bits == layers[0]->bits;
-      });
-    };
-    if (one_call(ups) && one_call(downs)) {
+    if (wxa8_experts_run(ups) && wxa8_experts_run(downs)) {
       // Each expert's output scaled by its weight, then added up in the same order.
       const torch::Tensor scales =
           weights.index_select(1, torch::from_blob(order.data(), {top_k}, torch::kLong))

@@ -1278,21 +1278,28 @@ torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return in_dtype(out, x.scalar_type());
 }
 
+bool wxa8_experts_run(const std::vector<const LinearWeights*>& layers) {
+  return !layers.empty() &&
+         std::all_of(layers.begin(), layers.end(), [&](const LinearWeights* layer) {
+           const LinearWeights& first = *layers.front();
+           return layer->kind == LinearWeights::Kind::kWxA8 && !layer->input_order &&
+                  layer->amx_from != 1 && layer->dequantized_from != 1 &&
+                  layer->group == first.group && layer->bits == first.bits &&
+                  layer->weight.size(0) == first.weight.size(0);
+         });
+}
+
 torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const LinearWeights*>& layers) {
-  TORCH_CHECK(!layers.empty(), "wxa8_experts: no layers");
+  TORCH_CHECK(wxa8_experts_run(layers), "wxa8_experts: W4A8/W8A8 layers of one shape, group "
+              "and width, without act-order, AMX or dequantization on one row");
   const LinearWeights& first = *layers.front();
   const int64_t count = static_cast<int64_t>(layers.size()), m = x.size(0), k = x.size(1);
   const int64_t n = first.weight.size(0), group = first.group, bits = first.bits;
   TORCH_CHECK(x.dim() == 2 && (m == 1 || m == count), "wxa8_experts: one row, or one per layer (",
               count, "), got ", m);
   const torch::Tensor input = readable(x);
-  for (const LinearWeights* layer : layers) {
-    TORCH_CHECK(layer->one_row_wxa8() && layer->group == group && layer->bits == bits &&
-                    layer->weight.size(0) == n,
-                "wxa8_experts: W4A8/W8A8 layers of one shape, group and width, without "
-                "act-order, AMX or dequantization on one row");
+  for (const LinearWeights* layer : layers)
     check_inputs(input, layer->weight, *layer->scales, *layer->zeros, group, bits);
-  }
   const int64_t groups = k / group;
   const bool paired = paired_runs(bits, group / kBlock);
   const QuantizedRows rows = quantize_rows(input, group, paired);

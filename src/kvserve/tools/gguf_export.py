@@ -142,7 +142,7 @@ def export_gguf(model: str | Path, dtype: torch.dtype, out: Path) -> None:
     if cfg.sliding_window:
         raise ValueError(f"model: llama.cpp's {graph} graph attends without a window; this "
                          f"checkpoint's sliding_window is {cfg.sliding_window}")
-    if graph in _RENORMALIZING_GRAPHS and cfg.moe is not None and (
+    if graph in _RENORMALIZING_GRAPHS and (
             cfg.moe.renormalize != _RENORMALIZING_GRAPHS[graph]
             or len(cfg.moe.sparse_layers) != cfg.num_layers):
         raise ValueError(f"model: llama.cpp's {graph} graph has experts in every layer and "
