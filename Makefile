@@ -28,9 +28,11 @@ $(MODEL)/config.json: | install
 run: install $(MODEL)/config.json
 	$(BIN)/kvserve serve $(MODEL) --served-model-name $(PRESET) --host $(HOST) --port $(PORT)
 
+# One pytest worker per core (most tests run single-threaded Python), each test file on one
+# worker so that its fixtures are built once.
 test: install-test
 	$(BIN)/ruff check src tests
-	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest -q tests
+	PYTHONUNBUFFERED=1 $(BIN)/python -m pytest -q tests -n auto --maxprocesses 4 --dist loadfile
 
 lint: install-test
 	$(BIN)/ruff check src tests
