@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvserve.core.scheduler.speculation import DraftPolicy
+from kvserve.cpp_extension import cpu_kernels
 from kvserve.tools.make_model import make_model
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. It is chosen when
@@ -24,6 +25,14 @@ os.environ["KVSERVE_CPU_BF16"] = "0"
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
 # The tiny Mistral's window is 64 tokens, so prompts of a few hundred tokens cross it.
 SLIDING_WINDOW = 64
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, the controller builds the C++ kernels before any worker starts: a
+    server that one worker starts would otherwise wait out its start-up timeout for the
+    build that another worker holds (minutes on a fresh 2-core machine)."""
+    if getattr(config, "workerinput", None) is None and config.getoption("numprocesses", None):
+        cpu_kernels()
 
 
 @pytest.fixture(scope="session")
