@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from kvserve.models.loader import iter_checkpoint
 from kvserve.tools.corpus import heldout_windows, split_files, stdlib_files
 from kvserve.tools.make_model import make_model
 from kvserve.tools.train import (
@@ -42,6 +43,18 @@ def test_training_is_deterministic_and_lowers_the_heldout_loss(tmp_path):
     with pytest.raises(ValueError, match="train_steps must be >= 0"):
         make_model("tiny", tmp_path / "d", train_steps=-1)
 
+
+
+def test_a_mixture_of_experts_trains_under_its_checkpoint_names(tmp_path):
+    """transformers stacks the experts; the trained checkpoint names each expert's weights as
+    the untrained one does, and training moved every expert (and the shared one)."""
+    untrained = dict(iter_checkpoint(make_model("tiny", tmp_path / "a", arch="qwen2_moe")))
+    trained = dict(iter_checkpoint(make_model("tiny", tmp_path / "b", arch="qwen2_moe",
+                                              train_steps=3)))
+    assert {n: t.shape for n, t in trained.items()} == {n: t.shape for n, t in untrained.items()}
+    experts = [n for n in trained if ".experts." in n or ".shared_expert." in n]
+    assert len(experts) == 2 * 3 * 9  # layers x projections x (8 experts + the shared one)
+    assert not [n for n in experts if torch.equal(trained[n], untrained[n])]
 
 def test_distillation_trains_a_draft_that_agrees_with_its_teacher(tmp_path):
     teacher = make_model("tiny", tmp_path / "teacher", seed=2)

@@ -3,33 +3,39 @@ quantized by RTN or GPTQ, written in GPTQ's hub format (`packing.py`) so that ot
 read the files too, or by SqueezeLLM (`squeezellm.py`), written in the lookup-table layout
 the README documents.
 
-RTN needs no model: it rounds the checkpoint's projection weights as they are read, for
-any architecture the engine loads (the experts of a mixture of experts included; routers
-stay in full precision, as GPTQ's hub files keep them).
+Every projection of the decoder is quantized, each expert's of a mixture of experts
+included; routers stay in full precision, as GPTQ's hub files keep them. RTN needs no
+model: it rounds the checkpoint's weights as they are read.
 
 GPTQ runs layer by layer: calibration windows from the training split of the local corpus
 go through the model, hooks sum each linear layer's input Hessian for one decoder layer at a
 time, and that layer's weights are replaced by their quantized values before the next
-layer's inputs are collected, so every layer compensates the error of those before it.
-SqueezeLLM weighs each weight by the Fisher information of the full-precision model, from
-the gradients of the language-model loss on the same calibration windows.
+layer's inputs are collected, so every layer compensates the error of those before it. An
+expert's Hessian sums the tokens routed to it (and its down projection's, their gated
+activations); an expert no calibration token reached is rounded to nearest. SqueezeLLM
+weighs each weight by the Fisher information of the full-precision model, from the
+gradients of the language-model loss on the same calibration windows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
 from kvserve.config import ModelConfig
+from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import checkpoint_files, iter_checkpoint
 from kvserve.quantization.gptq import QuantizedWeight, gptq, rtn
 from kvserve.quantization.hub_format import QuantConfig
@@ -40,6 +46,8 @@ from kvserve.tools.corpus import corpus_tokens
 from kvserve.worker.cpu_allocator import retain_freed_memory
 
 METHODS = ("rtn", "gptq", "squeezellm")
+logger = logging.getLogger(__name__)
+
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                 "special_tokens_map.json")
 
@@ -50,6 +58,27 @@ _PROJECTION = re.compile(r"model\.layers\.\d+\..*\.(\w+_proj|w[123])\.weight$")
 
 
 Layer = torch.Tensor | QuantizedWeight | LutWeight  # a checkpoint tensor, or a quantized layer
+# One expert's projection in the checkpoint: model.layers.{i}.{block}.experts.{e}.{name}.weight
+_EXPERT = re.compile(r"model\.layers\.\d+\.\w+\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+@dataclass(frozen=True)
+class _Target:
+    """A weight to quantize in the transformers model: a linear layer's, or one expert's
+    projection, rows of the experts' stacked [num_experts, out, in] parameter."""
+
+    param: nn.Parameter
+    expert: int | None = None
+    rows: slice = field(default_factory=lambda: slice(None))  # all of them
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This weight's part of a tensor shaped like `param` (a view)."""
+        return (tensor if self.expert is None else tensor[self.expert])[self.rows]
+
+    @property
+    def inputs(self) -> tuple[nn.Parameter, int | None]:
+        """What the Hessian of its inputs is kept under: an expert's gate and up share it."""
+        return self.param, self.expert
 
 
 class _StopForward(Exception):
@@ -87,75 +116,81 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
     if out.resolve() == source.resolve():
         raise ValueError("output: the quantized checkpoint needs a folder of its own, not "
                          "the model's")
+    tied = source_config.tie_word_embeddings
+    config = (QuantConfig("squeezellm", bits, -1, lm_head=lm_head) if method == "squeezellm"
+              else QuantConfig("gptq", bits, group_size, act_order and method == "gptq", sym,
+                               lm_head=lm_head))
     if method == "rtn":
-        config = QuantConfig("gptq", bits, group_size, False, sym, lm_head=lm_head)
-        tied = source_config.tie_word_embeddings
         for name, (out_features, in_features) in _rounded_shapes(source, tied, config):
             _check_shape(name, in_features, out_features, bits, group_size)
-        _write(_rtn(source, tied, config), tied and not lm_head, source, out, config,
-               max_shard_bytes, progress)
+        _write(_quantized_checkpoint(source, tied, config, lambda _, t: _round(t, config)),
+               tied and not lm_head, source, out, config, max_shard_bytes, progress)
         return out
-    if source_config.moe is not None:
-        raise ValueError(f"method: {method} calibrates through transformers' dense linear "
-                         f"layers; a mixture-of-experts model ({source_config.architecture}) "
-                         f"quantizes with rtn")
     retain_freed_memory()  # each layer's temporaries reuse the last one's pages
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    stages = [(f"model.layers.{index}", layer, {name: m for name, m in layer.named_modules()
-                                                  if isinstance(m, nn.Linear)})
+    names = [name for name, _ in _rounded_shapes(source, False, config)]  # the files' own
+    stages = [(layer, _targets(layer, f"model.layers.{index}", names))
               for index, layer in enumerate(model.model.layers)]
     if lm_head:
-        if model.config.tie_word_embeddings:
+        if tied:
             model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
-            model.config.tie_word_embeddings = False
-        stages.append(("", model.lm_head, {"lm_head": model.lm_head}))
-    if method == "squeezellm":
-        group_size = -1  # a lookup table per row: no groups
-    for name, m in [*stages[0][2].items(), *stages[-1][2].items()]:
-        _check_shape(name, m.in_features, m.out_features, bits, group_size)
+        stages.append((model.lm_head, {"lm_head": _Target(model.lm_head.weight)}))
+    found = {name for _, targets in stages for name in targets}
+    if missing := [name for name in names if _layer_name(name) not in found]:
+        raise ValueError(f"model: {method} found no layer in transformers' "
+                         f"{type(model).__name__} for {missing[0]}")
+    group_size = config.group_size  # SqueezeLLM's: -1, a lookup table per row
+    for name, target in [*stages[0][1].items(), *stages[-1][1].items()]:
+        out_features, in_features = target.of(target.param).shape
+        _check_shape(name, in_features, out_features, bits, group_size)
     for name, fraction in (("outlier_fraction", outlier_fraction),
                            ("sensitive_fraction", sensitive_fraction)):
         if not 0 <= fraction < 1:
             raise ValueError(f"{name} must be in [0, 1), got {fraction}")
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
     calibration = _calibration(tokenizer, num_samples, seq_len, seed)
-    fisher = _fisher(model, [m for *_, linears in stages for m in linears.values()],
+    fisher = _fisher(model, {t.param for _, targets in stages for t in targets.values()},
                      calibration, progress) if method == "squeezellm" else {}
     quantized: dict[str, QuantizedWeight | LutWeight] = {}
-    for prefix, module, linears in tqdm(stages, desc=f"{method} {bits}-bit", unit=" layers",
-                                        disable=not progress):
-        hessians = _hessians(model, module, linears, calibration) if method == "gptq" else {}
-        for name, linear in linears.items():
-            group = linear.in_features if group_size == -1 else group_size
-            weight = linear.weight.data
+    unreached = 0
+    for module, targets in tqdm(stages, desc=f"{method} {bits}-bit", unit=" layers",
+                                disable=not progress):
+        hessians = _hessians(model, module, targets, calibration) if method == "gptq" else {}
+        for name, target in targets.items():
+            weight = target.of(target.param.data)
+            group = weight.shape[1] if group_size == -1 else group_size
             if method == "squeezellm":
                 q: QuantizedWeight | LutWeight = squeezellm(
-                    weight, fisher[linear], bits, outlier_fraction, sensitive_fraction)
-            else:
-                q = gptq(weight, hessians[name], bits, group, sym, act_order)
-            linear.weight.data.copy_(q.dequantize())  # later layers see the quantized layer
-            quantized[f"{prefix}.{name}".lstrip(".")] = q
-    config = (QuantConfig("squeezellm", bits, -1, lm_head=lm_head) if method == "squeezellm"
-              else QuantConfig("gptq", bits, group_size, act_order, sym, lm_head=lm_head))
-    tied = model.config.tie_word_embeddings
-    _write(((name, quantized.get(name.removesuffix(".weight"), tensor))
-            for name, tensor in model.state_dict().items()
-            if not (tied and name == "lm_head.weight")),
-           tied, source, out, config, max_shard_bytes, progress=False)
+                    weight, target.of(fisher[target.param]), bits, outlier_fraction,
+                    sensitive_fraction)
+            elif target.inputs in hessians:
+                q = gptq(weight, hessians[target.inputs], bits, group, sym, act_order)
+            else:  # an expert that no calibration token was routed to
+                q = rtn(weight, bits, group, sym)
+                unreached += 1
+            weight.copy_(q.dequantize())  # later layers see the quantized layer
+            quantized[name] = q
+    if unreached:
+        logger.info("%d expert projections saw no calibration token and were rounded to "
+                 "nearest; more --calibration-samples reach more experts", unreached)
+    _write(_quantized_checkpoint(source, tied, config,
+                                 lambda name, _: quantized[_layer_name(name)]),
+           tied and not lm_head, source, out, config, max_shard_bytes, progress=False)
     return out
 
 
-def _rtn(source: Path, tied: bool, config: QuantConfig) -> Iterator[tuple[str, Layer]]:
-    """The checkpoint's tensors as they are read, its decoder projections (and LM head)
-    rounded to nearest; with `lm_head`, a tied LM head as weights of its own, quantized, after
-    the embedding (a tied one's copy in the files is left out, as the transformers path
-    leaves it)."""
+def _quantized_checkpoint(source: Path, tied: bool, config: QuantConfig,
+                          quantize: Callable[[str, torch.Tensor], Layer]
+                          ) -> Iterator[tuple[str, Layer]]:
+    """The checkpoint's tensors as they are read, its decoder projections (and LM head) as
+    `quantize(name, tensor)` gives them; with `lm_head`, a tied LM head as weights of its own,
+    quantized, after the embedding (a tied one's copy in the files is left out)."""
     for name, tensor in iter_checkpoint(source):
         if tied and name == "lm_head.weight":
             continue  # the embedding's copy: tied again on load, or quantized after it
-        yield name, _round(tensor, config) if _rounds(name, config) else tensor
+        yield name, quantize(name, tensor) if _rounds(name, config) else tensor
         if _heads_tied_lm_head(name, tied, config):
-            yield "lm_head.weight", _round(tensor, config)
+            yield "lm_head.weight", quantize("lm_head.weight", tensor)
 
 
 def _rounds(name: str, config: QuantConfig) -> bool:
@@ -170,6 +205,37 @@ def _heads_tied_lm_head(name: str, tied: bool, config: QuantConfig) -> bool:
 def _round(weight: torch.Tensor, config: QuantConfig) -> QuantizedWeight:
     group = weight.shape[1] if config.group_size == -1 else config.group_size
     return rtn(weight, config.bits, group, config.sym)
+
+
+def _layer_name(weight_name: str) -> str:
+    return weight_name.removesuffix(".weight")
+
+
+def _targets(layer: nn.Module, prefix: str, names: list[str]) -> dict[str, _Target]:
+    """The weights of decoder layer `prefix` to quantize, by their checkpoint layer names:
+    its linear projections, and each expert's projection among `names` (transformers stacks
+    the experts' gate and up projections as [num_experts, 2 * size, hidden], and their down
+    projections)."""
+    targets = {f"{prefix}.{name}": _Target(m.weight) for name, m in layer.named_modules()
+               if isinstance(m, nn.Linear) and _PROJECTION.match(f"{prefix}.{name}.weight")}
+    experts = next((m for m in layer.modules() if _stacks_experts(m)), None)
+    if experts is None:
+        return targets
+    size = experts.gate_up_proj.shape[1] // 2
+    for name in names:
+        match = _EXPERT.match(name)
+        if match and name.startswith(f"{prefix}."):
+            fused, shard = LlamaForCausalLM.packed_modules.get(match[2], (match[2], 0))
+            expert = int(match[1])
+            targets[_layer_name(name)] = (
+                _Target(experts.gate_up_proj, expert, slice(shard * size, (shard + 1) * size))
+                if fused == "gate_up_proj" else _Target(experts.down_proj, expert))
+    return targets
+
+
+def _stacks_experts(module: nn.Module) -> bool:
+    gate_up = getattr(module, "gate_up_proj", None)
+    return isinstance(gate_up, nn.Parameter) and gate_up.dim() == 3
 
 
 def _rounded_shapes(source: Path, tied: bool, config: QuantConfig
@@ -201,24 +267,43 @@ def _calibration(tokenizer: object, num_samples: int, seq_len: int, seed: int) -
 
 
 @torch.inference_mode()
-def _hessians(model: nn.Module, stage: nn.Module, linears: dict[str, nn.Linear],
-              calibration: torch.Tensor, batch_size: int = 8) -> dict[str, torch.Tensor]:
-    """2 X^T X / N of each linear layer's inputs X over all calibration tokens, running
-    the model up to `stage` (a decoder layer, or the LM head itself)."""
-    sums = {name: torch.zeros(m.in_features, m.in_features) for name, m in linears.items()}
-    counts = dict.fromkeys(linears, 0)
+def _hessians(model: nn.Module, stage: nn.Module, targets: dict[str, _Target],
+              calibration: torch.Tensor, batch_size: int = 8
+              ) -> dict[tuple[nn.Parameter, int | None], torch.Tensor]:
+    """2 X^T X / N of the inputs X of each of `targets` over all calibration tokens (an
+    expert's: the tokens routed to it), running the model up to `stage` (a decoder layer, or
+    the LM head itself). An expert that no token reached has none."""
+    wanted = {target.inputs for target in targets.values()}
+    sums: dict[tuple[nn.Parameter, int | None], torch.Tensor] = {}
+    counts: dict[tuple[nn.Parameter, int | None], int] = {}
 
-    def record(name: str):  # noqa: ANN202
-        def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...], _out: object) -> None:
-            x = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
-            sums[name] += x.t() @ x
-            counts[name] += x.shape[0]
-        return hook
+    def add(key: tuple[nn.Parameter, int | None], x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        if key not in sums:
+            sums[key], counts[key] = x.new_zeros(x.shape[1], x.shape[1]), 0
+        sums[key] += x.t() @ x
+        counts[key] += x.shape[0]
+
+    def linear_inputs(module: nn.Linear, inputs: tuple[torch.Tensor, ...], _out: object
+                      ) -> None:
+        add((module.weight, None), inputs[0])
+
+    def expert_inputs(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        hidden, top_k_index = inputs[0], inputs[1]
+        for expert in range(module.gate_up_proj.shape[0]):
+            x = hidden[(top_k_index == expert).any(dim=-1)]
+            if len(x):
+                add((module.gate_up_proj, expert), x)
+                gate, up = F.linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)
+                add((module.down_proj, expert), module.act_fn(gate) * up)
 
     def stop(*_: object) -> None:
         raise _StopForward
 
-    handles = [m.register_forward_hook(record(name)) for name, m in linears.items()]
+    handles = [m.register_forward_hook(linear_inputs) for m in stage.modules()
+               if isinstance(m, nn.Linear) and (m.weight, None) in wanted]
+    handles += [m.register_forward_pre_hook(expert_inputs) for m in stage.modules()
+                if _stacks_experts(m)]
     handles.append(stage.register_forward_hook(stop))
     try:
         for start in range(0, len(calibration), batch_size):
@@ -227,22 +312,23 @@ def _hessians(model: nn.Module, stage: nn.Module, linears: dict[str, nn.Linear],
     finally:
         for handle in handles:
             handle.remove()
-    return {name: 2 * sums[name] / counts[name] for name in linears}
+    return {key: 2 * total / counts[key] for key, total in sums.items()}
 
 
-def _fisher(model: nn.Module, linears: list[nn.Linear], calibration: torch.Tensor,
-            progress: bool) -> dict[nn.Module, torch.Tensor]:
-    """The empirical Fisher diagonal of each of `linears`: the mean over calibration windows
+def _fisher(model: nn.Module, params: set[nn.Parameter], calibration: torch.Tensor,
+            progress: bool) -> dict[nn.Parameter, torch.Tensor]:
+    """The empirical Fisher diagonal of each of `params`: the mean over calibration windows
     of each window's squared loss gradient. (Squaring the gradient of a batch instead lets
     the windows' gradients cancel, and measured worse.)"""
-    sums = {m: torch.zeros_like(m.weight) for m in linears}
+    sums = {p: torch.zeros_like(p) for p in params}
     for window in tqdm(calibration, desc="fisher", unit=" windows", disable=not progress):
         model.zero_grad(set_to_none=True)
         model(input_ids=window[None], labels=window[None]).loss.backward()
-        for m in linears:
-            sums[m] += m.weight.grad.float() ** 2
+        for p, total in sums.items():
+            if p.grad is not None:  # an expert block that no token reached has none
+                total += p.grad.float() ** 2
     model.zero_grad(set_to_none=True)
-    return {m: total / len(calibration) for m, total in sums.items()}
+    return {p: total / len(calibration) for p, total in sums.items()}
 
 
 def _hub_tensors(named: Iterable[tuple[str, Layer]], config: QuantConfig

@@ -124,8 +124,6 @@ def make_model(preset: str, output: str | Path, arch: str | None = None, seed: i
     if spec.arch in ("qwen3", "qwen3_moe") and spec.head_dim is None:
         spec = replace(spec, head_dim=2 * spec.hidden_size // spec.num_heads)
     if spec.arch in MOE_ARCHES:
-        if train_steps:
-            raise ValueError(f"train_steps: training {spec.arch} checkpoints is not supported")
         spec = _with_experts(spec)
     if spec.arch == "mistral":
         spec = replace(spec, sliding_window=sliding_window or spec.max_position_embeddings // 8)

@@ -55,6 +55,7 @@ def train(folder: Path, steps: int, seed: int, batch_size: int = 16, seq_len: in
     continuations; returns its trained tensors under their checkpoint names (a tied LM head
     left out) and a report with the held-out loss (and the agreement with the teacher)."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers.core_model_loading import revert_weight_conversion
 
     start = time.perf_counter()
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
@@ -101,7 +102,9 @@ def train(folder: Path, steps: int, seed: int, batch_size: int = 16, seq_len: in
                             round(sum(tail) / len(tail), 4), round(heldout, 4),
                             round(math.exp(heldout), 2), round(time.perf_counter() - start, 1),
                             None if teacher is None else str(teacher), agreement)
-    tensors = {name: t.detach() for name, t in model.state_dict().items()
+    # transformers holds a mixture's experts stacked; the checkpoint names each one's.
+    tensors = {name: t.detach()
+               for name, t in revert_weight_conversion(model, model.state_dict()).items()
                if not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
     return tensors, report
 
