@@ -172,7 +172,7 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
             quantized[name] = q
     if unreached:
         logger.info("%d expert projections saw no calibration token and were rounded to "
-                 "nearest; more --calibration-samples reach more experts", unreached)
+                    "nearest; more --calibration-samples reach more experts", unreached)
     _write(_quantized_checkpoint(source, tied, config,
                                  lambda name, _: quantized[_layer_name(name)]),
            tied and not lm_head, source, out, config, max_shard_bytes, progress=False)
