@@ -45,9 +45,9 @@ from kvserve.tools.checkpoint_files import write_json, write_weights
 from kvserve.tools.corpus import corpus_tokens
 from kvserve.worker.cpu_allocator import retain_freed_memory
 
-METHODS = ("rtn", "gptq", "squeezellm")
 logger = logging.getLogger(__name__)
 
+METHODS = ("rtn", "gptq", "squeezellm")
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                 "special_tokens_map.json")
 
@@ -223,8 +223,8 @@ def _targets(layer: nn.Module, prefix: str, names: list[str]) -> dict[str, _Targ
         return targets
     size = experts.gate_up_proj.shape[1] // 2
     for name in names:
-        match = _EXPERT.match(name)
-        if match and name.startswith(f"{prefix}."):
+        match = name.startswith(f"{prefix}.") and _EXPERT.match(name)
+        if match:
             fused, shard = LlamaForCausalLM.packed_modules.get(match[2], (match[2], 0))
             expert = int(match[1])
             targets[_layer_name(name)] = (
@@ -240,7 +240,8 @@ def _stacks_experts(module: nn.Module) -> bool:
 
 def _rounded_shapes(source: Path, tied: bool, config: QuantConfig
                     ) -> Iterator[tuple[str, tuple[int, int]]]:
-    """The shapes of the weights `_rtn` rounds, from the files' headers (no tensor read)."""
+    """The shapes of the weights `_quantized_checkpoint` quantizes, from the files' headers
+    (no tensor read)."""
     for file in checkpoint_files(source):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
