@@ -11,8 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from kvserve.benchmarks.hf_baseline import hf_cannot_run
 from kvserve.entrypoints.cli import main
+from kvserve.quantization.quantize import quantize_model
 
 
 def kvserve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -268,6 +272,34 @@ def test_eval_perplexity_agrees_with_transformers(llama_dir, tmp_path, capsys):
     assert abs(ours["perplexity"] / theirs["perplexity"] - 1) < 1e-4
     assert "--context (5000) exceeds" in usage_error(capsys, "eval", "perplexity",
                                                      str(llama_dir), "--context", "5000")
+
+
+def test_eval_perplexity_skips_a_transformers_reference_that_would_be_wrong(llama_dir,
+                                                                              tmp_path):
+    """transformers skips the quantization_config of a method it does not know and would
+    score SqueezeLLM's packed tensors as dense weights: the check is left out, with why."""
+    squeezed = quantize_model(llama_dir, tmp_path / "sq", "squeezellm", 4, num_samples=4,
+                              seq_len=32)
+    out = tmp_path / "ppl.json"
+    run = kvserve("eval", "perplexity", str(squeezed), "--context", "40", "--num-windows", "2",
+                  "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    assert "skipping hf: transformers does not implement quant_method 'squeezellm'" in run.stdout
+    assert [row["engine"] for row in json.loads(out.read_text())["rows"]] == ["kvserve"]
+
+
+def test_a_gptq_reference_is_skipped_exactly_when_transformers_cannot_load_it(llama_dir,
+                                                                              tmp_path):
+    """GPTQ needs packages transformers loads on demand (optimum, gptqmodel)."""
+    rounded = quantize_model(llama_dir, tmp_path / "rtn", "rtn", 4, group_size=32)
+    reason = hf_cannot_run(str(rounded), torch.float32)
+    if reason is None:
+        AutoModelForCausalLM.from_pretrained(rounded, dtype=torch.float32)
+    else:
+        assert reason.startswith("transformers cannot load this gptq checkpoint here: ")
+        with pytest.raises(ImportError):
+            AutoModelForCausalLM.from_pretrained(rounded, dtype=torch.float32)
+    assert hf_cannot_run(str(llama_dir), torch.float32) is None
 
 
 def test_bench_offload_replays_chats_identically_in_every_tier(llama_dir, tmp_path):

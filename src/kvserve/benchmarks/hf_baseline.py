@@ -12,9 +12,37 @@ from kvserve.benchmarks.device import synchronize
 from kvserve.benchmarks.workloads import Workload
 
 
+def hf_cannot_run(model: str, dtype: torch.dtype) -> str | None:
+    """Why transformers cannot run this checkpoint as a reference, or None when it can.
+
+    A quantization method transformers does not know (SqueezeLLM) it skips with a warning,
+    and would then run the packed tensors as if they were dense weights; one it knows may need
+    a package this environment lacks (GPTQ needs optimum). Checked before any work is done."""
+    from transformers import AutoConfig
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING, AutoHfQuantizer
+
+    quantization = getattr(AutoConfig.from_pretrained(model), "quantization_config", None)
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method")
+    if method not in AUTO_QUANTIZER_MAPPING:
+        return f"transformers does not implement quant_method {method!r}"
+    try:
+        AutoHfQuantizer.from_config(quantization).validate_environment(dtype=dtype,
+                                                                       device_map=None)
+    except (ImportError, RuntimeError, ValueError) as e:
+        return f"transformers cannot load this {method} checkpoint here: {e}"
+    return None
+
+
 def load_hf(model: str, dtype: torch.dtype, device: str = "cpu"):  # noqa: ANN201
+    """transformers on the checkpoint, or None, with the reason printed, where it cannot run
+    it: the command goes on without that reference, as it does without a peer it cannot run."""
     from transformers import AutoModelForCausalLM
 
+    if (reason := hf_cannot_run(model, dtype)) is not None:
+        print(f"  skipping hf: {reason}", flush=True)
+        return None
     return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
 
 

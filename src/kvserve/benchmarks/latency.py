@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> None:
                 "kvserve TPOT speedup": round(tpot_s / tpot, 2) if timed_ok else None}
 
     rows = [row(f"kvserve {str(cfg.dtype).removeprefix('torch.')}", ttft, tpot)]
-    if "hf" in args.baseline:
-        hf = load_hf(args.model, cfg.dtype, device)
+    hf = load_hf(args.model, cfg.dtype, device) if "hf" in args.baseline else None
+    if hf is not None:
         for static_cache in [False, True] if args.hf_compile else [False]:
             def theirs(n: int, static_cache: bool = static_cache) -> float:
                 return timed(lambda: hf_generate_batch(hf, [prompt], n,

@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> None:
 
     start = time.perf_counter()
     rows = [row("kvserve", engine_nll(llm, windows), time.perf_counter() - start)]
-    if not args.no_hf:
-        hf = load_hf(args.model, cfg.dtype, device)
+    hf = None if args.no_hf else load_hf(args.model, cfg.dtype, device)
+    if hf is not None:
         start = time.perf_counter()
         nll = hf_nll(hf, windows)
         synchronize(device)
