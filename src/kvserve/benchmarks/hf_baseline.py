@@ -17,7 +17,7 @@ def hf_cannot_run(model: str, dtype: torch.dtype) -> str | None:
 
     A quantization method transformers does not know (SqueezeLLM) it skips with a warning,
     and would then run the packed tensors as if they were dense weights; one it knows may need
-    a package this environment lacks (GPTQ needs optimum). Checked before any work is done."""
+    a package this environment lacks (GPTQ needs optimum)."""
     from transformers import AutoConfig
     from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING, AutoHfQuantizer
 
