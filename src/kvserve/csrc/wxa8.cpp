@@ -1279,14 +1279,14 @@ torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 bool wxa8_experts_run(const std::vector<const LinearWeights*>& layers) {
-  return !layers.empty() &&
-         std::all_of(layers.begin(), layers.end(), [&](const LinearWeights* layer) {
-           const LinearWeights& first = *layers.front();
-           return layer->kind == LinearWeights::Kind::kWxA8 && !layer->input_order &&
-                  layer->amx_from != 1 && layer->dequantized_from != 1 &&
-                  layer->group == first.group && layer->bits == first.bits &&
-                  layer->weight.size(0) == first.weight.size(0);
-         });
+  if (layers.empty()) return false;
+  const LinearWeights& first = *layers.front();
+  return std::all_of(layers.begin(), layers.end(), [&](const LinearWeights* layer) {
+    return layer->kind == LinearWeights::Kind::kWxA8 && !layer->input_order &&
+           layer->amx_from != 1 && layer->dequantized_from != 1 &&
+           layer->group == first.group && layer->bits == first.bits &&
+           layer->weight.size(0) == first.weight.size(0);
+  });
 }
 
 torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const LinearWeights*>& layers) {
