@@ -166,7 +166,7 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
             elif target.inputs in hessians:
                 q = gptq(weight, hessians[target.inputs], bits, group, sym, act_order)
             else:  # an expert that no calibration token was routed to
-                q = rtn(weight, bits, group, sym)
+                q = _round(weight, config)
                 unreached += 1
             weight.copy_(q.dequantize())  # later layers see the quantized layer
             quantized[name] = q
