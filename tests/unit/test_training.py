@@ -44,7 +44,6 @@ def test_training_is_deterministic_and_lowers_the_heldout_loss(tmp_path):
         make_model("tiny", tmp_path / "d", train_steps=-1)
 
 
-
 def test_a_mixture_of_experts_trains_under_its_checkpoint_names(tmp_path):
     """transformers stacks the experts; the trained checkpoint names each expert's weights as
     the untrained one does, and training moved every expert (and the shared one)."""
@@ -55,6 +54,7 @@ def test_a_mixture_of_experts_trains_under_its_checkpoint_names(tmp_path):
     experts = [n for n in trained if ".experts." in n or ".shared_expert." in n]
     assert len(experts) == 2 * 3 * 9  # layers x projections x (8 experts + the shared one)
     assert not [n for n in experts if torch.equal(trained[n], untrained[n])]
+
 
 def test_distillation_trains_a_draft_that_agrees_with_its_teacher(tmp_path):
     teacher = make_model("tiny", tmp_path / "teacher", seed=2)
