@@ -62,6 +62,14 @@ constexpr int64_t kInt16Blocks = 4;
 inline __m256i pair_sums(__m256i q, const int8_t* x) {
   return _mm256_maddubs_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
 }
+
+// A 4-bit block's 32 bytes as its low nibbles (channels 0-31) and its high ones (32-63).
+inline void nibble_halves(const uint8_t* block, __m256i& lo, __m256i& hi) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+  lo = _mm256_and_si256(v, nibble);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+}
 #endif
 
 // The integer dot products of one group's blocks, from b0 on, for ROWS rows `k` apart, as 8
@@ -100,9 +108,8 @@ inline void group_dots(const uint8_t* w, const int8_t* xq, int64_t k, int64_t b0
       _mm_prefetch(reinterpret_cast<const char*>(w + b * kBlock * BITS / 8 + kPrefetchBytes),
                    _MM_HINT_T0);
       if constexpr (BITS == 4) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
-        const __m256i lo = _mm256_and_si256(v, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        __m256i lo, hi;
+        nibble_halves(w + b * 32, lo, hi);
         for (int r = 0; r < ROWS; ++r) {
           const int8_t* x = xq + r * k + b * kBlock;
           low[r] = _mm256_add_epi16(low[r],
@@ -287,7 +294,7 @@ void weight_rows(const uint8_t* w, const int8_t* xq, const float* xs, const floa
 // weight row of each in step, as the float32 GEMV reads four blocks. On a 2-core AVX2 EPYC,
 // one weight row at a time streamed at 18-25 GB/s where the float32 GEMV streamed 28-40;
 // four rows side by side but adjacent gained nothing, four runs apart streamed at 27-36.
-// 4-bit weights stay with the per-row kernel: end to end, this gained them nothing.
+// 4-bit weights on one row have one_row:: below.
 namespace streams {
 
 constexpr int64_t kStreams = 4;
@@ -373,6 +380,130 @@ void outputs(const uint8_t* w, const int8_t* xq, const float* x_scale, const flo
 }
 
 }  // namespace streams
+
+// 4-bit weights on one row with maddubs (AVX2 without VNNI), kOuts outputs at a time: each
+// activation vector is loaded once for all of them, their integer sums are reduced side by
+// side, and each output's float work is avx2_weight_row's, in its order, so an output has the
+// bits it has on the per-row kernel, whatever rows share the call. One output at a time, each
+// row waited on its reductions after every 8 groups and on its final lane sum, a fixed cost
+// that decided short rows: on a 2-core AVX2 EPYC, weights streamed from memory, one-row calls
+// took 0.71x the time at 256 channels (6,144 outputs), 0.86-0.91x at 576-768. Short rows are
+// read 4 adjacent ones at a time; rows over kAdjacentRowBytes as 4 runs far apart, as
+// streams:: reads 8-bit ones: 4 adjacent rows of 1,536-8,192 channels read 1.2-1.37x slower
+// than one by one, 4 runs 0.92-1.01x.
+namespace one_row {
+
+constexpr int kOuts = 4;
+constexpr int64_t kAdjacentRowBytes = 512;
+
+// Lanes 0-3 and 4-7 of hadd(hadd(d0, d1), hadd(d2, d3)): half of lane_totals, built as the
+// group pairs arrive so that no more than two groups' sums of each output are held at once.
+template <int OUTS, int BLOCKS>
+inline void quad_totals(const uint8_t* w, int64_t row_bytes, const int8_t* xq, int64_t g0,
+                        int64_t count, int64_t blocks, __m256i* quads) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t per_group = BLOCKS > 0 ? BLOCKS : blocks;
+  __m256i first[OUTS];  // of a pair of groups
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    __m256i dots[OUTS];
+    for (int o = 0; o < OUTS; ++o) dots[o] = _mm256_setzero_si256();
+    if (i < count) {
+      const int64_t b0 = (g0 + i) * per_group;
+      for (int64_t s = 0; s < per_group; s += kInt16Blocks) {
+        __m256i low[OUTS];
+        for (int o = 0; o < OUTS; ++o) low[o] = _mm256_setzero_si256();
+        for (int64_t b = b0 + s; b < b0 + std::min(s + kInt16Blocks, per_group); ++b) {
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock));
+          const __m256i x1 =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock + 32));
+          for (int o = 0; o < OUTS; ++o) {
+            const uint8_t* block = w + o * row_bytes + b * 32;
+            _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes), _MM_HINT_T0);
+            __m256i lo, hi;
+            nibble_halves(block, lo, hi);
+            low[o] = _mm256_add_epi16(
+                low[o], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0),
+                                         _mm256_maddubs_epi16(hi, x1)));
+          }
+        }
+        for (int o = 0; o < OUTS; ++o)
+          dots[o] = _mm256_add_epi32(dots[o], _mm256_madd_epi16(low[o], ones));
+      }
+    }
+    if (i % 2 == 0) {
+      for (int o = 0; o < OUTS; ++o) first[o] = dots[o];
+    } else {
+      for (int o = 0; o < OUTS; ++o) {
+        const __m256i pair = _mm256_hadd_epi32(first[o], dots[o]);
+        quads[o] = i == 1 ? pair : _mm256_hadd_epi32(quads[o], pair);
+      }
+    }
+  }
+}
+
+// out[o * spread] for OUTS outputs `spread` apart (their weight rows spread * row_bytes,
+// their scales and zeros spread * groups), of one row quantized into xq, x_scale and x_zero.
+template <int OUTS, int BLOCKS>
+inline void tile(const uint8_t* w, int64_t row_bytes, int64_t spread, const int8_t* xq,
+                 const float* x_scale, const float* x_zero, const float* scale,
+                 const float* zero, int64_t groups, int64_t blocks, float* out) {
+  __m256 acc[OUTS];
+  for (int o = 0; o < OUTS; ++o) acc[o] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    const int64_t count = std::min<int64_t>(8, groups - g0);
+    __m256i q0[OUTS], q1[OUTS];
+    quad_totals<OUTS, BLOCKS>(w, spread * row_bytes, xq, g0, count, blocks, q0);
+    quad_totals<OUTS, BLOCKS>(w, spread * row_bytes, xq, g0 + 4, count - 4, blocks, q1);
+    const __m256i lanes = simd::first_avx2_lanes(count);
+    const __m256 xs = _mm256_maskload_ps(x_scale + g0, lanes);
+    const __m256 xz = _mm256_maskload_ps(x_zero + g0, lanes);
+    for (int o = 0; o < OUTS; ++o) {
+      const __m256 s = _mm256_maskload_ps(scale + o * spread * groups + g0, lanes);
+      const __m256 zs =
+          _mm256_mul_ps(_mm256_maskload_ps(zero + o * spread * groups + g0, lanes), s);
+      const __m256i totals = _mm256_add_epi32(_mm256_permute2x128_si256(q0[o], q1[o], 0x20),
+                                              _mm256_permute2x128_si256(q0[o], q1[o], 0x31));
+      acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(s, xs),
+                               _mm256_fnmadd_ps(zs, xz, acc[o]));
+    }
+  }
+  for (int o = 0; o < OUTS; ++o) out[o * spread] = lane_sum(acc[o]);
+}
+
+template <int BLOCKS>
+void outputs_of(const uint8_t* w, const int8_t* xq, const float* x_scale, const float* x_zero,
+                const float* scale, const float* zero, int64_t k, int64_t groups,
+                int64_t blocks, float* out, int64_t begin, int64_t end) {
+  const int64_t row_bytes = k / 2;
+  const int64_t tiles = (end - begin) / kOuts;
+  const int64_t spread = row_bytes <= kAdjacentRowBytes ? 1 : tiles;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t o = begin + (spread == 1 ? kOuts * t : t);
+    tile<kOuts, BLOCKS>(w + o * row_bytes, row_bytes, spread, xq, x_scale, x_zero,
+                        scale + o * groups, zero + o * groups, groups, blocks, out + o);
+  }
+  int64_t o = begin + kOuts * tiles;
+  for (; o < end; ++o)
+    tile<1, BLOCKS>(w + o * row_bytes, row_bytes, 1, xq, x_scale, x_zero, scale + o * groups,
+                    zero + o * groups, groups, blocks, out + o);
+}
+
+// Outputs [begin, end) of out [1, n]: kOuts at a time, then what is left one by one.
+void outputs(const uint8_t* w, const int8_t* xq, const float* x_scale, const float* x_zero,
+             const float* scale, const float* zero, int64_t k, int64_t groups, int64_t blocks,
+             float* out, int64_t begin, int64_t end) {
+  switch (blocks) {  // the common group sizes, 64 and 128 channels, with unrolled loops
+    case 1: return outputs_of<1>(w, xq, x_scale, x_zero, scale, zero, k, groups, blocks, out,
+                                 begin, end);
+    case 2: return outputs_of<2>(w, xq, x_scale, x_zero, scale, zero, k, groups, blocks, out,
+                                 begin, end);
+    default: return outputs_of<0>(w, xq, x_scale, x_zero, scale, zero, k, groups, blocks, out,
+                                  begin, end);
+  }
+}
+
+}  // namespace one_row
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -962,8 +1093,9 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const tor
 }
 
 // Outputs [begin, end) of out [m, n] for a few rows quantized into xq, xs and xz (in
-// paired_position's order where `paired`): the paired, stream or per-row kernels. An output's
-// value does not depend on the range it is computed in, so any split gives the same result.
+// paired_position's order where `paired`): the paired, stream, one-row or per-row kernels. An
+// output's value does not depend on the range it is computed in, so any split gives the same
+// result.
 void few_rows(const int8_t* xq, const float* xs, const float* xz, int64_t m, bool paired,
               const uint8_t* wp, const float* sp, const float* zp, int64_t k, int64_t group,
               int64_t bits, float* op, int64_t n, int64_t begin, int64_t end) {
@@ -984,6 +1116,10 @@ void few_rows(const int8_t* xq, const float* xs, const float* xz, int64_t m, boo
       streams::outputs<2>(wp, xq, xs, xz, sp, zp, k, groups, blocks, op, n, begin, end);
     else
       streams::outputs<1>(wp, xq, xs, xz, sp, zp, k, groups, blocks, op, n, begin, end);
+    return;
+  }
+  if (bits == 4 && m == 1) {
+    one_row::outputs(wp, xq, xs, xz, sp, zp, k, groups, blocks, op, begin, end);
     return;
   }
 #endif
