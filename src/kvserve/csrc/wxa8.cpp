@@ -149,14 +149,26 @@ inline float lane_sum(__m256 v) {
   return total;
 }
 
-// Lane i: the sum of the 8 lanes of d[i].
-inline __m256i lane_totals(const __m256i d[8]) {
-  const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]),
-                                       _mm256_hadd_epi32(d[2], d[3]));
-  const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]),
-                                       _mm256_hadd_epi32(d[6], d[7]));
+// Lane i: the sum of the 8 lanes of d[i], from q0 = hadd(hadd(d0, d1), hadd(d2, d3)) and q1
+// the same of d4-d7.
+inline __m256i joined_quads(__m256i q0, __m256i q1) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20),
                           _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+// Lane i: the sum of the 8 lanes of d[i].
+inline __m256i lane_totals(const __m256i d[8]) {
+  return joined_quads(
+      _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3])),
+      _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7])));
+}
+
+// acc plus x_scale * scale * dot - scale * zero * x_zero for 8 groups' integer dot products,
+// given scale, scale * zero, x_scale and x_zero: the one order every AVX2 one-row output takes.
+inline __m256 scaled_groups(__m256 acc, __m256i dots, __m256 s, __m256 zs, __m256 xs,
+                            __m256 xz) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(s, xs),
+                         _mm256_fnmadd_ps(zs, xz, acc));
 }
 
 // weight_row (below) on AVX2, eight groups at a time: their dot products as the lanes of one
@@ -188,11 +200,9 @@ inline void avx2_weight_row(const uint8_t* w, const int8_t* xq, const float* x_s
     for (int r = 0; r < ROWS; ++r) {
       const __m256 xs = _mm256_maskload_ps(x_scale + r * groups + g0, lanes);
       const __m256 xz = _mm256_maskload_ps(x_zero + r * groups + g0, lanes);
-      // x_scale * scale * dot - scale * zero * x_zero, per group
       const __m256i row_dots[8] = {dots[0][r], dots[1][r], dots[2][r], dots[3][r],
                                    dots[4][r], dots[5][r], dots[6][r], dots[7][r]};
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_totals(row_dots)), _mm256_mul_ps(s, xs),
-                               _mm256_fnmadd_ps(zs, xz, acc[r]));
+      acc[r] = scaled_groups(acc[r], lane_totals(row_dots), s, zs, xs, xz);
     }
   }
   for (int r = 0; r < ROWS; ++r) out[r] = lane_sum(acc[r]);
@@ -383,21 +393,22 @@ void outputs(const uint8_t* w, const int8_t* xq, const float* x_scale, const flo
 
 // 4-bit weights on one row with maddubs (AVX2 without VNNI), kOuts outputs at a time: each
 // activation vector is loaded once for all of them, their integer sums are reduced side by
-// side, and each output's float work is avx2_weight_row's, in its order, so an output has the
-// bits it has on the per-row kernel, whatever rows share the call. One output at a time, each
-// row waited on its reductions after every 8 groups and on its final lane sum, a fixed cost
-// that decided short rows: on a 2-core AVX2 EPYC, weights streamed from memory, one-row calls
-// took 0.71x the time at 256 channels (6,144 outputs), 0.86-0.91x at 576-768. Short rows are
-// read 4 adjacent ones at a time; rows over kAdjacentRowBytes as 4 runs far apart, as
-// streams:: reads 8-bit ones: 4 adjacent rows of 1,536-8,192 channels read 1.2-1.37x slower
-// than one by one, 4 runs 0.92-1.01x.
+// side, and each output's float work is avx2_weight_row's (scaled_groups, lane_sum), so an
+// output has the bits it has on the per-row kernel, whatever rows share the call. One output
+// at a time, each row waited on its reductions after every 8 groups and on its final lane
+// sum, a fixed cost that decided short rows: on a 2-core AVX2 EPYC, weights streamed from
+// memory, one-row calls took 0.71x the time at 256 channels (6,144 outputs), 0.86-0.91x at
+// 576-768. Short rows are read 4 adjacent ones at a time; rows over kAdjacentRowBytes as 4
+// runs far apart, as streams:: reads 8-bit ones: 4 adjacent rows of 1,536-8,192 channels
+// read 1.2-1.37x slower than one by one, 4 runs 0.92-1.01x.
 namespace one_row {
 
 constexpr int kOuts = 4;
 constexpr int64_t kAdjacentRowBytes = 512;
 
-// Lanes 0-3 and 4-7 of hadd(hadd(d0, d1), hadd(d2, d3)): half of lane_totals, built as the
-// group pairs arrive so that no more than two groups' sums of each output are held at once.
+// hadd(hadd(d0, d1), hadd(d2, d3)) of 4 groups' dot products (joined_quads' q0 or q1), for
+// each output, built as the group pairs arrive so that no more than two groups' sums of each
+// output are held at once.
 template <int OUTS, int BLOCKS>
 inline void quad_totals(const uint8_t* w, int64_t row_bytes, const int8_t* xq, int64_t g0,
                         int64_t count, int64_t blocks, __m256i* quads) {
@@ -462,10 +473,7 @@ inline void tile(const uint8_t* w, int64_t row_bytes, int64_t spread, const int8
       const __m256 s = _mm256_maskload_ps(scale + o * spread * groups + g0, lanes);
       const __m256 zs =
           _mm256_mul_ps(_mm256_maskload_ps(zero + o * spread * groups + g0, lanes), s);
-      const __m256i totals = _mm256_add_epi32(_mm256_permute2x128_si256(q0[o], q1[o], 0x20),
-                                              _mm256_permute2x128_si256(q0[o], q1[o], 0x31));
-      acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals), _mm256_mul_ps(s, xs),
-                               _mm256_fnmadd_ps(zs, xz, acc[o]));
+      acc[o] = scaled_groups(acc[o], joined_quads(q0[o], q1[o]), s, zs, xs, xz);
     }
   }
   for (int o = 0; o < OUTS; ++o) out[o * spread] = lane_sum(acc[o]);
