@@ -37,6 +37,11 @@ constexpr int64_t kRows = 4;    // activation rows served by one pass over a wei
 // it does with this on a 2-core AVX2 EPYC, and at 0.75-0.85x on a 2-core AVX-512 one (8-bit:
 // 0.9x), where the kernel's integer work kept too few reads in flight.
 constexpr int64_t kPrefetchBytes = 4096;
+// The lead in each of four weight runs read side by side far apart (streams::, one_row:: over
+// long rows): 4 KiB in each, four runs' prefetched lines outgrew what L1 kept until they were
+// read, and on a 2-core AVX2 EPYC one-row calls over cold weights took 1.08-1.23x the time of
+// 2 KiB (4-bit rows of 2,048-8,192 channels; 8-bit rows of 768-8,192: 1.04-1.08x).
+constexpr int64_t kRunPrefetchBytes = 2048;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // One block's 64 weights as unsigned bytes.
@@ -320,6 +325,7 @@ inline void tile(const uint8_t* w, int64_t spread, const int8_t* xq, const float
                  const float* x_zero, const float* scale, const float* zero, int64_t k,
                  int64_t groups, int64_t blocks, float* out, int64_t n) {
   const __m256i flip = _mm256_set1_epi8(-128), ones = _mm256_set1_epi16(1);
+  constexpr int64_t kAhead = OUTS == kStreams ? kRunPrefetchBytes : kPrefetchBytes;
   __m256 acc[ROWS][OUTS];
   for (int r = 0; r < ROWS; ++r)
     for (int o = 0; o < OUTS; ++o) acc[r][o] = _mm256_setzero_ps();
@@ -335,7 +341,7 @@ inline void tile(const uint8_t* w, int64_t spread, const int8_t* xq, const float
               reinterpret_cast<const __m256i*>(xq + r * k + b * kBlock + 32 * h));
       for (int o = 0; o < OUTS; ++o) {
         const uint8_t* block = w + o * spread * k + b * kBlock;
-        _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(block + kAhead), _MM_HINT_T0);
         __m256i v[2];
         for (int h = 0; h < 2; ++h)
           v[h] = _mm256_xor_si256(
@@ -410,8 +416,8 @@ constexpr int64_t kAdjacentRowBytes = 512;
 // each output, built as the group pairs arrive so that no more than two groups' sums of each
 // output are held at once.
 template <int OUTS, int BLOCKS>
-inline void quad_totals(const uint8_t* w, int64_t row_bytes, const int8_t* xq, int64_t g0,
-                        int64_t count, int64_t blocks, __m256i* quads) {
+inline void quad_totals(const uint8_t* w, int64_t row_bytes, int64_t ahead, const int8_t* xq,
+                        int64_t g0, int64_t count, int64_t blocks, __m256i* quads) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t per_group = BLOCKS > 0 ? BLOCKS : blocks;
   __m256i first[OUTS];  // of a pair of groups
@@ -430,7 +436,7 @@ inline void quad_totals(const uint8_t* w, int64_t row_bytes, const int8_t* xq, i
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kBlock + 32));
           for (int o = 0; o < OUTS; ++o) {
             const uint8_t* block = w + o * row_bytes + b * 32;
-            _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(block + ahead), _MM_HINT_T0);
             __m256i lo, hi;
             nibble_halves(block, lo, hi);
             low[o] = _mm256_add_epi16(
@@ -459,13 +465,14 @@ template <int OUTS, int BLOCKS>
 inline void tile(const uint8_t* w, int64_t row_bytes, int64_t spread, const int8_t* xq,
                  const float* x_scale, const float* x_zero, const float* scale,
                  const float* zero, int64_t groups, int64_t blocks, float* out) {
+  const int64_t ahead = spread == 1 ? kPrefetchBytes : kRunPrefetchBytes;
   __m256 acc[OUTS];
   for (int o = 0; o < OUTS; ++o) acc[o] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < groups; g0 += 8) {
     const int64_t count = std::min<int64_t>(8, groups - g0);
     __m256i q0[OUTS], q1[OUTS];
-    quad_totals<OUTS, BLOCKS>(w, spread * row_bytes, xq, g0, count, blocks, q0);
-    quad_totals<OUTS, BLOCKS>(w, spread * row_bytes, xq, g0 + 4, count - 4, blocks, q1);
+    quad_totals<OUTS, BLOCKS>(w, spread * row_bytes, ahead, xq, g0, count, blocks, q0);
+    quad_totals<OUTS, BLOCKS>(w, spread * row_bytes, ahead, xq, g0 + 4, count - 4, blocks, q1);
     const __m256i lanes = simd::first_avx2_lanes(count);
     const __m256 xs = _mm256_maskload_ps(x_scale + g0, lanes);
     const __m256 xz = _mm256_maskload_ps(x_zero + g0, lanes);
