@@ -38,9 +38,10 @@ constexpr int64_t kRows = 4;    // activation rows served by one pass over a wei
 // 0.9x), where the kernel's integer work kept too few reads in flight.
 constexpr int64_t kPrefetchBytes = 4096;
 // The lead in each of four weight runs read side by side far apart (streams::, one_row:: over
-// long rows): 4 KiB in each, four runs' prefetched lines outgrew what L1 kept until they were
-// read, and on a 2-core AVX2 EPYC one-row calls over cold weights took 1.08-1.23x the time of
-// 2 KiB (4-bit rows of 2,048-8,192 channels; 8-bit rows of 768-8,192: 1.04-1.08x).
+// long rows). With 4 KiB in each, the four runs' prefetched lines outgrew what L1 kept until
+// they were read: on a 2-core AVX2 EPYC, one-row calls over cold weights took 1.08-1.23x the
+// time they take with 2 KiB (4-bit rows of 2,048-8,192 channels; 8-bit rows of 768-8,192:
+// 1.04-1.08x).
 constexpr int64_t kRunPrefetchBytes = 2048;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
