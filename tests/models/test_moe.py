@@ -275,6 +275,7 @@ def test_the_decode_stack_runs_quantized_experts_as_the_eager_forward(moe_dirs, 
     assert stacked.engine.core.runner.cpu_decode is not None
     expert = stacked.engine.core.runner.model.layers[0].mlp.experts[0]
     assert isinstance(expert.down_proj.kernel, WxA8Weight)
+    assert len(expert.down_proj.kernel.zeros) == 1  # symmetric: one row of zeros for all
     prompts = random_prompts([5, 17, 70, 3, 40], seed=4)
     for batch in (prompts, prompts[:1]):
         assert greedy_with_logprobs(stacked, batch) == greedy_with_logprobs(eager, batch)

@@ -348,8 +348,9 @@ def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
     Without VNNI, 8-bit weights on one or two rows go over each thread's outputs as 4 (2) runs
     side by side: 21 and 80 outputs leave some over; 4-bit weights on one row go 4 outputs at
     a time, adjacent rows up to 512 bytes and 4 runs apart above (2,176 channels). A 4-bit
-    row has the same bits alone as beside up to 3 others. bfloat16 rows give the float32
-    rows' output rounded to bfloat16."""
+    row has the same bits alone as beside up to 3 others. Zeros given as one row for every
+    output (a symmetric layer's) give the bits that row repeated for each output gives.
+    bfloat16 rows give the float32 rows' output rounded to bfloat16."""
     torch.manual_seed(0)
     top = (1 << bits) - 1
     for (group, groups), n in itertools.product(
@@ -357,14 +358,22 @@ def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
             (21, 24, 80)):
         k = group * groups
         scales, zeros = torch.rand(n, groups) + 0.5, torch.randint(0, top + 1, (n, groups))
+        shared_zeros = zeros[:1].float()
         for q, x in ((torch.randint(0, top + 1, (n, k)), torch.randn(35, k)),
                      (torch.full((n, k), top), torch.ones(35, k)),
                      (torch.zeros(n, k, dtype=torch.long), -torch.ones(35, k))):
+            packed = wxa8_packed(q, bits)
             for rows in (1, 2, 3, 4, 5, 16, 23, 32, 35):
-                got = gemm.wxa8_matmul(x[:rows].contiguous(), wxa8_packed(q, bits), scales,
-                                       zeros.float(), group, bits)
+                got = gemm.wxa8_matmul(x[:rows].contiguous(), packed, scales, zeros.float(),
+                                       group, bits)
                 want = _wxa8_reference(x[:rows], q, scales, zeros.float(), group)
                 assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max(), \
+                    (group, groups, rows)
+                assert torch.equal(
+                    gemm.wxa8_matmul(x[:rows].contiguous(), packed, scales, shared_zeros, group,
+                                     bits),
+                    gemm.wxa8_matmul(x[:rows].contiguous(), packed, scales,
+                                     shared_zeros.expand(n, -1).contiguous(), group, bits)), \
                     (group, groups, rows)
                 if rows == 1:
                     one_row = got
@@ -381,19 +390,41 @@ def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
         assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16()), rows
 
 
+def test_w4a8_keeps_one_row_of_zeros_for_a_symmetric_layer():
+    """A symmetric layer's zero points are the same for every output, so one row of them is
+    kept: its 4-bit weights in groups of 64 channels take 36 bytes a group, not 40, and give
+    the bits the full zeros give. Zeros of another number of rows are refused by name."""
+    gemm = cpu_kernels()
+    if gemm is None:
+        pytest.skip("no CPU kernels")
+    torch.manual_seed(0)
+    w, x = torch.randn(48, 256), torch.randn(3, 256)
+    sym = cpu_candidates([rtn(w, 4, 64, sym=True)]).packers[WxA8Weight]()
+    asym = cpu_candidates([rtn(w, 4, 64, sym=False)]).packers[WxA8Weight]()
+    assert sym.zeros.shape == (1, 4) and asym.zeros.shape == (48, 4)
+    assert sym.num_bytes == 48 * 4 * (32 + 4) + 4 * 4
+    full = dataclasses.replace(sym, zeros=sym.zeros.expand(48, -1).contiguous())
+    for rows in (1, 3):
+        assert torch.equal(sym.matmul(x[:rows]), full.matmul(x[:rows]))
+    with pytest.raises(RuntimeError, match=r"zeros of \[n, k / group\], or of \[1, k / group\]"):
+        gemm.wxa8_matmul(x, asym.packed, asym.scales, asym.zeros[:2].contiguous(), 64, 4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_dequantizing_gemm_gives_the_dense_gemms_bits(dtype, bits):
     """Each block dequantized into the GEMM's tiles is the packed dequantized weight: the same
     bits as the dense GEMM over it, for few rows, a tile's 6, and over 256 (the AMX path
-    that splits rows between threads), with a partial last block (40 outputs)."""
+    that splits rows between threads), with a partial last block (40 outputs), and with a
+    zero point per output and group or (symmetric) one row of them for all."""
     if not dequantized_gemm_runs(256, dtype):
         pytest.skip(f"no blocked GEMM for {dtype} on this CPU")
     torch.manual_seed(0)
     gemm = cpu_kernels()
-    for out_features, group in ((40, 64), (96, 128)):
-        q = rtn(torch.randn(out_features, 256), bits, group, sym=False)
+    for (out_features, group), sym in itertools.product(((40, 64), (96, 128)), (False, True)):
+        q = rtn(torch.randn(out_features, 256), bits, group, sym=sym)
         kernel = cpu_candidates([q]).packers[WxA8Weight]()
+        assert len(kernel.zeros) == (1 if sym else out_features)
         packed = gemm.pack_weight([q.dequantize().to(dtype)], dtype)
         for rows in (1, 6, 33, 300):
             x = torch.randn(rows, 256).to(dtype)
@@ -424,17 +455,18 @@ def test_w4a8_layers_run_many_rows_through_the_dequantizing_gemm():
 def test_amx_int8_tiles_give_the_w4a8_kernels_products(bits):
     """The same integer products as the VNNI kernel, scaled in another order: one partial slab
     of 16 rows, several, and (8,192 channels) more rows than one pass keeps in L2, in groups of
-    one, two and four 128-channel tile pairs; shapes it cannot take are left to VNNI."""
+    one, two and four 128-channel tile pairs, with zero points per output or (symmetric) one
+    row of them for all; shapes it cannot take are left to VNNI."""
     torch.manual_seed(0)
     probe = cpu_candidates([rtn(torch.randn(48, 256), bits, 128, sym=False)]).packed()
     if not probe or not amx_int8_runs(probe[-1]):
         pytest.skip("no AMX int8 tiles on this CPU")
     gemm = cpu_kernels()
-    for out_features, in_features, group, rows in ((48, 256, 128, (1, 5, 16, 17, 40)),
-                                                   (32, 512, 256, (3, 33)),
-                                                   (32, 512, 512, (3, 33)),
-                                                   (16, 8192, 128, (70,))):
-        q = rtn(torch.randn(out_features, in_features), bits, group, sym=False)
+    for out_features, in_features, group, rows, sym in (
+            (48, 256, 128, (1, 5, 16, 17, 40), False), (48, 256, 128, (17,), True),
+            (32, 512, 256, (3, 33), False), (32, 512, 512, (3, 33), True),
+            (16, 8192, 128, (70,), False)):
+        q = rtn(torch.randn(out_features, in_features), bits, group, sym=sym)
         kernel = cpu_candidates([q]).packers[WxA8Weight]()
         for m in rows:
             x = torch.randn(m, in_features) + 0.5

@@ -102,10 +102,11 @@ inline void row_bf16(const uint8_t* q, float scale, float zero, __m512i (&out)[2
 
 // Outputs [0, rows) of a block (rows <= 16; the rest zeros) into `out`, the packed block
 // ([k / step][16][step] of T). q, scales and zeros start at the block's first output; q has
-// rows of k * BITS / 8 bytes, scales and zeros rows of k / group.
+// rows of k * BITS / 8 bytes, scales rows of k / group, zeros rows `zero_row` apart
+// (wxa8_zero_row).
 template <typename T, int BITS>
-void block(const uint8_t* q, const float* scales, const float* zeros, int64_t rows, int64_t k,
-           int64_t group, T* out) {
+void block(const uint8_t* q, const float* scales, const float* zeros, int64_t zero_row,
+           int64_t rows, int64_t k, int64_t group, T* out) {
   constexpr int kRegisters = std::is_same_v<T, float> ? 4 : 2;  // per row of 64 channels
   constexpr int64_t kStep = simd::Lanes<T>::kStep;
   const int64_t row_bytes = k * BITS / 8, groups = k / group;
@@ -118,7 +119,7 @@ void block(const uint8_t* q, const float* scales, const float* zeros, int64_t ro
         continue;
       }
       const uint8_t* row = q + o * row_bytes + c * BITS / 8;
-      const float scale = scales[o * groups + g], zero = zeros[o * groups + g];
+      const float scale = scales[o * groups + g], zero = zeros[o * zero_row + g];
       if constexpr (std::is_same_v<T, float>) {
         __m512 value[4];
         row_float<BITS>(row, scale, zero, value);
@@ -149,7 +150,7 @@ struct Blocks {
   const uint8_t* q;
   const float* scales;
   const float* zeros;
-  int64_t n, k, group;
+  int64_t zero_row, n, k, group;
 
   struct Loaded {
     std::vector<T> buffer;
@@ -168,8 +169,8 @@ struct Blocks {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t row = b * kBlock;
       dequantize::block<T, BITS>(q + row * (k * BITS / 8), scales + row * groups,
-                                 zeros + row * groups, std::min(kBlock, n - row), k, group,
-                                 into.buffer.data() + (b - begin) * block_elems);
+                                 zeros + row * zero_row, zero_row, std::min(kBlock, n - row), k,
+                                 group, into.buffer.data() + (b - begin) * block_elems);
     }
     into.first = begin;
   }

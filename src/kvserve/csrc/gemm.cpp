@@ -457,10 +457,10 @@ torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qw
                   qweight.scalar_type() == torch::kUInt8 && qweight.is_contiguous(),
               "dequantized_linear: a [n, k * bits / 8] uint8 weight in groups of a multiple "
               "of 64 input channels for input width ", k);
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && zeros.scalar_type() == torch::kFloat &&
-                  scales.is_contiguous() && zeros.is_contiguous() &&
-                  scales.numel() == n * (k / group) && zeros.numel() == n * (k / group),
-              "dequantized_linear: float32 scales and zeros of [n, k / group]");
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+                  scales.numel() == n * (k / group),
+              "dequantized_linear: float32 scales of [n, k / group]");
+  const int64_t zero_row = wxa8_zero_row(zeros, n, k / group, "dequantized_linear");
   auto out = torch::empty({m, n}, x.options());
 #ifdef __AVX512F__
   if (m > 0)
@@ -469,7 +469,7 @@ torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qw
       const auto run = [&](auto width) {
         const dequantize::Blocks<T, decltype(width)::value> weight{
             qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(),
-            n, k, group};
+            zero_row, n, k, group};
         gemm<T>(x.data_ptr<T>(), m, k, weight, n, nullptr, out.data_ptr<T>());
       };
       if (bits == 4)

@@ -22,14 +22,20 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& packed
                              const c10::optional<torch::Tensor>& bias);
 torch::Tensor blocked_linear_silu_and_mul(const torch::Tensor& x, const torch::Tensor& packed,
                                           int64_t n);
-// x @ W^T for a W4A8/W8A8 weight (wxa8.cpp's [n, k * bits / 8] layout, scales and zeros
-// [n, k / group]), dequantized block by block into the GEMM's packed form.
+// x @ W^T for a W4A8/W8A8 weight (wxa8.cpp's [n, k * bits / 8] layout, scales [n, k / group]
+// and zeros as wxa8_zero_row takes them), dequantized block by block into the GEMM's packed
+// form.
 bool dequantized_linear_supports(const torch::Tensor& x);  // built for x's dtype
 torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qweight,
                                  const torch::Tensor& scales, const torch::Tensor& zeros,
                                  int64_t group, int64_t bits);
 
-// wxa8.cpp: x [m, k] float32 times a W4A8/W8A8 weight, activations quantized to int8 per group.
+// wxa8.cpp: the distance between outputs' zero points in zeros, float32 [n, groups], or [1,
+// groups] where every output has the same ones (a symmetric layer's): 0 for those, read once
+// for all, so a 4-bit layer in groups of 64 channels streams 36 bytes a group and not 40.
+// `who` names the caller in the error that a tensor of another shape or type raises.
+int64_t wxa8_zero_row(const torch::Tensor& zeros, int64_t n, int64_t groups, const char* who);
+// x [m, k] float32 times a W4A8/W8A8 weight, activations quantized to int8 per group.
 torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           torch::Tensor zeros, int64_t group, int64_t bits);
 // Whether wxa8_matmul runs `rows` rows of an n-output layer as its GEMM (AVX512-VNNI or AVX2).

@@ -316,15 +316,16 @@ namespace streams {
 constexpr int64_t kStreams = 4;
 
 // out[r * n + o * spread] for ROWS rows (`k` apart in xq) and OUTS outputs, output o's weight
-// row at w + o * spread * k and its scales and zeros at o * spread * groups. The weights are
-// read as signed bytes (q - 128, so their zeros count 128 less), which maddubs takes as their
-// magnitude (at most 128) times the activation given their sign (at most 127 in size): a pair
-// of products sums to at most 32,512 in an int16 lane, where the unsigned byte times 127
-// would overflow it, and the per-row kernel does twice the integer work on two nibble planes.
+// row at w + o * spread * k, its scales at o * spread * groups and its zeros at
+// o * spread * zero_row. The weights are read as signed bytes (q - 128, so their zeros count
+// 128 less), which maddubs takes as their magnitude (at most 128) times the activation given
+// their sign (at most 127 in size): a pair of products sums to at most 32,512 in an int16
+// lane, where the unsigned byte times 127 would overflow it, and the per-row kernel does twice
+// the integer work on two nibble planes.
 template <int ROWS, int OUTS>
 inline void tile(const uint8_t* w, int64_t spread, const int8_t* xq, const float* x_scale,
-                 const float* x_zero, const float* scale, const float* zero, int64_t k,
-                 int64_t groups, int64_t blocks, float* out, int64_t n) {
+                 const float* x_zero, const float* scale, const float* zero, int64_t zero_row,
+                 int64_t k, int64_t groups, int64_t blocks, float* out, int64_t n) {
   const __m256i flip = _mm256_set1_epi8(-128), ones = _mm256_set1_epi16(1);
   constexpr int64_t kAhead = OUTS == kStreams ? kRunPrefetchBytes : kPrefetchBytes;
   __m256 acc[ROWS][OUTS];
@@ -367,10 +368,10 @@ inline void tile(const uint8_t* w, int64_t spread, const int8_t* xq, const float
   for (int64_t g = 0; g < groups; g += 8) {
     const __m256i lanes = simd::first_avx2_lanes(groups - g);
     for (int o = 0; o < OUTS; ++o) {
-      const int64_t at = o * spread * groups + g;
       const __m256 scaled_zero = _mm256_mul_ps(
-          _mm256_maskload_ps(scale + at, lanes),
-          _mm256_sub_ps(_mm256_maskload_ps(zero + at, lanes), _mm256_set1_ps(128.f)));
+          _mm256_maskload_ps(scale + o * spread * groups + g, lanes),
+          _mm256_sub_ps(_mm256_maskload_ps(zero + o * spread * zero_row + g, lanes),
+                        _mm256_set1_ps(128.f)));
       for (int r = 0; r < ROWS; ++r)
         acc[r][o] = _mm256_fnmadd_ps(
             scaled_zero, _mm256_maskload_ps(x_zero + r * groups + g, lanes), acc[r][o]);
@@ -384,16 +385,16 @@ inline void tile(const uint8_t* w, int64_t spread, const int8_t* xq, const float
 // registers) read side by side, then what is left one by one.
 template <int ROWS>
 void outputs(const uint8_t* w, const int8_t* xq, const float* x_scale, const float* x_zero,
-             const float* scale, const float* zero, int64_t k, int64_t groups, int64_t blocks,
-             float* out, int64_t n, int64_t begin, int64_t end) {
+             const float* scale, const float* zero, int64_t zero_row, int64_t k, int64_t groups,
+             int64_t blocks, float* out, int64_t n, int64_t begin, int64_t end) {
   constexpr int kOuts = ROWS == 1 ? kStreams : 2;
   const int64_t spread = (end - begin) / kOuts;
   for (int64_t o = begin; o < begin + spread; ++o)
     tile<ROWS, kOuts>(w + o * k, spread, xq, x_scale, x_zero, scale + o * groups,
-                      zero + o * groups, k, groups, blocks, out + o, n);
+                      zero + o * zero_row, zero_row, k, groups, blocks, out + o, n);
   for (int64_t o = begin + kOuts * spread; o < end; ++o)
-    tile<ROWS, 1>(w + o * k, 0, xq, x_scale, x_zero, scale + o * groups, zero + o * groups, k,
-                  groups, blocks, out + o, n);
+    tile<ROWS, 1>(w + o * k, 0, xq, x_scale, x_zero, scale + o * groups, zero + o * zero_row,
+                  zero_row, k, groups, blocks, out + o, n);
 }
 
 }  // namespace streams
@@ -461,11 +462,13 @@ inline void quad_totals(const uint8_t* w, int64_t row_bytes, int64_t ahead, cons
 }
 
 // out[o * spread] for OUTS outputs `spread` apart (their weight rows spread * row_bytes,
-// their scales and zeros spread * groups), of one row quantized into xq, x_scale and x_zero.
+// their scales spread * groups, their zeros spread * zero_row), of one row quantized into xq,
+// x_scale and x_zero.
 template <int OUTS, int BLOCKS>
 inline void tile(const uint8_t* w, int64_t row_bytes, int64_t spread, const int8_t* xq,
                  const float* x_scale, const float* x_zero, const float* scale,
-                 const float* zero, int64_t groups, int64_t blocks, float* out) {
+                 const float* zero, int64_t zero_row, int64_t groups, int64_t blocks,
+                 float* out) {
   const int64_t ahead = spread == 1 ? kPrefetchBytes : kRunPrefetchBytes;
   __m256 acc[OUTS];
   for (int o = 0; o < OUTS; ++o) acc[o] = _mm256_setzero_ps();
@@ -480,7 +483,7 @@ inline void tile(const uint8_t* w, int64_t row_bytes, int64_t spread, const int8
     for (int o = 0; o < OUTS; ++o) {
       const __m256 s = _mm256_maskload_ps(scale + o * spread * groups + g0, lanes);
       const __m256 zs =
-          _mm256_mul_ps(_mm256_maskload_ps(zero + o * spread * groups + g0, lanes), s);
+          _mm256_mul_ps(_mm256_maskload_ps(zero + o * spread * zero_row + g0, lanes), s);
       acc[o] = scaled_groups(acc[o], joined_quads(q0[o], q1[o]), s, zs, xs, xz);
     }
   }
@@ -489,33 +492,34 @@ inline void tile(const uint8_t* w, int64_t row_bytes, int64_t spread, const int8
 
 template <int BLOCKS>
 void outputs_of(const uint8_t* w, const int8_t* xq, const float* x_scale, const float* x_zero,
-                const float* scale, const float* zero, int64_t k, int64_t groups,
-                int64_t blocks, float* out, int64_t begin, int64_t end) {
+                const float* scale, const float* zero, int64_t zero_row, int64_t k,
+                int64_t groups, int64_t blocks, float* out, int64_t begin, int64_t end) {
   const int64_t row_bytes = k / 2;
   const int64_t tiles = (end - begin) / kOuts;
   const int64_t spread = row_bytes <= kAdjacentRowBytes ? 1 : tiles;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t o = begin + (spread == 1 ? kOuts * t : t);
     tile<kOuts, BLOCKS>(w + o * row_bytes, row_bytes, spread, xq, x_scale, x_zero,
-                        scale + o * groups, zero + o * groups, groups, blocks, out + o);
+                        scale + o * groups, zero + o * zero_row, zero_row, groups, blocks,
+                        out + o);
   }
   int64_t o = begin + kOuts * tiles;
   for (; o < end; ++o)
     tile<1, BLOCKS>(w + o * row_bytes, row_bytes, 1, xq, x_scale, x_zero, scale + o * groups,
-                    zero + o * groups, groups, blocks, out + o);
+                    zero + o * zero_row, zero_row, groups, blocks, out + o);
 }
 
 // Outputs [begin, end) of out [1, n]: kOuts at a time, then what is left one by one.
 void outputs(const uint8_t* w, const int8_t* xq, const float* x_scale, const float* x_zero,
-             const float* scale, const float* zero, int64_t k, int64_t groups, int64_t blocks,
-             float* out, int64_t begin, int64_t end) {
+             const float* scale, const float* zero, int64_t zero_row, int64_t k, int64_t groups,
+             int64_t blocks, float* out, int64_t begin, int64_t end) {
   switch (blocks) {  // the common group sizes, 64 and 128 channels, with unrolled loops
-    case 1: return outputs_of<1>(w, xq, x_scale, x_zero, scale, zero, k, groups, blocks, out,
-                                 begin, end);
-    case 2: return outputs_of<2>(w, xq, x_scale, x_zero, scale, zero, k, groups, blocks, out,
-                                 begin, end);
-    default: return outputs_of<0>(w, xq, x_scale, x_zero, scale, zero, k, groups, blocks, out,
-                                  begin, end);
+    case 1: return outputs_of<1>(w, xq, x_scale, x_zero, scale, zero, zero_row, k, groups,
+                                 blocks, out, begin, end);
+    case 2: return outputs_of<2>(w, xq, x_scale, x_zero, scale, zero, zero_row, k, groups,
+                                 blocks, out, begin, end);
+    default: return outputs_of<0>(w, xq, x_scale, x_zero, scale, zero, zero_row, k, groups,
+                                  blocks, out, begin, end);
   }
 }
 
@@ -533,14 +537,14 @@ void outputs(const uint8_t* w, const int8_t* xq, const float* x_scale, const flo
 namespace paired {
 
 // out[r * n + o] for ROWS rows (`k` apart in xp, in paired_position's order) and OUTS outputs
-// (`row_bytes` apart in w, `groups` apart in scale and zero): x_scale and x_zero
+// (`row_bytes` apart in w, `groups` apart in scale, `zero_row` in zero): x_scale and x_zero
 // (x_scale * the sum of a group's integers) are the rows' [ROWS, groups]. A weight vector
 // serves every row, an activation vector every output, and the ROWS * OUTS multiply-add
 // chains run side by side.
 template <int ROWS, int OUTS>
 inline void tile(const uint8_t* w, int64_t row_bytes, const int8_t* xp, const float* x_scale,
-                 const float* x_zero, const float* scale, const float* zero, int64_t k,
-                 int64_t groups, int64_t blocks, float* out, int64_t n) {
+                 const float* x_zero, const float* scale, const float* zero, int64_t zero_row,
+                 int64_t k, int64_t groups, int64_t blocks, float* out, int64_t n) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   // Lanes 0-7 of a pair's sums are block 2u's, lanes 8-15 block 2u + 1's.
   const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -615,7 +619,7 @@ inline void tile(const uint8_t* w, int64_t row_bytes, const int8_t* xp, const fl
     for (int o = 0; o < OUTS; ++o) {
       const __m512 scaled_zero =
           _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, scale + o * groups + g),
-                        _mm512_maskz_loadu_ps(lanes, zero + o * groups + g));
+                        _mm512_maskz_loadu_ps(lanes, zero + o * zero_row + g));
       for (int r = 0; r < ROWS; ++r)
         acc[r][o] = _mm512_fnmadd_ps(
             scaled_zero, _mm512_maskz_loadu_ps(lanes, x_zero + r * groups + g), acc[r][o]);
@@ -629,16 +633,17 @@ inline void tile(const uint8_t* w, int64_t row_bytes, const int8_t* xp, const fl
 // on, for the registers), the rest one by one.
 template <int ROWS>
 void outputs(const uint8_t* w, int64_t row_bytes, const int8_t* xp, const float* x_scale,
-             const float* x_zero, const float* scale, const float* zero, int64_t k,
-             int64_t groups, int64_t blocks, float* out, int64_t n, int64_t begin, int64_t end) {
+             const float* x_zero, const float* scale, const float* zero, int64_t zero_row,
+             int64_t k, int64_t groups, int64_t blocks, float* out, int64_t n, int64_t begin,
+             int64_t end) {
   constexpr int kOuts = ROWS <= 2 ? 4 : 2;
   int64_t o = begin;
   for (; o + kOuts <= end; o += kOuts)
     tile<ROWS, kOuts>(w + o * row_bytes, row_bytes, xp, x_scale, x_zero, scale + o * groups,
-                      zero + o * groups, k, groups, blocks, out + o, n);
+                      zero + o * zero_row, zero_row, k, groups, blocks, out + o, n);
   for (; o < end; ++o)
     tile<ROWS, 1>(w + o * row_bytes, row_bytes, xp, x_scale, x_zero, scale + o * groups,
-                  zero + o * groups, k, groups, blocks, out + o, n);
+                  zero + o * zero_row, zero_row, k, groups, blocks, out + o, n);
 }
 
 }  // namespace paired
@@ -1038,7 +1043,7 @@ inline void any_tile(int rows, int blocks, const Isa::Vector* w, int64_t quads,
 // every row tile over it.
 template <int BITS>
 void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scales,
-            const float* zeros, int64_t n, int64_t group, float* out) {
+            const float* zeros, int64_t zero_row, int64_t n, int64_t group, float* out) {
   constexpr int kOutputs = Isa::kOutputs, kMaxBlocks = Isa::kMaxBlocks;
   const int64_t m = rows.m, k = rows.k, groups = rows.groups;
   // A whole number of chunks to a group: 64-channel blocks, at most kChunk channels.
@@ -1061,9 +1066,8 @@ void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scale
                                    chunk_weights.data());
         alignas(64) float scale[kMaxBlocks * kOutputs], scaled_zero[kMaxBlocks * kOutputs];
         for (int o = 0; o < blocks * kOutputs; ++o) {
-          const int64_t i = (first + o) * groups + g;
-          scale[o] = scales[i];
-          scaled_zero[o] = scales[i] * zeros[i];
+          scale[o] = scales[(first + o) * groups + g];
+          scaled_zero[o] = scale[o] * zeros[(first + o) * zero_row + g];
         }
         const bool zero_terms = c0 % group == 0;  // once per group
         for (int64_t r0 = 0; r0 < m; r0 += Isa::kTileRows) {
@@ -1089,9 +1093,11 @@ void with_bits(int64_t bits, Fn fn) {
   else fn(std::integral_constant<int, 8>{});
 }
 
-// x [M, K] float32; packed [N, K * bits / 8] uint8; scales and zeros [N, K / group] float32.
-void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
-                  const torch::Tensor& zeros, int64_t group, int64_t bits) {
+// x [M, K] float32; packed [N, K * bits / 8] uint8; scales [N, K / group] float32, and zeros
+// as kvserve::wxa8_zero_row takes them, whose result it returns.
+int64_t check_inputs(const torch::Tensor& x, const torch::Tensor& packed,
+                     const torch::Tensor& scales, const torch::Tensor& zeros, int64_t group,
+                     int64_t bits) {
   TORCH_CHECK((x.dtype() == torch::kFloat32 ||
                (kReadsBFloat16 && x.dtype() == torch::kBFloat16)) &&
                   x.is_contiguous() && x.dim() == 2,
@@ -1102,10 +1108,10 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const tor
                   packed.is_contiguous() && packed.scalar_type() == torch::kUInt8,
               "wxa8: a [n, k * bits / 8] uint8 weight in groups of a multiple of 64 channels "
               "for input width ", k);
-  TORCH_CHECK(scales.numel() == n * (k / group) && zeros.numel() == n * (k / group) &&
-                  scales.is_contiguous() && zeros.is_contiguous() &&
-                  scales.scalar_type() == torch::kFloat && zeros.scalar_type() == torch::kFloat,
-              "wxa8: float32 scales and zeros of [n, k / group]");
+  TORCH_CHECK(scales.numel() == n * (k / group) && scales.is_contiguous() &&
+                  scales.scalar_type() == torch::kFloat,
+              "wxa8: float32 scales of [n, k / group]");
+  return kvserve::wxa8_zero_row(zeros, n, k / group, "wxa8");
 }
 
 // Outputs [begin, end) of out [m, n] for a few rows quantized into xq, xs and xz (in
@@ -1113,15 +1119,15 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const tor
 // output's value does not depend on the range it is computed in, so any split gives the same
 // result.
 void few_rows(const int8_t* xq, const float* xs, const float* xz, int64_t m, bool paired,
-              const uint8_t* wp, const float* sp, const float* zp, int64_t k, int64_t group,
-              int64_t bits, float* op, int64_t n, int64_t begin, int64_t end) {
+              const uint8_t* wp, const float* sp, const float* zp, int64_t zero_row, int64_t k,
+              int64_t group, int64_t bits, float* op, int64_t n, int64_t begin, int64_t end) {
   const int64_t groups = k / group, blocks = group / kBlock;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (paired) {
     row_tiles(m, [&](auto tile, int64_t r0) {
       paired::outputs<decltype(tile)::value>(wp, k * bits / 8, xq + r0 * k, xs + r0 * groups,
-                                             xz + r0 * groups, sp, zp, k, groups, blocks,
-                                             op + r0 * n, n, begin, end);
+                                             xz + r0 * groups, sp, zp, zero_row, k, groups,
+                                             blocks, op + r0 * n, n, begin, end);
     });
     return;
   }
@@ -1129,20 +1135,22 @@ void few_rows(const int8_t* xq, const float* xs, const float* xz, int64_t m, boo
 #ifdef KVSERVE_WXA8_STREAMS
   if (bits == 8 && (m == 1 || m == 2)) {
     if (m == 2)
-      streams::outputs<2>(wp, xq, xs, xz, sp, zp, k, groups, blocks, op, n, begin, end);
+      streams::outputs<2>(wp, xq, xs, xz, sp, zp, zero_row, k, groups, blocks, op, n, begin,
+                          end);
     else
-      streams::outputs<1>(wp, xq, xs, xz, sp, zp, k, groups, blocks, op, n, begin, end);
+      streams::outputs<1>(wp, xq, xs, xz, sp, zp, zero_row, k, groups, blocks, op, n, begin,
+                          end);
     return;
   }
   if (bits == 4 && m == 1) {
-    one_row::outputs(wp, xq, xs, xz, sp, zp, k, groups, blocks, op, begin, end);
+    one_row::outputs(wp, xq, xs, xz, sp, zp, zero_row, k, groups, blocks, op, begin, end);
     return;
   }
 #endif
   for (int64_t o = begin; o < end; ++o) {
     with_bits(bits, [&](auto b) {
       weight_rows<decltype(b)::value>(wp + o * k * bits / 8, xq, xs, xz, sp + o * groups,
-                                      zp + o * groups, m, k, groups, blocks, op + o, n);
+                                      zp + o * zero_row, m, k, groups, blocks, op + o, n);
     });
   }
 }
@@ -1252,7 +1260,7 @@ struct TileSet<1> {
 // scaled into the float32 accumulators, so the vector work runs while the tiles multiply.
 template <int BITS>
 void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scales,
-            const float* zeros, int64_t n, int64_t group, float* out) {
+            const float* zeros, int64_t zero_row, int64_t n, int64_t group, float* out) {
   const int64_t m = rows.m, k = rows.k, groups = rows.groups;
   const int64_t units = k / kUnit, units_per_group = group / kUnit;
   const int64_t slabs = (m + 15) / 16, row_bytes = k * BITS / 8;
@@ -1278,7 +1286,7 @@ void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scale
       for (int64_t b = begin; b < end; ++b) {
         const uint8_t* w = packed + b * 16 * row_bytes;
         const float* w_scale = scales + b * 16 * groups;
-        const float* w_zero = zeros + b * 16 * groups;
+        const float* w_zero = zeros + b * 16 * zero_row;
         std::fill(acc, acc + (s1 - s0) * 256, 0.f);
         // Step (g, s)'s sums, in tile set `set`, into the accumulators.
         const auto scale_sums = [&](int64_t g, int64_t s, int set) {
@@ -1291,7 +1299,7 @@ void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scale
             // scale * (sums * x_scale - zero * x_scale * x_sum)
             const __m512 c = _mm512_cvtepi32_ps(_mm512_load_si512(sums + o * 16));
             const __m512 v = _mm512_fmsub_ps(
-                c, xs, _mm512_mul_ps(xz, _mm512_set1_ps(w_zero[o * groups + g])));
+                c, xs, _mm512_mul_ps(xz, _mm512_set1_ps(w_zero[o * zero_row + g])));
             _mm512_store_ps(a + o * 16,
                             _mm512_fmadd_ps(v, _mm512_set1_ps(w_scale[o * groups + g]),
                                             _mm512_load_ps(a + o * 16)));
@@ -1354,6 +1362,15 @@ void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scale
 
 namespace kvserve {
 
+int64_t wxa8_zero_row(const torch::Tensor& zeros, int64_t n, int64_t groups, const char* who) {
+  TORCH_CHECK(zeros.dim() == 2 && (zeros.size(0) == n || zeros.size(0) == 1) &&
+                  zeros.size(1) == groups && zeros.is_contiguous() &&
+                  zeros.scalar_type() == torch::kFloat,
+              who, ": float32 zeros of [n, k / group], or of [1, k / group] for all outputs: ",
+              "[", n, " or 1, ", groups, "], got ", zeros.sizes(), " ", zeros.scalar_type());
+  return zeros.size(0) == 1 ? 0 : groups;
+}
+
 bool wxa8_gemm_runs(int64_t rows, int64_t n) {
 #if defined(__AVX2__)
   return rows >= gemm::Isa::kFromRows && n % gemm::Isa::kOutputs == 0;
@@ -1372,7 +1389,7 @@ bool wxa8_amx_runs(int64_t k, int64_t n, int64_t group) {
 
 torch::Tensor wxa8_amx_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                               torch::Tensor zeros, int64_t group, int64_t bits) {
-  check_inputs(x, packed, scales, zeros, group, bits);
+  const int64_t zero_row = check_inputs(x, packed, scales, zeros, group, bits);
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
   TORCH_CHECK(wxa8_amx_runs(k, n, group), "wxa8_amx_matmul: no AMX int8 tiles, or groups not "
               "of a multiple of 128 channels, or outputs not a multiple of 16");
@@ -1382,8 +1399,8 @@ torch::Tensor wxa8_amx_matmul(torch::Tensor x, torch::Tensor packed, torch::Tens
   const QuantizedRows rows = quantize_rows(x, group, false);
   with_bits(bits, [&](auto b) {
     amx_int8::matmul<decltype(b)::value>(rows, packed.data_ptr<uint8_t>(),
-                                         scales.data_ptr<float>(), zeros.data_ptr<float>(), n,
-                                         group, out.data_ptr<float>());
+                                         scales.data_ptr<float>(), zeros.data_ptr<float>(),
+                                         zero_row, n, group, out.data_ptr<float>());
   });
 #endif
   return out;
@@ -1391,7 +1408,7 @@ torch::Tensor wxa8_amx_matmul(torch::Tensor x, torch::Tensor packed, torch::Tens
 
 torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                           torch::Tensor zeros, int64_t group, int64_t bits) {
-  check_inputs(x, packed, scales, zeros, group, bits);
+  const int64_t zero_row = check_inputs(x, packed, scales, zeros, group, bits);
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
   const bool many_rows = wxa8_gemm_runs(m, n),
              paired = !many_rows && paired_runs(bits, group / kBlock);
@@ -1401,14 +1418,15 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   if (many_rows) {
     with_bits(bits, [&](auto b) {
       gemm::matmul<decltype(b)::value>(rows, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                                       zeros.data_ptr<float>(), n, group, out.data_ptr<float>());
+                                       zeros.data_ptr<float>(), zero_row, n, group,
+                                       out.data_ptr<float>());
     });
     return out;
   }
 #endif
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     few_rows(rows.q, rows.scale, rows.scaled_sum, m, paired, packed.data_ptr<uint8_t>(),
-             scales.data_ptr<float>(), zeros.data_ptr<float>(), k, group, bits,
+             scales.data_ptr<float>(), zeros.data_ptr<float>(), zero_row, k, group, bits,
              out.data_ptr<float>(), n, begin, end);
   });
   return out;
@@ -1450,8 +1468,10 @@ torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const Linea
   TORCH_CHECK(x.dim() == 2 && (m == 1 || m == count), "wxa8_experts: one row, or one per layer (",
               count, "), got ", m);
   const torch::Tensor input = readable(x);
+  std::vector<int64_t> zero_rows;
   for (const LinearWeights* layer : layers)
-    check_inputs(input, layer->weight, *layer->scales, *layer->zeros, group, bits);
+    zero_rows.push_back(check_inputs(input, layer->weight, *layer->scales, *layer->zeros, group,
+                                     bits));
   const int64_t groups = k / group;
   const bool paired = paired_runs(bits, group / kBlock);
   const QuantizedRows rows = quantize_rows(input, group, paired);
@@ -1463,7 +1483,7 @@ torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const Linea
       const int64_t r = m == 1 ? 0 : e;
       few_rows(rows.q + r * k, rows.scale + r * groups, rows.scaled_sum + r * groups, 1, paired,
                layer.weight.data_ptr<uint8_t>(), layer.scales->data_ptr<float>(),
-               layer.zeros->data_ptr<float>(), k, group, bits, op + e * n, n,
+               layer.zeros->data_ptr<float>(), zero_rows[e], k, group, bits, op + e * n, n,
                std::max<int64_t>(begin - e * n, 0), std::min(end - e * n, n));
     }
   });

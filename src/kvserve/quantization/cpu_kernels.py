@@ -67,7 +67,10 @@ class Int8Weight:
 class WxA8Weight:
     packed: torch.Tensor  # [out, in * bits / 8] uint8, in blocks of 64 channels (wxa8.cpp)
     scales: torch.Tensor  # [out, groups] float32
-    zeros: torch.Tensor  # [out, groups] float32
+    # [out, groups] float32, or [1, groups] where every output has the same zero points (a
+    # symmetric layer's): one row, read for every output, so the weights stream with their
+    # scales alone.
+    zeros: torch.Tensor
     group_size: int
     bits: int  # 4 or 8
     input_order: torch.Tensor | None  # act-order: the input channels sorted by group
@@ -146,8 +149,11 @@ def cpu_candidates(shards: list[QuantizedWeight]) -> CpuCandidates:
         packers[Int8Weight] = int8
     if group_size % 64 == 0 and cpu_kernels() is not None:
         def wxa8() -> WxA8Weight:
+            by_output = zeros.t()
+            shared = bool((by_output == by_output[:1]).all())
             return WxA8Weight(wxa8_packed(intweight, bits), scales.t().contiguous(),
-                              zeros.t().contiguous(), group_size, bits, order)
+                              (by_output[:1] if shared else by_output).contiguous(), group_size,
+                              bits, order)
         packers[WxA8Weight] = wxa8
     return CpuCandidates((out_features, bits, group_size, order is not None),
                          {kind: functools.cache(pack) for kind, pack in packers.items()})
