@@ -184,34 +184,53 @@ struct WidenedTiles {
   static void add_values(const float* probs, int64_t stride, int64_t group, const T* const* rows,
                          int64_t count, int64_t head_dim, float* out, std::vector<float>& tile) {
     const float* const* wide = widen_tile(rows, count, head_dim, tile);
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t d = 0; d < head_dim; d += kLanes) {
-        const float* p = probs + g * stride;
-        float* acc = out + g * head_dim + d;
-#ifdef __AVX512F__
-        __m512 a = _mm512_loadu_ps(acc);
-        for (int64_t t = 0; t < count; ++t)
-          a = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(wide[t] + d), a);
-        _mm512_storeu_ps(acc, a);
-#elif defined(KVSERVE_AVX2_ATTENTION)
-        __m256 low = _mm256_loadu_ps(acc), high = _mm256_loadu_ps(acc + kHalf);
-        for (int64_t t = 0; t < count; ++t) {
-          const __m256 pt = _mm256_set1_ps(p[t]);
-          low = _mm256_fmadd_ps(pt, _mm256_loadu_ps(wide[t] + d), low);
-          high = _mm256_fmadd_ps(pt, _mm256_loadu_ps(wide[t] + d + kHalf), high);
-        }
-        _mm256_storeu_ps(acc, low);
-        _mm256_storeu_ps(acc + kHalf, high);
-#else
-        for (int64_t t = 0; t < count; ++t)
-          for (int64_t l = 0; l < kLanes; ++l) acc[l] += p[t] * wide[t][d + l];
-#endif
-      }
+    for (int64_t g = 0; g < group; ++g) {
+      const float* p = probs + g * stride;
+      float* acc = out + g * head_dim;
+      int64_t d = 0;
+      for (; d + kSpan <= head_dim; d += kSpan)
+        add_span<kSpan / kLanes>(p, wide, count, d, acc + d);
+      for (; d < head_dim; d += kLanes) add_span<1>(p, wide, count, d, acc + d);
+    }
   }
 
   static void finish(float*, int64_t, int64_t) {}
 
  private:
+  // Output dimensions summed side by side over a tile's rows: 64, as independent chains of
+  // multiply-adds, one register each, where 16 at a time (one AVX-512 chain, two AVX2 ones)
+  // waited on each multiply-add's latency.
+  static constexpr int64_t kSpan = 64;
+
+  // acc[0, SPANS * kLanes) += sum over the tile's rows t of p[t] * rows[t][d, ...), each
+  // output dimension summed in row order, as one chain at a time sums it.
+  template <int SPANS>
+  static void add_span(const float* p, const float* const* rows, int64_t count, int64_t d,
+                       float* acc) {
+#ifdef __AVX512F__
+    __m512 a[SPANS];
+    for (int i = 0; i < SPANS; ++i) a[i] = _mm512_loadu_ps(acc + i * kLanes);
+    for (int64_t t = 0; t < count; ++t) {
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      for (int i = 0; i < SPANS; ++i)
+        a[i] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(rows[t] + d + i * kLanes), a[i]);
+    }
+    for (int i = 0; i < SPANS; ++i) _mm512_storeu_ps(acc + i * kLanes, a[i]);
+#elif defined(KVSERVE_AVX2_ATTENTION)
+    __m256 a[2 * SPANS];
+    for (int i = 0; i < 2 * SPANS; ++i) a[i] = _mm256_loadu_ps(acc + i * kHalf);
+    for (int64_t t = 0; t < count; ++t) {
+      const __m256 pt = _mm256_set1_ps(p[t]);
+      for (int i = 0; i < 2 * SPANS; ++i)
+        a[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(rows[t] + d + i * kHalf), a[i]);
+    }
+    for (int i = 0; i < 2 * SPANS; ++i) _mm256_storeu_ps(acc + i * kHalf, a[i]);
+#else
+    for (int64_t t = 0; t < count; ++t)
+      for (int64_t l = 0; l < SPANS * kLanes; ++l) acc[l] += p[t] * rows[t][d + l];
+#endif
+  }
+
   // The tile's rows as float32: float32 rows in place, others widened into `tile`.
   static const float* const* widen_tile(const T* const* rows, int64_t count, int64_t head_dim,
                                         std::vector<float>& tile) {
