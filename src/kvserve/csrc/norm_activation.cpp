@@ -3,7 +3,8 @@
 // about ten torch ops when written out. float32 or bfloat16 rows; float32 arithmetic, with
 // bfloat16 results rounded where the torch ops they replace round them. AVX-512 lanes where the
 // CPU has them for the dtype (the exponentials of simd.h: ~1e-7 relative error in float32,
-// 7.5e-5 in bfloat16, a 26th of its own rounding), else scalar.
+// 7.5e-5 in bfloat16, a 26th of its own rounding), AVX2 ones for float32 silu_and_mul, else
+// scalar.
 #include "kvserve_cpu.h"
 #include "simd.h"
 
@@ -137,10 +138,26 @@ void add_rms_norm_row(const T* x, const T* weight, T* residual, T* out, int64_t 
     out[i] = static_cast<T>(static_cast<float>(weight[i]) * rounded<T>(row[i] * inv));
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// float32 rows 8 lanes at a time with simd.h's exponential: on a 2-core AVX2 EPYC, a 1B
+// model's 8,192 channels took 10.1 us where the scalar loop (std::exp) took 52.5.
+void silu_and_mul_row_avx2(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i mask = kvserve::simd::first_avx2_lanes(n - i);
+    const __m256 g = _mm256_maskload_ps(gate + i, mask);
+    const __m256 e = kvserve::simd::exp(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+    _mm256_maskstore_ps(out + i, mask, _mm256_mul_ps(silu, _mm256_maskload_ps(up + i, mask)));
+  }
+}
+#endif
+
 template <typename T>
 void silu_and_mul_row(const T* gate, const T* up, T* out, int64_t n) {
 #ifdef __AVX512F__
   if constexpr (kvserve::simd::kHasLanes<T>) return silu_and_mul_row_simd(gate, up, out, n);
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, float>) return silu_and_mul_row_avx2(gate, up, out, n);
 #endif
   for (int64_t i = 0; i < n; ++i) {
     const float g = static_cast<float>(gate[i]);

@@ -84,21 +84,6 @@ inline __m256 sum_lanes(const __m256 (&v)[kHalf]) {
 
 namespace simd = kvserve::simd;
 
-// e^x in each lane for x up to 88, as simd::exp computes it (simd::kExpTaylor's comment),
-// 2^n built in the exponent bits.
-inline __m256 exp(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(simd::kExpLowest));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(simd::kLog2e)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 g = _mm256_fnmadd_ps(n, _mm256_set1_ps(simd::kLn2), x);
-  __m256 p = _mm256_set1_ps(simd::kExpTaylor[0]);
-  for (size_t i = 1; i < std::size(simd::kExpTaylor); ++i)
-    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(simd::kExpTaylor[i]));
-  const __m256i two_to_n =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
-}
-
 inline float sum_of(__m256 v) {
   const __m128 quads = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 pairs = _mm_add_ps(quads, _mm_movehl_ps(quads, quads));
@@ -146,8 +131,9 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
   const __m256 shift = _mm256_set1_ps(max);
   for (int64_t i = 0; i < n; i += kHalf) {
     const __m256i mask = simd::first_avx2_lanes(n - i);
-    const __m256 e = _mm256_and_ps(exp(_mm256_sub_ps(_mm256_maskload_ps(s + i, mask), shift)),
-                                   _mm256_castsi256_ps(mask));
+    const __m256 e =
+        _mm256_and_ps(simd::exp(_mm256_sub_ps(_mm256_maskload_ps(s + i, mask), shift)),
+                      _mm256_castsi256_ps(mask));
     _mm256_maskstore_ps(s + i, mask, e);
     total = _mm256_add_ps(total, e);
   }

@@ -39,6 +39,24 @@ inline __m256i first_avx2_lanes(int64_t left) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
+
+#ifdef __FMA__
+// e^x in each lane as exp(__m512) computes it (kExpTaylor's comment), 2^n built in the
+// exponent bits, so x is also clamped at kExpHighest, where 2^n still fits them.
+constexpr float kExpHighest = 88.f;
+inline __m256 exp(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLowest)), _mm256_set1_ps(kExpHighest));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 g = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2), x);
+  __m256 p = _mm256_set1_ps(kExpTaylor[0]);
+  for (size_t i = 1; i < std::size(kExpTaylor); ++i)
+    p = _mm256_fmadd_ps(p, g, _mm256_set1_ps(kExpTaylor[i]));
+  const __m256i two_to_n =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
+}
+#endif
 }  // namespace kvserve::simd
 #endif
 
