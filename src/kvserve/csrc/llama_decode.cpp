@@ -64,6 +64,24 @@ torch::Tensor sum_of_rows(const torch::Tensor& rows) {
   return out;
 }
 
+// Row j of rows [k, n] times weights[0, order[j]], in place, each product rounded to rows'
+// dtype as `rows * scales` rounds it: the few torch ops that gather and broadcast the weights
+// cost more than the products.
+void scale_rows(const torch::Tensor& rows, const torch::Tensor& weights,
+                const std::vector<int64_t>& order) {
+  const torch::Tensor by_expert = weights.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, rows.scalar_type(), "scale_rows", [&] {
+    scalar_t* row = rows.data_ptr<scalar_t>();
+    const scalar_t* weight = by_expert.data_ptr<scalar_t>();
+    const int64_t n = rows.size(1);
+    for (const int64_t j : order) {
+      const scalar_t w = weight[j];
+      for (int64_t c = 0; c < n; ++c) row[c] = row[c] * w;
+      row += n;
+    }
+  });
+}
+
 }  // namespace
 
 // The rows' (row, expert) pairs sorted by expert, each expert run once over its rows'
@@ -96,11 +114,10 @@ torch::Tensor MoEWeights::operator()(const torch::Tensor& x, int64_t hidden_size
     }
     if (wxa8_experts_run(ups) && wxa8_experts_run(downs)) {
       // Each expert's output scaled by its weight, then added up in the same order.
-      const torch::Tensor scales =
-          weights.index_select(1, torch::from_blob(order.data(), {top_k}, torch::kLong))
-              .view({top_k, 1});
-      out = sum_of_rows(
-          wxa8_experts(kvserve::silu_and_mul(wxa8_experts(x, ups)), downs) * scales);
+      const torch::Tensor outputs =
+          wxa8_experts(kvserve::silu_and_mul(wxa8_experts(x, ups)), downs);
+      scale_rows(outputs, weights, order);
+      out = sum_of_rows(outputs);
     } else {
       out = torch::zeros_like(x);
       for (const int64_t j : order) out.add_(run(ids[j], x) * weights.narrow(1, j, 1));
