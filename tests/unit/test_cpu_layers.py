@@ -47,6 +47,32 @@ def test_silu_and_mul_matches_the_plain_ops(dtype):
                                **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_experts_matches_the_plain_ops(dtype, renormalize):
+    """70 rows (two threads' share) of 64 experts, top 8: experts of the same logits in the
+    same order as softmax then topk picks (bfloat16 ties may be broken otherwise), and their
+    weights as those ops compute them."""
+    logits = (torch.randn(70, 64, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    probs = torch.softmax(logits.float(), dim=-1)
+    expected, expected_ids = torch.topk(probs, 8, dim=-1)
+    if renormalize:
+        expected = expected / expected.sum(dim=-1, keepdim=True)
+    weights, ids = KERNELS.route_experts(logits, 8, renormalize)
+    assert weights.dtype == dtype
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, expected_ids))
+    torch.testing.assert_close(weights, expected.to(dtype), **TOLERANCE[dtype])
+
+
+def test_route_experts_ranks_ties_by_index_and_nan_first():
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [1.0, float("nan"), 3.0, 3.0]])
+    weights, ids = KERNELS.route_experts(logits, 2, True)
+    assert ids.tolist() == [[1, 2], [1, 2]]
+    assert weights[0].tolist() == [0.5, 0.5]
+    with pytest.raises(RuntimeError, match="top_k 5 of 4 experts"):
+        KERNELS.route_experts(logits, 5, True)
+
+
 def test_bad_rows_are_refused():
     with pytest.raises(RuntimeError, match="contiguous 2-D"):
         KERNELS.silu_and_mul(torch.randn(2, 3, 8))

@@ -50,6 +50,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this CPU build has logsumexp_and_greater");
   m.def("logsumexp_and_greater", &kvserve::logsumexp_and_greater, release,
         "each row's logsumexp, and how many of its logits exceed the row's threshold");
+  m.def("route_experts", &kvserve::route_experts, py::arg("logits"), py::arg("top_k"),
+        py::arg("renormalize"), release,
+        "each row's top_k experts and their softmax weights, from router logits");
   m.def("wxa8_matmul", &kvserve::wxa8_matmul, release,
         "x @ W^T for a W4A8/W8A8 weight, x's rows quantized to int8 per group");
   m.def("wxa8_amx_matmul", &kvserve::wxa8_amx_matmul, release,

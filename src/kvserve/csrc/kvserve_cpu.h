@@ -84,6 +84,12 @@ bool logsumexp_and_greater_supported();  // built with AVX-512
 std::tuple<torch::Tensor, torch::Tensor> logsumexp_and_greater(const torch::Tensor& logits,
                                                                const torch::Tensor& thresholds);
 
+// moe_routing.cpp: each row's top_k experts by router logits [rows, experts] and their softmax
+// weights (renormalized over the top_k where the model says so): weights [rows, top_k] in the
+// logits' dtype, expert ids [rows, top_k] int64.
+std::tuple<torch::Tensor, torch::Tensor> route_experts(const torch::Tensor& logits, int64_t top_k,
+                                                       bool renormalize);
+
 // llama_decode.cpp: a linear layer of the decode stack, run as the eager forward runs it, on
 // any kernel the CPU runs quantized layers on (quantization/cpu_kernels.py), so that which one
 // a layer's timing picks never takes a model off the stack.

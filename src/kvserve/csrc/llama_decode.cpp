@@ -91,11 +91,8 @@ void scale_rows(const torch::Tensor& rows, const torch::Tensor& weights,
 // weights, all its experts' gate_up in one call and all their down in another (wxa8_experts).
 torch::Tensor MoEWeights::operator()(const torch::Tensor& x, int64_t hidden_size) const {
   const int64_t num_experts = static_cast<int64_t>(gate_up.size());
-  const torch::Tensor probs =
-      torch::softmax(router(x, num_experts, c10::nullopt).to(torch::kFloat), -1);
-  auto [weights, experts] = torch::topk(probs, top_k, -1);
-  if (renormalize) weights = weights / weights.sum(-1, true);
-  weights = weights.to(x.scalar_type());
+  const auto [weights, experts] =
+      route_experts(router(x, num_experts, c10::nullopt), top_k, renormalize);
   const auto run = [&](int64_t e, const torch::Tensor& rows) {
     return down[e](gate_up[e].silu_and_mul(rows, intermediate_size), hidden_size,
                    c10::nullopt);

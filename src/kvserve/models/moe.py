@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from kvserve.config import MoEConfig
+from kvserve.cpp_extension import cpu_kernels
 from kvserve.layers.linear import Linear
 from kvserve.models.mlp import MLP
 from kvserve.worker.tensor_parallel import all_reduce, tp_group
@@ -37,11 +38,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Linear(hidden_size, [1], False, dtype) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self._routed(x, weights.to(x.dtype), experts)
+        weights, experts = route(self.gate(x), self.top_k, self.renormalize)
+        out = self._routed(x, weights, experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if tp_group().size > 1:
@@ -75,3 +73,19 @@ class SparseMoeBlock(nn.Module):
             if module is not None:
                 yield from ((m, 1) for m in module.modules() if isinstance(m, Linear))
         yield from ((m, self.top_k) for m in self.experts[0].modules() if isinstance(m, Linear))
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top_k experts [rows, top_k] and their softmax weights, in the logits' dtype
+    (rescaled to sum to 1 with `renormalize`). On CPU, one C++ call (csrc/moe_routing.cpp)
+    that the decode stack makes too, where the torch ops below cost more than the router's
+    matmul."""
+    kernels = cpu_kernels() if logits.device.type == "cpu" else None
+    if kernels is not None and logits.dtype in (torch.float32, torch.bfloat16):
+        return kernels.route_experts(logits.contiguous(), top_k, renormalize)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
