@@ -140,14 +140,15 @@ void add_rms_norm_row(const T* x, const T* weight, T* residual, T* out, int64_t 
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 // float32 rows 8 lanes at a time with simd.h's exponential: on a 2-core AVX2 EPYC, a 1B
-// model's 8,192 channels took 10.1 us where the scalar loop (std::exp) took 52.5.
+// model's 8,192 channels took 10 us where the scalar loop (std::exp) took 52.5.
 void silu_and_mul_row_avx2(const float* gate, const float* up, float* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 8) {
     const __m256i mask = kvserve::simd::first_avx2_lanes(n - i);
     const __m256 g = _mm256_maskload_ps(gate + i, mask);
     const __m256 e = kvserve::simd::exp(_mm256_sub_ps(_mm256_setzero_ps(), g));
     const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
-    _mm256_maskstore_ps(out + i, mask, _mm256_mul_ps(silu, _mm256_maskload_ps(up + i, mask)));
+    kvserve::simd::store_first_lanes(out + i, _mm256_mul_ps(silu, _mm256_maskload_ps(up + i, mask)),
+                                     n - i);
   }
 }
 #endif

@@ -134,7 +134,7 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
     const __m256 e =
         _mm256_and_ps(simd::exp(_mm256_sub_ps(_mm256_maskload_ps(s + i, mask), shift)),
                       _mm256_castsi256_ps(mask));
-    _mm256_maskstore_ps(s + i, mask, e);
+    simd::store_first_lanes(s + i, e, n - i);
     total = _mm256_add_ps(total, e);
   }
   return sum_of(total);
@@ -252,8 +252,8 @@ struct WidenedTiles {
         for (int64_t t = 0; t < kHalf; ++t)
           acc[t] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(rows[first + t] + d), acc[t]);
       }
-      _mm256_maskstore_ps(out + first, simd::first_avx2_lanes(count - first),
-                          _mm256_mul_ps(sum_lanes(acc), _mm256_set1_ps(scale)));
+      simd::store_first_lanes(out + first, _mm256_mul_ps(sum_lanes(acc), _mm256_set1_ps(scale)),
+                              count - first);
     }
 #else
     for (int64_t t = 0; t < count; ++t) {

@@ -40,6 +40,16 @@ inline __m256i first_avx2_lanes(int64_t left) {
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+// v's first min(8, left) lanes stored at p: a plain store for a whole register. A masked store
+// (vmaskmovps) costs 13 cycles on Zen 3, eight times a plain one, where a masked load costs
+// what a plain load does.
+inline void store_first_lanes(float* p, __m256 v, int64_t left) {
+  if (left >= 8)
+    _mm256_storeu_ps(p, v);
+  else
+    _mm256_maskstore_ps(p, first_avx2_lanes(left), v);
+}
+
 #ifdef __FMA__
 // e^x in each lane as exp(__m512) computes it (kExpTaylor's comment), 2^n built in the
 // exponent bits, so x is also clamped at kExpHighest, where 2^n still fits them.
