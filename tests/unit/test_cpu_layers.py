@@ -36,6 +36,24 @@ def test_add_rms_norm_matches_the_plain_ops(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_heads_norms_each_head_as_add_rms_norm_does(dtype):
+    """The leading 5 + 2 heads of a [3, 9, 76] QKV projection (a strided view; 76 channels
+    end in a partial vector register of 8 or 16 lanes), normed by the query or the key weight."""
+    gen = torch.Generator().manual_seed(4)
+    heads = torch.randn(3, 9, 76, generator=gen).to(dtype)
+    q_weight, k_weight = (1 + torch.randn(2, 76, generator=gen)).to(dtype)
+    out = KERNELS.rms_norm_heads(heads[:, :7], 5, q_weight, k_weight, 1e-6)
+    q = KERNELS.add_rms_norm(heads[:, :5].reshape(-1, 76), q_weight, 1e-6).view(3, 5, 76)
+    k = KERNELS.add_rms_norm(heads[:, 5:7].reshape(-1, 76), k_weight, 1e-6).view(3, 2, 76)
+    assert out.is_contiguous() and torch.equal(out, torch.cat([q, k], dim=1))
+    norm = RMSNorm(76, 1e-6, dtype)
+    norm.weight.copy_(q_weight)
+    torch.testing.assert_close(out[:, :5], norm._norm(heads[:, :5]), **TOLERANCE[dtype])
+    with pytest.raises(RuntimeError, match="8 query heads of 7"):
+        KERNELS.rms_norm_heads(heads[:, :7], 8, q_weight, k_weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_matches_the_plain_ops(dtype):
     """83 channels: whole vector registers (8 or 16 lanes) and a masked last one; gates far
     past where e^-gate overflows float32 give silu's limits, 0 and the gate itself."""

@@ -13,6 +13,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &kvserve::add_rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"),
         py::arg("residual") = py::none(), release,
         "RMSNorm of x's rows, after adding x to `residual` in place when one is given");
+  m.def("rms_norm_heads", &kvserve::rms_norm_heads, py::arg("heads"), py::arg("num_q_heads"),
+        py::arg("q_weight"), py::arg("k_weight"), py::arg("eps"), release,
+        "each head's row of [rows, heads, head_dim] RMS-normed, by q_weight for the first "
+        "num_q_heads and by k_weight after");
   m.def("silu_and_mul", &kvserve::silu_and_mul, release, "silu(gate) * up of [gate | up] rows");
   m.def("gemm_supports", &kvserve::gemm_supports,
         "whether this CPU build has a blocked GEMM for the weight");

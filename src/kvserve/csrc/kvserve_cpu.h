@@ -12,6 +12,9 @@ namespace kvserve {
 torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                            c10::optional<torch::Tensor> residual);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor rms_norm_heads(const torch::Tensor& heads, int64_t num_q_heads,
+                             const torch::Tensor& q_weight, const torch::Tensor& k_weight,
+                             double eps);
 
 // gemm.cpp
 bool amx_in_use();  // bfloat16 products on AMX tiles (built for them, and granted by the OS)

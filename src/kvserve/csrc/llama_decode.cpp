@@ -175,16 +175,8 @@ torch::Tensor LlamaDecodeStack::forward(torch::Tensor x, const torch::Tensor& ro
     const torch::Tensor heads =
         layer.qkv(normed, qkv_size, layer.qkv_bias).view({rows, -1, head_dim_});
     torch::Tensor qk = heads.narrow(1, 0, qk_heads);
-    if (layer.q_norm && layer.k_norm) {  // each head's row normed, as models/llama.py does
-      const auto norm_heads = [&](int64_t first, int64_t count, const torch::Tensor& weight) {
-        return add_rms_norm(heads.narrow(1, first, count).reshape({rows * count, head_dim_}),
-                            weight, eps_, c10::nullopt)
-            .view({rows, count, head_dim_});
-      };
-      qk = torch::cat({norm_heads(0, num_heads_, *layer.q_norm),
-                       norm_heads(num_heads_, num_kv_heads_, *layer.k_norm)},
-                      1);
-    }
+    if (layer.q_norm && layer.k_norm)  // each head's row normed, as models/llama.py does
+      qk = rms_norm_heads(qk, num_heads_, *layer.q_norm, *layer.k_norm, eps_);
     const torch::Tensor attention = rotate_cache_and_decode(
         qk, heads.narrow(1, qk_heads, num_kv_heads_), rotation, slot_mapping, kv_caches[i],
         block_tables, seq_lens, scale_, window, rows_share_sequences);

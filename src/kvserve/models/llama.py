@@ -17,7 +17,7 @@ from torch import nn
 from kvserve.attention.backend import AttentionBackend, QKNorm
 from kvserve.config import ModelConfig
 from kvserve.layers.linear import Linear
-from kvserve.layers.norm import RMSNorm
+from kvserve.layers.norm import RMSNorm, rms_norm_heads
 from kvserve.layers.rotary import RotaryEmbedding, to_interleaved
 from kvserve.models.mlp import MLP
 from kvserve.models.moe import SparseMoeBlock
@@ -57,12 +57,7 @@ class Attention(nn.Module):
         num_qk = self.num_heads + self.num_kv_heads
         qk, v = heads[:, :num_qk], heads[:, num_qk:]
         if norm and self.q_norm is not None and self.k_norm is not None:
-            # Each head's row normed as a row of [tokens * heads, head_dim]: the shape of the
-            # fused norm kernel, which the CPU decode stack calls the same way.
-            rows, dim = x.shape[0], self.head_dim
-            q = self.q_norm(qk[:, :self.num_heads].reshape(-1, dim)).view(rows, -1, dim)
-            k = self.k_norm(qk[:, self.num_heads:].reshape(-1, dim)).view(rows, -1, dim)
-            qk = torch.cat([q, k], dim=1)
+            qk = rms_norm_heads(qk, self.num_heads, self.q_norm, self.k_norm)
         return qk, v
 
 
