@@ -19,6 +19,12 @@ logger = logging.getLogger(__name__)
 def fused_kernels(x: torch.Tensor) -> ModuleType | None:
     if x.is_cuda:
         return _triton()
+    return cpu_fused_kernels(x)
+
+
+def cpu_fused_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The C++ kernels for a float32 or bfloat16 CPU tensor, else None: what the ops that
+    have no Triton counterpart (MoE routing, per-head norms) take."""
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         return cpu_kernels()
     return None

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvserve.cpp_extension import cpu_kernels
-from kvserve.layers.fused import fused_kernels
+from kvserve.layers.fused import cpu_fused_kernels, fused_kernels
 
 
 class RMSNorm(nn.Module):
@@ -47,9 +46,8 @@ def rms_norm_heads(qk: torch.Tensor, num_q_heads: int, q_norm: RMSNorm, k_norm: 
     """Qwen3's per-head norms: each head's row of queries then keys [N, Hq + Hk, D] normed by
     q_norm (the first `num_q_heads`) or k_norm, as rows of [N * heads, D]. On CPU one C++ call
     (which the decode stack makes too) in place of two norms, their reshapes and a cat."""
-    kernels = cpu_kernels() if qk.device.type == "cpu" else None
-    if (kernels is not None and qk.dtype in (torch.float32, torch.bfloat16)
-            and qk.stride(-1) == 1):
+    kernels = cpu_fused_kernels(qk)
+    if kernels is not None and qk.stride(-1) == 1:
         return kernels.rms_norm_heads(qk, num_q_heads, q_norm.weight, k_norm.weight, q_norm.eps)
     rows, dim = qk.shape[0], qk.shape[-1]
     q = q_norm(qk[:, :num_q_heads].reshape(-1, dim)).view(rows, -1, dim)

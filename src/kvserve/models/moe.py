@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kvserve.config import MoEConfig
-from kvserve.cpp_extension import cpu_kernels
+from kvserve.layers.fused import cpu_fused_kernels
 from kvserve.layers.linear import Linear
 from kvserve.models.mlp import MLP
 from kvserve.worker.tensor_parallel import all_reduce, tp_group
@@ -77,12 +77,12 @@ class SparseMoeBlock(nn.Module):
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's top_k experts [rows, top_k] and their softmax weights, in the logits' dtype
-    (rescaled to sum to 1 with `renormalize`). On CPU, one C++ call (csrc/moe_routing.cpp)
-    that the decode stack makes too, where the torch ops below cost more than the router's
-    matmul."""
-    kernels = cpu_kernels() if logits.device.type == "cpu" else None
-    if kernels is not None and logits.dtype in (torch.float32, torch.bfloat16):
+    """The softmax weights of each row's top_k experts, in the logits' dtype (rescaled to sum
+    to 1 with `renormalize`), and those experts, both [rows, top_k]. On CPU, one C++ call
+    (csrc/moe_routing.cpp) that the decode stack makes too, where the torch ops below cost
+    more than the router's matmul."""
+    kernels = cpu_fused_kernels(logits)
+    if kernels is not None:
         return kernels.route_experts(logits.contiguous(), top_k, renormalize)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
