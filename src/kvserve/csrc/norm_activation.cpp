@@ -130,11 +130,8 @@ void add_rms_norm_row_avx2(const float* x, const float* weight, float* residual,
     }
     squares = _mm256_fmadd_ps(v, v, squares);
   }
-  const __m128 halves =
-      _mm_add_ps(_mm256_castps256_ps128(squares), _mm256_extractf128_ps(squares, 1));
-  const __m128 pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
-  const float sum = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
-  const __m256 inv = _mm256_set1_ps(1.f / std::sqrt(sum / static_cast<float>(n) + eps));
+  const __m256 inv = _mm256_set1_ps(
+      1.f / std::sqrt(kvserve::simd::sum_of(squares) / static_cast<float>(n) + eps));
   const float* summed = residual != nullptr ? residual : x;
   for (int64_t i = 0; i < n; i += 8) {
     const __m256i mask = kvserve::simd::first_avx2_lanes(n - i);

@@ -83,12 +83,6 @@ inline __m256 sum_lanes(const __m256 (&v)[kHalf]) {
 }
 
 namespace simd = kvserve::simd;
-
-inline float sum_of(__m256 v) {
-  const __m128 quads = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 pairs = _mm_add_ps(quads, _mm_movehl_ps(quads, quads));
-  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
-}
 #endif
 
 // The largest of n scores.
@@ -137,7 +131,7 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
     simd::store_first_lanes(s + i, e, n - i);
     total = _mm256_add_ps(total, e);
   }
-  return sum_of(total);
+  return simd::sum_of(total);
 #else
   float total = 0.f;
   for (int64_t i = 0; i < n; ++i) total += (s[i] = std::exp(s[i] - max));

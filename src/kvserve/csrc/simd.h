@@ -40,6 +40,13 @@ inline __m256i first_avx2_lanes(int64_t left) {
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+// The sum of v's 8 lanes: the halves added, then pairs of their lanes, then the last two.
+inline float sum_of(__m256 v) {
+  const __m128 quads = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pairs = _mm_add_ps(quads, _mm_movehl_ps(quads, quads));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+
 // v's first min(8, left) lanes stored at p: a plain store for a whole register. A masked store
 // (vmaskmovps) costs 13 cycles on Zen 3, eight times a plain one, where a masked load costs
 // what a plain load does.
