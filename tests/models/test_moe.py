@@ -4,6 +4,7 @@ preemption and tensor parallelism; what is not supported for them is refused by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -104,6 +105,34 @@ def test_decode_stack_equals_the_eager_forward(moe_dirs, arch, dtype):
     assert stacked.engine.core.runner.cpu_decode is not None
     assert greedy_with_logprobs(stacked, prompts) == greedy_with_logprobs(eager, prompts)
     assert greedy_with_logprobs(stacked, prompts[:1]) == greedy_with_logprobs(eager, prompts[:1])
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "w4a8"])
+@pytest.mark.parametrize("arch", MOE_ARCHES)
+def test_a_cpu_moe_block_is_one_kernel_call_to_the_bits_of_its_python_loop(
+        moe_dirs, tmp_path, monkeypatch, arch, weights):
+    """Where the C++ kernels run every layer of a block (the blocked GEMM, W4A8 experts with
+    their integer GEMM from 2 rows), its forward is one call to them: the same bits as the
+    routing, per-expert and shared-expert ops it replaces, over one row and many."""
+    dtype = "float32" if weights == "w4a8" else weights
+    skip_without_decode_stack(dtype)
+    path = moe_dirs[arch]
+    if weights == "w4a8":
+        monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates",
+                            only_candidate(WxA8Weight))
+        monkeypatch.setattr("kvserve.quantization.cpu_kernels._decisions", {})
+        monkeypatch.setattr("kvserve.quantization.cpu_kernels.row_crossovers",
+                            lambda kernel, _: dataclasses.replace(kernel, gemm_from=2))
+        monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")
+        path = quantize_model(path, tmp_path / "q", "rtn", 4, group_size=64)
+    model = LLM(str(path), dtype=dtype).engine.core.runner.model
+    block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
+    assert block._on_cpu_kernels is not None
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, model.cfg.hidden_size, dtype=getattr(torch, dtype))
+            assert torch.equal(block(x), block._experts(x)), rows
 
 
 @pytest.mark.gpu
@@ -259,11 +288,14 @@ def test_awq_experts_load(moe_dirs, tmp_path):
 def test_the_decode_stack_runs_quantized_experts_as_the_eager_forward(moe_dirs, tmp_path,
                                                                       monkeypatch, dtype, bits):
     """Experts on the W4A8/W8A8 kernel, in the one-call decode stack (one row's experts in
-    one call) and eagerly (a call apiece)."""
+    one call; an expert's 2-5 rows of a batch on its integer GEMM) and eagerly (a call
+    apiece)."""
     skip_without_decode_stack(dtype)
     monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates",
                         only_candidate(WxA8Weight))
     monkeypatch.setattr("kvserve.quantization.cpu_kernels._decisions", {})
+    monkeypatch.setattr("kvserve.quantization.cpu_kernels.row_crossovers",
+                        lambda kernel, _: dataclasses.replace(kernel, gemm_from=2))
     monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")
     # Four experts a token, so that summing them in another order would change the bits.
     source = shutil.copytree(moe_dirs["qwen3_moe"], tmp_path / "top4")

@@ -213,15 +213,15 @@ def test_the_decode_stack_runs_w4a8_layers_as_the_eager_forward(trained_tiny, tm
                                                                 monkeypatch, dtype, group_size):
     """4-bit layers in the one-call decode stack, act-order ones in groups of 64 and per-channel
     ones (whose 128-channel down_proj the AMX int8 tiles take, where the CPU has them): one
-    decode on the W4A8 kernel, two or three on the AMX tiles, from four on the dequantizing
-    GEMM, the same logprobs to the bit as eager."""
+    decode on the W4A8 kernel, two or three on the AMX tiles (else its integer GEMM), from four
+    on the dequantizing GEMM, the same logprobs to the bit as eager."""
     if not dequantized_gemm_runs(2, getattr(torch, dtype)):
         pytest.skip(f"no blocked GEMM for {dtype} on this CPU")
     monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates",
                         only_candidate(WxA8Weight))
     monkeypatch.setattr("kvserve.quantization.cpu_kernels._decisions", {})
     monkeypatch.setattr("kvserve.quantization.cpu_kernels.row_crossovers", lambda kernel, _: (
-        dataclasses.replace(kernel, amx_from=2 if amx_int8_runs(kernel) else None,
+        dataclasses.replace(kernel, gemm_from=2, amx_from=2 if amx_int8_runs(kernel) else None,
                             dequantized_from=4)))
     monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")  # whatever the dense GEMM's time
     out = quantize_model(trained_tiny, tmp_path / "q", "gptq", 4, group_size=group_size,
@@ -230,7 +230,7 @@ def test_the_decode_stack_runs_w4a8_layers_as_the_eager_forward(trained_tiny, tm
     eager = LLM(str(out), dtype=dtype, max_num_batched_tokens=48, enforce_eager=True)
     assert stacked.engine.core.runner.cpu_decode is not None
     down = stacked.engine.core.runner.model.layers[0].mlp.down_proj.kernel
-    assert down.dequantized_from == 4
+    assert down.dequantized_from == 4 and down.gemm_from == 2
     assert down.amx_from == (2 if amx_int8_runs(down) else None)
     prompts = random_prompts([5, 17, 70, 3, 40], seed=4)
     for batch in (prompts, prompts[:3], prompts[:1]):

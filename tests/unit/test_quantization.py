@@ -332,6 +332,63 @@ def test_wxa8_kernel_computes_its_integer_products_exactly_on_avx2(avx2_kernels,
     _check_wxa8_products(kernels, bits)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_w4a8_layer_runs_its_integer_gemm_from_its_gemm_from_rows(bits):
+    """gemm_from moves the integer GEMM's start to fewer rows than the build's own, on every
+    path a layer's rows take (wxa8_linear, as the decode stack runs it): below it the few-rows
+    kernel, from it the GEMM, to the bit; the two agree to float32 rounding. A layer whose
+    outputs the GEMM does not tile keeps the few-rows kernel."""
+    gemm = cpu_kernels()
+    if gemm is None or not gemm.wxa8_gemm_runs(256, 16):
+        pytest.skip("no integer GEMM in this build")
+    torch.manual_seed(0)
+    kernel = cpu_candidates([rtn(torch.randn(64, 256), bits, 64, sym=False)]).packers[
+        WxA8Weight]()
+    args = (kernel.packed, kernel.scales, kernel.zeros, 64, bits)
+    for m in (2, 3, 5):
+        x = torch.randn(m, 256)
+        assert gemm.wxa8_gemm_runs(m, 64, m) and not gemm.wxa8_gemm_runs(m - 1, 64, m)
+        few_rows, integer_gemm = (gemm.wxa8_matmul(x, *args, gemm_from=g) for g in (m + 1, m))
+        assert torch.allclose(integer_gemm, few_rows, rtol=1e-5, atol=1e-5)
+        assert torch.equal(dataclasses.replace(kernel, gemm_from=m).matmul(x), integer_gemm)
+        assert torch.equal(dataclasses.replace(kernel, gemm_from=m + 1).matmul(x), few_rows)
+    assert not gemm.wxa8_gemm_runs(256, 12, 2)  # not a whole number of the GEMM's outputs
+
+
+def test_a_w4a8_layer_times_where_its_integer_gemm_starts_below_the_builds_count(monkeypatch):
+    """row_crossovers times the GEMM against the few-rows kernel only at the counts from
+    GEMM_TIMED_FROM up that the build leaves to the few-rows kernel (fake timings: the GEMM a
+    fixed cost plus a little per row, the few-rows kernel a pass per row), and keeps the first
+    it wins at."""
+    gemm = cpu_kernels()
+    if gemm is None:
+        pytest.skip("no CPU kernels")
+    kernel = cpu_candidates([rtn(torch.randn(64, 256), 4, 64, sym=False)]).packers[
+        WxA8Weight]()
+    timed = []
+
+    def fake_time(fn, x, runs):
+        rows = x.shape[0]
+        on_gemm = gemm.wxa8_gemm_runs(rows, 64, fn.__self__.gemm_from or 0)
+        timed.append((rows, on_gemm))
+        return 10 + rows if on_gemm else 4 * rows
+
+    monkeypatch.setattr(cpu_kernels_module, "_median_time", fake_time)
+    monkeypatch.setattr(cpu_kernels_module, "amx_int8_runs", lambda kernel: False)
+    monkeypatch.setattr(cpu_kernels_module, "dequantized_gemm_runs", lambda k, dtype: False)
+    routed = cpu_kernels_module.row_crossovers(kernel, torch.float32)
+    earlier = [rows for rows in (16, 32, 64, 128, 256)
+               if gemm.wxa8_gemm_runs(rows, 64, rows) and not gemm.wxa8_gemm_runs(rows, 64)]
+    if not earlier:  # no GEMM, or one from 16 rows (VNNI): nothing to time
+        assert routed.gemm_from is None and not timed
+        return
+    assert routed.gemm_from == earlier[0] == 16
+    assert timed == [(16, True), (16, False)]
+    monkeypatch.setattr(cpu_kernels_module, "_median_time",
+                        lambda fn, x, runs: 1.0 if fn.__self__.gemm_from else 0.5)
+    assert cpu_kernels_module.row_crossovers(kernel, torch.float32).gemm_from is None
+
+
 def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
     """Groups of 1 to 16 blocks of 64 channels (the AVX2 per-row path without AVX-VNNI sums up
     to 4 blocks in int16 lanes; the GEMM transposes 256 or 512 channels at a time, a group's
@@ -384,9 +441,10 @@ def _check_wxa8_products(gemm: ModuleType, bits: int) -> None:
     q = torch.randint(0, top + 1, (48, 576))
     scales, zeros = torch.rand(48, 9) + 0.5, torch.randint(0, top + 1, (48, 9)).float()
     for rows in (1, 3, 20):
-        got = gemm.wxa8_linear(x[:rows], wxa8_packed(q, bits), scales, zeros, None, 64, bits, 0, 0)
+        got = gemm.wxa8_linear(x[:rows], wxa8_packed(q, bits), scales, zeros, None, 64, bits, 0,
+                               0, 0)
         want = gemm.wxa8_linear(x[:rows].float(), wxa8_packed(q, bits), scales, zeros, None, 64,
-                                bits, 0, 0)
+                                bits, 0, 0, 0)
         assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16()), rows
 
 

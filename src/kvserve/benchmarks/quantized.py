@@ -38,6 +38,7 @@ from kvserve.quantization.cpu_kernels import (
     amx_int8_runs,
     cpu_candidates,
     dequantized_gemm_runs,
+    integer_gemm_runs,
 )
 from kvserve.quantization.gptq import QuantizedWeight, rtn
 from kvserve.quantization.kernels import num_programs
@@ -109,6 +110,9 @@ def _kernels(weight: torch.Tensor, layer: str, args: argparse.Namespace, dtype: 
             if kernel is not None:
                 kernels[f"{name} ({type(kernel).__name__})"] = (kernel.matmul, kernel.num_bytes,
                                                                 in_features)
+            if isinstance(kernel, WxA8Weight) and integer_gemm_runs(kernel):
+                gemm = dataclasses.replace(kernel, gemm_from=1)
+                kernels[f"{name} (integer GEMM)"] = (gemm.matmul, kernel.num_bytes, in_features)
             if isinstance(kernel, WxA8Weight) and amx_int8_runs(kernel):
                 amx = dataclasses.replace(kernel, amx_from=1)
                 kernels[f"{name} (AMX int8 tiles)"] = (amx.matmul, kernel.num_bytes, in_features)

@@ -57,16 +57,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route_experts", &kvserve::route_experts, py::arg("logits"), py::arg("top_k"),
         py::arg("renormalize"), release,
         "each row's top_k experts and their softmax weights, from router logits");
-  m.def("wxa8_matmul", &kvserve::wxa8_matmul, release,
+  m.def("wxa8_matmul", &kvserve::wxa8_matmul, py::arg("x"), py::arg("packed"),
+        py::arg("scales"), py::arg("zeros"), py::arg("group"), py::arg("bits"),
+        py::arg("gemm_from") = 0, release,
         "x @ W^T for a W4A8/W8A8 weight, x's rows quantized to int8 per group");
   m.def("wxa8_amx_matmul", &kvserve::wxa8_amx_matmul, release,
         "wxa8_matmul on AMX's int8 tiles");
   m.def("wxa8_amx_runs", &kvserve::wxa8_amx_runs, "whether wxa8_amx_matmul runs this shape");
-  m.def("wxa8_gemm_runs", &kvserve::wxa8_gemm_runs,
-        "whether wxa8_matmul runs these rows as its GEMM");
+  m.def("wxa8_gemm_runs", &kvserve::wxa8_gemm_runs, py::arg("rows"), py::arg("n"),
+        py::arg("gemm_from") = 0, "whether wxa8_matmul runs these rows as its GEMM");
   m.def("wxa8_linear", &kvserve::wxa8_linear, release,
-        "a W4A8/W8A8 layer: wxa8_matmul, wxa8_amx_matmul from amx_from rows up, or "
-        "dequantized_linear from dequantized_from rows up");
+        "a W4A8/W8A8 layer: wxa8_matmul (its GEMM from gemm_from rows up), wxa8_amx_matmul "
+        "from amx_from rows up, or dequantized_linear from dequantized_from rows up");
   // Module-local classes: a second build of these kernels (for another instruction set) can
   // load into the same process.
   using Kind = LinearWeights::Kind;
@@ -75,13 +77,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("packed"))
       .def(py::init([](torch::Tensor weight, int64_t bits, torch::Tensor scales,
                        torch::Tensor zeros, c10::optional<torch::Tensor> input_order,
-                       int64_t group, int64_t amx_from, int64_t dequantized_from) {
-             return LinearWeights{weight, Kind::kWxA8, bits, scales, zeros,
-                                  input_order, group, amx_from, dequantized_from};
+                       int64_t group, int64_t amx_from, int64_t dequantized_from,
+                       int64_t gemm_from) {
+             return LinearWeights{weight, Kind::kWxA8, bits, scales, zeros, input_order,
+                                  group, amx_from, dequantized_from, gemm_from};
            }),
            py::arg("weight"), py::arg("bits"), py::arg("scales"), py::arg("zeros"),
            py::arg("input_order"), py::arg("group"), py::arg("amx_from"),
-           py::arg("dequantized_from"))
+           py::arg("dequantized_from"), py::arg("gemm_from"))
       .def_static(
           "int4",
           [](torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group,
@@ -105,7 +108,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("top_k"),
            py::arg("intermediate_size"), py::arg("renormalize"),
            py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
-           py::arg("shared_gate") = py::none(), py::arg("shared_intermediate_size") = 0);
+           py::arg("shared_gate") = py::none(), py::arg("shared_intermediate_size") = 0)
+      .def("__call__", &MoEWeights::operator(), py::arg("x"), py::arg("hidden_size"), release,
+           "the block's output for x [rows, hidden_size]");
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", py::module_local())
       .def(py::init<torch::Tensor, LinearWeights, LinearWeights, torch::Tensor,
                     c10::optional<LinearWeights>, c10::optional<LinearWeights>,

@@ -40,21 +40,23 @@ torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qw
 int64_t wxa8_zero_row(const torch::Tensor& zeros, int64_t n, int64_t groups, const char* who);
 // x [m, k] float32 times a W4A8/W8A8 weight, activations quantized to int8 per group.
 torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          torch::Tensor zeros, int64_t group, int64_t bits);
-// Whether wxa8_matmul runs `rows` rows of an n-output layer as its GEMM (AVX512-VNNI or AVX2).
-bool wxa8_gemm_runs(int64_t rows, int64_t n);
+                          torch::Tensor zeros, int64_t group, int64_t bits, int64_t gemm_from);
+// Whether wxa8_matmul runs `rows` rows of an n-output layer as its GEMM (AVX512-VNNI or AVX2):
+// from `gemm_from` rows up (0: from the build's own row count).
+bool wxa8_gemm_runs(int64_t rows, int64_t n, int64_t gemm_from);
 // wxa8_matmul on AMX's int8 tiles (wxa8_amx_runs: built, granted, and a shape it takes).
 bool wxa8_amx_runs(int64_t k, int64_t n, int64_t group);
 torch::Tensor wxa8_amx_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                               torch::Tensor zeros, int64_t group, int64_t bits);
 // A W4A8/W8A8 layer (quantization/cpu_kernels.py's WxA8Weight) on x [m, k] of any float dtype:
-// x's columns in `input_order` (act-order), then wxa8_matmul, wxa8_amx_matmul from `amx_from`
-// rows up, or dequantized_linear from `dequantized_from` rows up (0: never); the output in x's
-// dtype.
+// x's columns in `input_order` (act-order), then wxa8_matmul (its GEMM from `gemm_from` rows
+// up), wxa8_amx_matmul from `amx_from` rows up, or dequantized_linear from `dequantized_from`
+// rows up (0: never); the output in x's dtype.
 torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const torch::Tensor& scales, const torch::Tensor& zeros,
                           const c10::optional<torch::Tensor>& input_order, int64_t group,
-                          int64_t bits, int64_t amx_from, int64_t dequantized_from);
+                          int64_t bits, int64_t amx_from, int64_t dequantized_from,
+                          int64_t gemm_from);
 
 // paged_decode.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
@@ -108,6 +110,7 @@ struct LinearWeights {
   int64_t bits = 0;
   c10::optional<torch::Tensor> scales, zeros, input_order;
   int64_t group = 0, amx_from = 0, dequantized_from = 0;  // 0: never
+  int64_t gemm_from = 0;  // 0: the build's own row count (wxa8_gemm_runs)
 
   torch::Tensor operator()(const torch::Tensor& x, int64_t n,
                            const c10::optional<torch::Tensor>& bias) const;
@@ -118,8 +121,8 @@ struct LinearWeights {
 // wxa8.cpp: row e of x [e, k] (or its one row, for every e) through layers[e], as wxa8_linear
 // runs it: [e, n] in x's dtype. A decode step's experts, each a few microseconds of work, in
 // one call: a shared row quantized once, and one parallel region for all. It takes W4A8/W8A8
-// layers of one shape, group and width, without act-order, whose one row goes neither to AMX
-// nor to the dequantizing GEMM (wxa8_experts_run).
+// layers of one shape, group and width, without act-order, whose one row goes neither to AMX,
+// the integer GEMM nor the dequantizing GEMM (wxa8_experts_run).
 bool wxa8_experts_run(const std::vector<const LinearWeights*>& layers);
 torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const LinearWeights*>& layers);
 

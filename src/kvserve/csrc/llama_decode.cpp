@@ -21,7 +21,7 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x, int64_t n,
       return blocked_linear(x, weight, n, bias);
     case Kind::kWxA8:
       out = wxa8_linear(x, weight, *scales, *zeros, input_order, group, bits, amx_from,
-                        dequantized_from);
+                        dequantized_from, gemm_from);
       break;
     case Kind::kInt4: {
       const torch::Tensor rows = x.to(torch::kBFloat16);

@@ -847,7 +847,8 @@ struct Vnni {
   static constexpr int kTileRows = 4;
   // With fewer rows, transposing the weights costs more than the per-row kernel's extra passes
   // over them: on a 2-core AVX-512 EPYC, llama3-8b and llama3.2-1b shapes, the GEMM took
-  // 0.6-1.6x the per-row kernel's time at 8 rows, 0.3-1.1x at 16 and 0.3-0.65x at 32.
+  // 0.6-1.6x the per-row kernel's time at 8 rows, 0.3-1.1x at 16 and 0.3-0.65x at 32. A layer
+  // timed at load may start lower (wxa8_gemm_runs' gemm_from).
   static constexpr int64_t kFromRows = 16;
   // Channels per transposed chunk (a group's, if smaller). Against 256, on per-channel 8-bit
   // layers of those shapes at 16-256 rows, 512 took 0.70-0.99x the time.
@@ -923,7 +924,9 @@ struct Avx2 {
   static constexpr int kTileRows = 2;
   // There, at 16 rows of llama3-8b and llama3.2-1b shapes, the GEMM took 0.79-1.16x the
   // per-row kernel's time; at 32, 0.68-0.99x; at 256, 0.57-0.75x. With AVX-VNNI kept
-  // (-mno-avx512f alone), 0.57-1.08x at 16 rows and 0.49-0.92x at 24.
+  // (-mno-avx512f alone), 0.57-1.08x at 16 rows and 0.49-0.92x at 24. On a 2-core AVX2 EPYC
+  // (Zen 3), 4-bit expert and attention shapes with their weights in the caches, it took
+  // 0.36-0.59x at 16 rows: each layer is timed at 16 at load (wxa8_gemm_runs' gemm_from).
   static constexpr int64_t kFromRows = kDpbusd ? 16 : 32;
   // Against 256 channels, on per-channel 8-bit layers, 512 took 0.86-1.00x the time with
   // AVX-VNNI and 0.87-1.12x without (two nibble planes: 32 KB of chunk for 4 blocks).
@@ -1413,9 +1416,10 @@ int64_t wxa8_zero_row(const torch::Tensor& zeros, int64_t n, int64_t groups, con
   return zeros.size(0) == 1 ? 0 : groups;
 }
 
-bool wxa8_gemm_runs(int64_t rows, int64_t n) {
+bool wxa8_gemm_runs(int64_t rows, int64_t n, int64_t gemm_from) {
 #if defined(__AVX2__)
-  return rows >= gemm::Isa::kFromRows && n % gemm::Isa::kOutputs == 0;
+  return rows >= (gemm_from > 0 ? gemm_from : gemm::Isa::kFromRows) &&
+         n % gemm::Isa::kOutputs == 0;
 #else
   return false;
 #endif
@@ -1449,10 +1453,10 @@ torch::Tensor wxa8_amx_matmul(torch::Tensor x, torch::Tensor packed, torch::Tens
 }
 
 torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          torch::Tensor zeros, int64_t group, int64_t bits) {
+                          torch::Tensor zeros, int64_t group, int64_t bits, int64_t gemm_from) {
   const int64_t zero_row = check_inputs(x, packed, scales, zeros, group, bits);
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
-  const bool many_rows = wxa8_gemm_runs(m, n),
+  const bool many_rows = wxa8_gemm_runs(m, n, gemm_from),
              paired = !many_rows && paired_runs(bits, group / kBlock);
   const QuantizedRows rows = quantize_rows(x, group, paired);
   auto out = torch::empty({m, n}, torch::kFloat32);
@@ -1477,7 +1481,8 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const torch::Tensor& scales, const torch::Tensor& zeros,
                           const c10::optional<torch::Tensor>& input_order, int64_t group,
-                          int64_t bits, int64_t amx_from, int64_t dequantized_from) {
+                          int64_t bits, int64_t amx_from, int64_t dequantized_from,
+                          int64_t gemm_from) {
   const torch::Tensor rows = input_order ? x.index_select(1, *input_order) : x;
   const int64_t m = rows.size(0);
   if (dequantized_from > 0 && m >= dequantized_from)
@@ -1486,7 +1491,8 @@ torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const torch::Tensor input = readable(rows);
   const torch::Tensor out = amx_from > 0 && m >= amx_from
                                 ? wxa8_amx_matmul(input, packed, scales, zeros, group, bits)
-                                : wxa8_matmul(input, packed, scales, zeros, group, bits);
+                                : wxa8_matmul(input, packed, scales, zeros, group, bits,
+                                              gemm_from);
   return in_dtype(out, x.scalar_type());
 }
 
@@ -1495,7 +1501,7 @@ bool wxa8_experts_run(const std::vector<const LinearWeights*>& layers) {
   const LinearWeights& first = *layers.front();
   return std::all_of(layers.begin(), layers.end(), [&](const LinearWeights* layer) {
     return layer->kind == LinearWeights::Kind::kWxA8 && !layer->input_order &&
-           layer->amx_from != 1 && layer->dequantized_from != 1 &&
+           layer->amx_from != 1 && layer->dequantized_from != 1 && layer->gemm_from != 1 &&
            layer->group == first.group && layer->bits == first.bits &&
            layer->weight.size(0) == first.weight.size(0);
   });

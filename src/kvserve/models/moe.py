@@ -9,16 +9,25 @@ its expert weights for one token.
 Among tensor-parallel ranks every expert is split like a dense MLP (its columns); the router
 is whole on each rank, so all ranks route alike, and the experts' partial outputs are summed
 over the ranks once, after they are added up.
+
+On CPU, where the C++ kernels run every layer of the block, the whole block is one call to
+them (`MoEWeights` in kvserve/csrc/llama_decode.cpp, which the decode stack runs too): the
+same ops in the same order, so the same bits, without the Python that issued five calls an
+expert.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from kvserve.config import MoEConfig
+from kvserve.cpp_extension import cpu_kernels
+from kvserve.layers.cpu_weights import linear_weights, runs_on_cpu_kernels
 from kvserve.layers.fused import cpu_fused_kernels
 from kvserve.layers.linear import Linear
 from kvserve.models.mlp import MLP
@@ -38,13 +47,43 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Linear(hidden_size, [1], False, dtype) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        on_kernels = self._on_cpu_kernels if cpu_fused_kernels(x) is not None else None
+        out = on_kernels(x, x.shape[-1]) if on_kernels is not None else self._experts(x)
+        if tp_group().size > 1:
+            all_reduce(out)
+        return out
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
+        """Routing, the routed experts and the shared expert, op by op."""
         weights, experts = route(self.gate(x), self.top_k, self.renormalize)
         out = self._routed(x, weights, experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        if tp_group().size > 1:
-            all_reduce(out)
         return out
+
+    def kernel_weights(self, kernels: ModuleType) -> object:
+        """The block as the C++ kernels run it, routing and shared expert included; its
+        layers must run on them (`runs_on_cpu_kernels`)."""
+        shared, shared_gate = self.shared_expert, self.shared_expert_gate
+        return kernels.MoEWeights(
+            linear_weights(self.gate, kernels),
+            [linear_weights(e.gate_up_proj, kernels) for e in self.experts],
+            [linear_weights(e.down_proj, kernels) for e in self.experts],
+            self.top_k, self.experts[0].down_proj.in_features, self.renormalize,
+            *((None, None, None, 0) if shared is None or shared_gate is None else (
+                linear_weights(shared.gate_up_proj, kernels),
+                linear_weights(shared.down_proj, kernels),
+                linear_weights(shared_gate, kernels), shared.down_proj.in_features)))
+
+    @functools.cached_property
+    def _on_cpu_kernels(self) -> object | None:
+        """`kernel_weights`, where the C++ kernels are built and run every layer of the
+        block; taken on its first CPU forward, after loading chose the layers' kernels."""
+        kernels = cpu_kernels()
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if kernels is None or not all(map(runs_on_cpu_kernels, linears)):
+            return None
+        return self.kernel_weights(kernels)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
                 ) -> torch.Tensor:

@@ -8,11 +8,12 @@ and one of ours:
 - W4A8 and W8A8 (`kvserve/csrc/wxa8.cpp`): 4- and 8-bit layers with groups of a multiple of 64
   channels; each row's activations are quantized to int8 per group and the group's integer
   dot products run on VNNI (AVX-512's or AVX-VNNI's; AVX2's maddubs without either), as
-  llama.cpp's Q4/Q8 x Q8 paths do. Each of a few rows costs a pass over the weight; from 16
-  rows up with VNNI (32 on AVX2 alone) they run as a GEMM instead, over the weights transposed
-  chunk by chunk in L1 into the instruction's operand layout (about 3x the dense float32
-  GEMM's rate at 64-256 rows on a 2-core AVX-512 EPYC; with AVX-VNNI alone, 3-3.5x; with
-  maddubs alone, 1.5x at 8 bits and 2x at 4). Where the CPU has AMX (and groups are of a
+  llama.cpp's Q4/Q8 x Q8 paths do. Each of a few rows costs a pass over the weight; from a
+  measured number of rows up (at most 16 with VNNI, 32 on AVX2 alone) they run as a GEMM
+  instead, over the weights transposed chunk by chunk in L1 into the instruction's operand
+  layout (about 3x the dense float32 GEMM's rate at 64-256 rows on a 2-core AVX-512 EPYC;
+  with AVX-VNNI alone, 3-3.5x; with maddubs alone, 1.5x at 8 bits and 2x at 4). Where the
+  CPU has AMX (and groups are of a
   multiple of 128 channels), from a measured number of rows up the same products run on its
   int8 tiles instead, 16 rows to a tile. From another measured number up, the same bytes are
   dequantized block by block into the blocked GEMM's tiles (`kvserve/csrc/dequantize.h`,
@@ -24,8 +25,8 @@ All stream a quarter (8-bit) or an eighth (4-bit) of the float32 weight bytes. W
 fastest, and whether any beats the dense float32 GEMM, depends on the CPU (VNNI, bfloat16
 support) and the shape, so the engine times them on each layer shape at load and keeps the
 fastest for one-row steps, the case quantized models are served for (`kernels.py` makes the
-choice), and for W4A8/W8A8 the row counts from which its AMX tiles and the dequantizing GEMM
-are faster.
+choice), and for W4A8/W8A8 the row counts from which its integer GEMM, its AMX tiles and the
+dequantizing GEMM are faster.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class WxA8Weight:
     group_size: int
     bits: int  # 4 or 8
     input_order: torch.Tensor | None  # act-order: the input channels sorted by group
+    # From this many rows up, the integer GEMM runs it (None: from the build's own count).
+    gemm_from: int | None = None
     # From this many rows up, the AMX int8 tiles run it (None: never).
     amx_from: int | None = None
     # From this many rows up, the dequantizing GEMM runs (None: never).
@@ -92,7 +95,7 @@ class WxA8Weight:
         out = cpu_kernels().wxa8_linear(x.reshape(-1, x.shape[-1]), self.packed, self.scales,
                                         self.zeros, self.input_order, self.group_size,
                                         self.bits, self.amx_from or 0,
-                                        self.dequantized_from or 0)
+                                        self.dequantized_from or 0, self.gemm_from or 0)
         return out.reshape(*x.shape[:-1], -1)
 
 
@@ -160,8 +163,9 @@ def cpu_candidates(shards: list[QuantizedWeight]) -> CpuCandidates:
 
 
 # By input size, layout, kernels and dtype: the chosen candidate's index (past the end: the dense
-# GEMM), and its amx_from and dequantized_from.
-_decisions: dict[tuple[object, ...], tuple[int, int | None, int | None]] = {}
+# GEMM), and W4A8/W8A8's measured row crossovers (its fields ROW_CROSSOVERS).
+_decisions: dict[tuple[object, ...], tuple[int, dict[str, int | None]]] = {}
+ROW_CROSSOVERS = ("gemm_from", "amx_from", "dequantized_from")
 # How much slower on one row W4A8/W8A8 may be than the fastest kernel and still be chosen,
 # where its integer GEMM, AMX tiles or dequantizing GEMM serve many rows: the others have no fast
 # path for them (torch's int4 took 28x one row's time for 64 rows of a 2,048 x 128,256 LM
@@ -192,26 +196,33 @@ def fastest(candidates: CpuCandidates,
         if dense is not None:
             times.append(DENSE_MARGIN * _median_time(dense(), x))
         index = min(range(len(times)), key=times.__getitem__)
-        amx_from = dequantized_from = None
+        crossovers: dict[str, int | None] = {}
         wxa8 = kinds.index(WxA8Weight) if WxA8Weight in kinds else None
         if (wxa8 is not None and index < len(packed)
                 and times[wxa8] <= ONE_ROW_SLACK * times[index]):
             routed = row_crossovers(packed[wxa8], dtype)
-            amx_from, dequantized_from = routed.amx_from, routed.dequantized_from
-            if (amx_from is not None or dequantized_from is not None
+            crossovers = {name: getattr(routed, name) for name in ROW_CROSSOVERS}
+            if (routed.amx_from is not None or routed.dequantized_from is not None
                     or integer_gemm_runs(routed)):
                 index = wxa8
-        _decisions[key] = index, amx_from, dequantized_from
-    index, amx_from, dequantized_from = _decisions[key]
+        _decisions[key] = index, crossovers
+    index, crossovers = _decisions[key]
     if index == len(kinds):
         return None
     chosen = candidates.packers[kinds[index]]()
     if isinstance(chosen, WxA8Weight):
-        return dataclasses.replace(chosen, amx_from=amx_from, dequantized_from=dequantized_from)
+        return dataclasses.replace(chosen, **crossovers)
     return chosen
 
 
 CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The fewest rows at which the integer GEMM is timed against the few-rows kernel. On a 2-core
+# AVX2 EPYC (Zen 3), where the build starts the GEMM at 32 rows, 4-bit layers of 256-768
+# channels (weights in the caches) ran 16 rows in 0.36-0.59x the few-rows kernel's time, 4 in
+# 0.53-0.90x; the load-time timing chose the GEMM from 2-8 rows on some of
+# `qwen3-moe-small`'s layers, but its batch-8 decode steps then ran 1.09-1.14x slower than
+# with the few-rows kernel, and 0.96x with the GEMM from 16 rows.
+GEMM_TIMED_FROM = 16
 
 
 def dequantized_gemm_runs(in_features: int, dtype: torch.dtype) -> bool:
@@ -236,10 +247,16 @@ def amx_int8_runs(kernel: WxA8Weight) -> bool:
 
 
 def row_crossovers(kernel: WxA8Weight, dtype: torch.dtype) -> WxA8Weight:
-    """The W4A8/W8A8 layer with its amx_from and dequantized_from measured: the fewest rows
-    (of CROSSOVER_ROWS) at which the AMX tiles beat VNNI, then at which the dequantizing GEMM
-    beats both; None where one never does or is not built (for `dtype`)."""
-    kernel = dataclasses.replace(kernel, amx_from=None, dequantized_from=None)
+    """The W4A8/W8A8 layer with its gemm_from, amx_from and dequantized_from measured: the
+    fewest rows (of CROSSOVER_ROWS) at which its integer GEMM beats its few-rows kernel (of
+    the counts under the one the build starts it from), then at which the AMX tiles beat
+    both, then at which the dequantizing GEMM beats all; None where one never does or is not
+    built (for `dtype`)."""
+    kernel = dataclasses.replace(kernel, gemm_from=None, amx_from=None, dequantized_from=None)
+    earlier = _earlier_gemm_rows(kernel)
+    if earlier:
+        kernel = dataclasses.replace(kernel, gemm_from=_first_faster(
+            dataclasses.replace(kernel, gemm_from=earlier[0]), kernel, dtype, earlier))
     if amx_int8_runs(kernel):
         kernel = dataclasses.replace(kernel, amx_from=_first_faster(
             dataclasses.replace(kernel, amx_from=1), kernel, dtype))
@@ -249,18 +266,27 @@ def row_crossovers(kernel: WxA8Weight, dtype: torch.dtype) -> WxA8Weight:
     return kernel
 
 
-def _first_faster(challenger: WxA8Weight, kernel: WxA8Weight, dtype: torch.dtype) -> int | None:
-    """The fewest of CROSSOVER_ROWS at which `challenger` is faster, or None. Its lead grows
-    with the rows (it reads the weight once for more of them), so one slower at the most rows
-    is not timed at fewer: where VNNI's GEMM beat the dequantizing one at every row count, the
+def _earlier_gemm_rows(kernel: WxA8Weight) -> tuple[int, ...]:
+    """The counts of CROSSOVER_ROWS from GEMM_TIMED_FROM up that the integer GEMM could run
+    this layer's rows from but this build does not by itself."""
+    gemm, n = cpu_kernels(), kernel.packed.shape[0]
+    return tuple(rows for rows in CROSSOVER_ROWS if rows >= GEMM_TIMED_FROM
+                 and gemm.wxa8_gemm_runs(rows, n, rows) and not gemm.wxa8_gemm_runs(rows, n))
+
+
+def _first_faster(challenger: WxA8Weight, kernel: WxA8Weight, dtype: torch.dtype,
+                  counts: tuple[int, ...] = CROSSOVER_ROWS) -> int | None:
+    """The fewest row `counts` at which `challenger` is faster, or None. Its lead grows with
+    the rows (it reads the weight once for more of them), so one slower at the most rows is
+    not timed at fewer: where VNNI's GEMM beat the dequantizing one at every row count, the
     whole sweep added 3-4 s to a 4-bit llama3.2-1b's load (10.3-11.2 s, now 7.3)."""
     def faster(rows: int) -> bool:
         x = torch.randn(rows, kernel.in_features, dtype=dtype)
         return _median_time(challenger.matmul, x, 3) < _median_time(kernel.matmul, x, 3)
 
-    if not faster(CROSSOVER_ROWS[-1]):
+    if not faster(counts[-1]):
         return None
-    return next(rows for rows in CROSSOVER_ROWS if rows == CROSSOVER_ROWS[-1] or faster(rows))
+    return next(rows for rows in counts if rows == counts[-1] or faster(rows))
 
 
 def _median_time(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,

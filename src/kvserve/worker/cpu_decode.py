@@ -18,12 +18,10 @@ import torch
 
 from kvserve.attention.cpu_paged import CpuPagedAttention
 from kvserve.cpp_extension import cpu_kernels
+from kvserve.layers.cpu_weights import linear_weights, runs_on_cpu_kernels
 from kvserve.layers.linear import Linear
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.mlp import MLP
-from kvserve.models.moe import SparseMoeBlock
-from kvserve.quantization.cpu_kernels import Int8Weight, IntegerWeight
-from kvserve.quantization.torch_int4 import Int4Weight
 from kvserve.worker.input_batch import ModelInputs
 from kvserve.worker.tensor_parallel import tp_group
 
@@ -59,7 +57,7 @@ class CpuDecodeStack:
                                                      if isinstance(m, Linear))]
             if not isinstance(attn.backend, CpuPagedAttention) or attn.head_dim % 16:
                 return False
-            if not all(_runs(lin) for lin in linears):
+            if not all(runs_on_cpu_kernels(lin) for lin in linears):
                 return False
             if any(lin.bias is not None for lin in linears[1:]):  # only QKV has a bias
                 return False
@@ -79,47 +77,14 @@ class CpuDecodeStack:
             seq_lens, meta.sliding_window or 0, meta.decode_rows_share_sequences)
 
 
-def _runs(linear: Linear) -> bool:
-    """Whether the stack runs this linear as its forward does."""
-    if linear.kernel is None:
-        return linear.form == "blocked"
-    return isinstance(linear.kernel, IntegerWeight)
-
-
-def _linear_weights(linear: Linear, kernels: ModuleType) -> object:
-    q = linear.kernel
-    if q is None:
-        return kernels.LinearWeights(linear.weight)
-    if isinstance(q, Int4Weight):
-        return kernels.LinearWeights.int4(q.packed, q.scales_and_zeros, q.group_size,
-                                          q.input_order)
-    if isinstance(q, Int8Weight):
-        return kernels.LinearWeights.int8(q.weight, q.scales, q.zero_terms)
-    return kernels.LinearWeights(q.packed, q.bits, q.scales, q.zeros, q.input_order,
-                                 q.group_size, q.amx_from or 0, q.dequantized_from or 0)
-
-
 def _layer_weights(layer: torch.nn.Module, kernels: ModuleType) -> object:
     attn, mlp = layer.self_attn, layer.mlp
     dense = isinstance(mlp, MLP)
     return kernels.DecoderLayerWeights(
-        layer.input_layernorm.weight, _linear_weights(attn.qkv_proj, kernels),
-        _linear_weights(attn.o_proj, kernels), layer.post_attention_layernorm.weight,
-        _linear_weights(mlp.gate_up_proj, kernels) if dense else None,
-        _linear_weights(mlp.down_proj, kernels) if dense else None,
+        layer.input_layernorm.weight, linear_weights(attn.qkv_proj, kernels),
+        linear_weights(attn.o_proj, kernels), layer.post_attention_layernorm.weight,
+        linear_weights(mlp.gate_up_proj, kernels) if dense else None,
+        linear_weights(mlp.down_proj, kernels) if dense else None,
         attn.qkv_proj.bias, attn.q_norm.weight if attn.q_norm is not None else None,
         attn.k_norm.weight if attn.k_norm is not None else None,
-        None if dense else _moe_weights(mlp, kernels))
-
-
-def _moe_weights(moe: SparseMoeBlock, kernels: ModuleType) -> object:
-    shared = moe.shared_expert
-    return kernels.MoEWeights(
-        _linear_weights(moe.gate, kernels),
-        [_linear_weights(e.gate_up_proj, kernels) for e in moe.experts],
-        [_linear_weights(e.down_proj, kernels) for e in moe.experts],
-        moe.top_k, moe.experts[0].down_proj.in_features, moe.renormalize,
-        *((None, None, None, 0) if shared is None or moe.shared_expert_gate is None else (
-            _linear_weights(shared.gate_up_proj, kernels),
-            _linear_weights(shared.down_proj, kernels),
-            _linear_weights(moe.shared_expert_gate, kernels), shared.down_proj.in_features)))
+        None if dense else mlp.kernel_weights(kernels))
