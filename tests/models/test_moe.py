@@ -107,6 +107,16 @@ def test_decode_stack_equals_the_eager_forward(moe_dirs, arch, dtype):
     assert greedy_with_logprobs(stacked, prompts[:1]) == greedy_with_logprobs(eager, prompts[:1])
 
 
+def on_w4a8_from_2_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantized layers load on the W4A8/W8A8 kernel, its integer GEMM from 2 rows."""
+    monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates",
+                        only_candidate(WxA8Weight))
+    monkeypatch.setattr("kvserve.quantization.cpu_kernels._decisions", {})
+    monkeypatch.setattr("kvserve.quantization.cpu_kernels.row_crossovers",
+                        lambda kernel, _: dataclasses.replace(kernel, gemm_from=2))
+    monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")
+
+
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "w4a8"])
 @pytest.mark.parametrize("arch", MOE_ARCHES)
 def test_a_cpu_moe_block_is_one_kernel_call_to_the_bits_of_its_python_loop(
@@ -118,12 +128,7 @@ def test_a_cpu_moe_block_is_one_kernel_call_to_the_bits_of_its_python_loop(
     skip_without_decode_stack(dtype)
     path = moe_dirs[arch]
     if weights == "w4a8":
-        monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates",
-                            only_candidate(WxA8Weight))
-        monkeypatch.setattr("kvserve.quantization.cpu_kernels._decisions", {})
-        monkeypatch.setattr("kvserve.quantization.cpu_kernels.row_crossovers",
-                            lambda kernel, _: dataclasses.replace(kernel, gemm_from=2))
-        monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")
+        on_w4a8_from_2_rows(monkeypatch)
         path = quantize_model(path, tmp_path / "q", "rtn", 4, group_size=64)
     model = LLM(str(path), dtype=dtype).engine.core.runner.model
     block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
@@ -288,15 +293,10 @@ def test_awq_experts_load(moe_dirs, tmp_path):
 def test_the_decode_stack_runs_quantized_experts_as_the_eager_forward(moe_dirs, tmp_path,
                                                                       monkeypatch, dtype, bits):
     """Experts on the W4A8/W8A8 kernel, in the one-call decode stack (one row's experts in
-    one call; an expert's 2-5 rows of a batch on its integer GEMM) and eagerly (a call
-    apiece)."""
+    one call; an expert's 2-5 rows of a batch on its integer GEMM) and eagerly (whose block
+    call the test above checks against the Python loop)."""
     skip_without_decode_stack(dtype)
-    monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates",
-                        only_candidate(WxA8Weight))
-    monkeypatch.setattr("kvserve.quantization.cpu_kernels._decisions", {})
-    monkeypatch.setattr("kvserve.quantization.cpu_kernels.row_crossovers",
-                        lambda kernel, _: dataclasses.replace(kernel, gemm_from=2))
-    monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")
+    on_w4a8_from_2_rows(monkeypatch)
     # Four experts a token, so that summing them in another order would change the bits.
     source = shutil.copytree(moe_dirs["qwen3_moe"], tmp_path / "top4")
     config = json.loads((source / "config.json").read_text())

@@ -8,12 +8,12 @@ and one of ours:
 - W4A8 and W8A8 (`kvserve/csrc/wxa8.cpp`): 4- and 8-bit layers with groups of a multiple of 64
   channels; each row's activations are quantized to int8 per group and the group's integer
   dot products run on VNNI (AVX-512's or AVX-VNNI's; AVX2's maddubs without either), as
-  llama.cpp's Q4/Q8 x Q8 paths do. Each of a few rows costs a pass over the weight; from a
-  measured number of rows up (at most 16 with VNNI, 32 on AVX2 alone) they run as a GEMM
-  instead, over the weights transposed chunk by chunk in L1 into the instruction's operand
-  layout (about 3x the dense float32 GEMM's rate at 64-256 rows on a 2-core AVX-512 EPYC;
-  with AVX-VNNI alone, 3-3.5x; with maddubs alone, 1.5x at 8 bits and 2x at 4). Where the
-  CPU has AMX (and groups are of a
+  llama.cpp's Q4/Q8 x Q8 paths do. Each of a few rows costs a pass over the weight; from 16
+  rows up with VNNI (on AVX2 alone from 16 where timed faster there at load, else 32) they
+  run as a GEMM instead, over the weights transposed chunk by chunk in L1 into the
+  instruction's operand layout (about 3x the dense float32 GEMM's rate at 64-256 rows on a
+  2-core AVX-512 EPYC; with AVX-VNNI alone, 3-3.5x; with maddubs alone, 1.5x at 8 bits and
+  2x at 4). Where the CPU has AMX (and groups are of a
   multiple of 128 channels), from a measured number of rows up the same products run on its
   int8 tiles instead, 16 rows to a tile. From another measured number up, the same bytes are
   dequantized block by block into the blocked GEMM's tiles (`kvserve/csrc/dequantize.h`,
@@ -248,8 +248,8 @@ def amx_int8_runs(kernel: WxA8Weight) -> bool:
 
 def row_crossovers(kernel: WxA8Weight, dtype: torch.dtype) -> WxA8Weight:
     """The W4A8/W8A8 layer with its gemm_from, amx_from and dequantized_from measured: the
-    fewest rows (of CROSSOVER_ROWS) at which its integer GEMM beats its few-rows kernel (of
-    the counts under the one the build starts it from), then at which the AMX tiles beat
+    fewest rows (of CROSSOVER_ROWS) at which its integer GEMM beats its few-rows kernel (from
+    GEMM_TIMED_FROM, below the count the build starts it from), then at which the AMX tiles beat
     both, then at which the dequantizing GEMM beats all; None where one never does or is not
     built (for `dtype`)."""
     kernel = dataclasses.replace(kernel, gemm_from=None, amx_from=None, dequantized_from=None)
