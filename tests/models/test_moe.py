@@ -221,6 +221,10 @@ def test_the_floor_counts_the_top_k_experts(moe_dirs):
                  if isinstance(m, Linear))
     unread = cfg.num_layers * (moe.num_experts - moe.top_k) * expert
     assert weight_bytes(model) == sum(stored) - unread
+    # Rows routed uniformly at random pick 8 (1 - (6/8)^rows) of the 8 experts on average.
+    for rows, picked in ((2, 3.5), (4, 8 - 8 * 0.75 ** 4)):
+        unread = cfg.num_layers * (moe.num_experts - picked) * expert
+        assert weight_bytes(model, rows) == round(sum(stored) - unread)
 
 
 def test_config_errors_name_the_field(moe_dirs, tmp_path):

@@ -108,10 +108,11 @@ def memory_bandwidth(device: str | torch.device = "cpu", num_bytes: int = 1 << 3
     return 2 * num_bytes / copy, num_bytes / read
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the matmul weights one token streams, which a batch-1 decode step streams
-    once: all of them, but only the top-k experts of a mixture-of-experts layer."""
-    return sum(linear.weight_bytes * times for linear, times in token_linears(model))
+def weight_bytes(model: torch.nn.Module, rows: int = 1) -> int:
+    """Bytes of the matmul weights `rows` tokens stream, which a decode step of that many
+    rows streams once: all of them, but of a mixture-of-experts layer only the experts they
+    pick (top-k for one token; for more, `SparseMoeBlock.token_linears`)."""
+    return round(sum(linear.weight_bytes * times for linear, times in token_linears(model, rows)))
 
 
 def matmul_params(module: torch.nn.Module) -> int:
@@ -121,15 +122,15 @@ def matmul_params(module: torch.nn.Module) -> int:
                for linear, times in token_linears(module))
 
 
-def token_linears(module: torch.nn.Module) -> Iterator[tuple[Linear, int]]:
-    """`module`'s linears that one token multiplies through, each with how many times."""
+def token_linears(module: torch.nn.Module, rows: int = 1) -> Iterator[tuple[Linear, float]]:
+    """`module`'s linears that `rows` tokens multiply through, each with how many times."""
     if isinstance(module, SparseMoeBlock):
-        yield from module.token_linears()
+        yield from module.token_linears(rows)
     elif isinstance(module, Linear):
         yield module, 1
     else:
         for child in module.children():
-            yield from token_linears(child)
+            yield from token_linears(child, rows)
 
 
 def gemm_size(device: str | torch.device) -> int:

@@ -14,6 +14,8 @@ Where steps with chunks replay CUDA graphs, each such step is also timed eagerly
 
 Each decode-only step is also set against its roofline: the bytes it must read (every matmul
 weight once, and each sequence's KV) at the device's copy bandwidth measured in the same run.
+Of a mixture-of-experts layer it reads only the experts its rows pick, counted as if they
+routed uniformly at random: the decodes have varied tokens, as a real batch has.
 A prefill of `--prefill-tokens` from an empty cache is set against the device's GEMM peak
 (the engine's own matmul path, measured in the same run): the share of it that the prefill's
 matmul FLOPs reach.
@@ -71,11 +73,12 @@ class SyntheticSteps:
         """Seconds for one step of `num_decodes` decodes and a `chunk`-token prefill chunk."""
         sched = SchedulerOutput(new_requests=self.pending)
         self.pending = []
-        sched.scheduled = [ScheduledRequest(f"decode-{i}", [4], self.context,
-                                            self.decode_blocks[i], sample=True)
+        # Varied ids, as a batch's and a prompt's: with one id repeated, every row of a layer
+        # is alike, and a mixture-of-experts layer routes them all to the same experts.
+        sched.scheduled = [ScheduledRequest(f"decode-{i}", [(i + 5) % self.vocab_size],
+                                            self.context, self.decode_blocks[i], sample=True)
                            for i in range(num_decodes)]
         if chunk:  # a middle chunk: it samples nothing
-            # Varied ids, as a prompt's: with one id repeated, every row of a layer is alike.
             tokens = [t % self.vocab_size for t in range(chunk)]
             sched.scheduled.append(ScheduledRequest("prefill", tokens, self.context,
                                                     self.chunk_blocks, sample=False))
@@ -123,14 +126,15 @@ def run(args: argparse.Namespace) -> None:
     alone = {c: median_ms(0, c) for c in chunks}
     graphed = runner.graphs is not None and bool(runner.graphs.mixed.sizes)
     bandwidth = memory_bandwidth(runner.device)[0]
-    weights = weight_bytes(runner.model)
     kv_per_token = runner.config.model.kv_bytes_per_token
     rows: list[dict[str, object]] = []
     for num_decodes in args.decodes:
         base = median_ms(num_decodes, 0)
+        weights = weight_bytes(runner.model, num_decodes)
         floor = (weights + num_decodes * (args.context + 1) * kv_per_token) / bandwidth * 1e3
         rows.append({"decodes": num_decodes, "chunk": 0, "step ms": round(base, 1),
-                     "roofline ms": round(floor, 2), "step / roofline": round(base / floor, 2)})
+                     "weights MB": round(weights / 1e6), "roofline ms": round(floor, 2),
+                     "step / roofline": round(base / floor, 2)})
         for c in chunks:
             step = median_ms(num_decodes, c)
             rows.append({"decodes": num_decodes, "chunk": c, "step ms": round(step, 1),
@@ -148,8 +152,9 @@ def run(args: argparse.Namespace) -> None:
         f"step cost, {args.model}, {runner.config.model.dtype}, {runner.device}, context "
         f"{args.context}, medians of {args.repeats}; ride-along ratio = what a chunk adds to "
         f"a decode step / the same chunk in a step of its own; a {chunks[-1]}-token chunk "
-        f"alone costs {alone[chunks[-1]] / chunks[-1]:.2f} ms/token; roofline = "
-        f"{weights / 1e6:.0f} MB of weights + the decodes' KV at {bandwidth / 1e9:.1f} GB/s"))
+        f"alone costs {alone[chunks[-1]] / chunks[-1]:.2f} ms/token; roofline = the weights "
+        f"the decodes stream (of a mixture-of-experts layer, the experts as many rows routed "
+        f"uniformly at random pick) + their KV at {bandwidth / 1e9:.1f} GB/s"))
     prefill = prefill_against_gemm_peak(runner, kv_cache, args)
     if args.profile:
         print_profile(steps, min(args.decodes), args.profile_chunk, args.profile,
@@ -157,7 +162,7 @@ def run(args: argparse.Namespace) -> None:
                            and r["chunk"] == args.profile_chunk))
     save_json(args.json, {"benchmark": "step", "model": args.model, "device": runner.device,
                           "context": args.context, "copy_bandwidth": bandwidth,
-                          "weight_bytes": weights, "rows": rows, "prefill": prefill})
+                          "rows": rows, "prefill": prefill})
 
 
 def print_profile(steps: SyntheticSteps, num_decodes: int, chunk: int, num_steps: int,

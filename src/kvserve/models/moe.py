@@ -104,14 +104,18 @@ class SparseMoeBlock(nn.Module):
                 start += count
         return out
 
-    def token_linears(self) -> Iterator[tuple[Linear, int]]:
-        """The layers one token's pass multiplies through, each with how many times: the
-        router, the shared expert, and the weights of top-k experts (as the first one's)."""
+    def token_linears(self, rows: int = 1) -> Iterator[tuple[Linear, float]]:
+        """The layers `rows` tokens' pass multiplies through, each with how many times: the
+        router, the shared expert, and the weights of the experts they pick (as the first
+        one's): top-k for one token; for more, as many as that many tokens routed uniformly
+        at random pick on average."""
         yield self.gate, 1
         for module in (self.shared_expert, self.shared_expert_gate):
             if module is not None:
                 yield from ((m, 1) for m in module.modules() if isinstance(m, Linear))
-        yield from ((m, self.top_k) for m in self.experts[0].modules() if isinstance(m, Linear))
+        experts = len(self.experts)
+        picked = self.top_k if rows == 1 else experts * (1 - (1 - self.top_k / experts) ** rows)
+        yield from ((m, picked) for m in self.experts[0].modules() if isinstance(m, Linear))
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool
