@@ -107,28 +107,32 @@ def test_decode_stack_equals_the_eager_forward(moe_dirs, arch, dtype):
     assert greedy_with_logprobs(stacked, prompts[:1]) == greedy_with_logprobs(eager, prompts[:1])
 
 
-def on_w4a8_from_2_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Quantized layers load on the W4A8/W8A8 kernel, its integer GEMM from 2 rows."""
+def on_w4a8(monkeypatch: pytest.MonkeyPatch, gemm_from: int | None) -> None:
+    """Quantized layers load on the W4A8/W8A8 kernel, its integer GEMM from `gemm_from` rows
+    (None: the build's own count)."""
     monkeypatch.setattr("kvserve.quantization.kernels.cpu_candidates",
                         only_candidate(WxA8Weight))
     monkeypatch.setattr("kvserve.quantization.cpu_kernels._decisions", {})
     monkeypatch.setattr("kvserve.quantization.cpu_kernels.row_crossovers",
-                        lambda kernel, _: dataclasses.replace(kernel, gemm_from=2))
+                        lambda kernel, _: dataclasses.replace(kernel, gemm_from=gemm_from))
     monkeypatch.setenv("KVSERVE_QUANTIZED_KERNEL", "integer")
 
 
-@pytest.mark.parametrize("weights", ["float32", "bfloat16", "w4a8"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "w4a8", "w4a8-gemm-from-2"])
 @pytest.mark.parametrize("arch", MOE_ARCHES)
 def test_a_cpu_moe_block_is_one_kernel_call_to_the_bits_of_its_python_loop(
         moe_dirs, tmp_path, monkeypatch, arch, weights):
-    """Where the C++ kernels run every layer of a block (the blocked GEMM, W4A8 experts with
-    their integer GEMM from 2 rows), its forward is one call to them: the same bits as the
-    routing, per-expert and shared-expert ops it replaces, over one row and many."""
-    dtype = "float32" if weights == "w4a8" else weights
+    """Where the C++ kernels run every layer of a block (the blocked GEMM, W4A8 experts), its
+    forward is one call to them: the same bits as the routing, per-expert and shared-expert
+    ops it replaces, over one row and many. W4A8 experts whose rows all go to the few-rows
+    kernel run in one call together: all of them with the build's GEMM start (an expert's
+    5-40 rows among 8 experts stay below it); with the GEMM from 2 rows, those of one row
+    together and the others one by one."""
+    dtype = "float32" if weights.startswith("w4a8") else weights
     skip_without_decode_stack(dtype)
     path = moe_dirs[arch]
-    if weights == "w4a8":
-        on_w4a8_from_2_rows(monkeypatch)
+    if weights.startswith("w4a8"):
+        on_w4a8(monkeypatch, 2 if weights.endswith("2") else None)
         path = quantize_model(path, tmp_path / "q", "rtn", 4, group_size=64)
     model = LLM(str(path), dtype=dtype).engine.core.runner.model
     block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
@@ -300,7 +304,7 @@ def test_the_decode_stack_runs_quantized_experts_as_the_eager_forward(moe_dirs, 
     one call; an expert's 2-5 rows of a batch on its integer GEMM) and eagerly (whose block
     call the test above checks against the Python loop)."""
     skip_without_decode_stack(dtype)
-    on_w4a8_from_2_rows(monkeypatch)
+    on_w4a8(monkeypatch, 2)
     # Four experts a token, so that summing them in another order would change the bits.
     source = shutil.copytree(moe_dirs["qwen3_moe"], tmp_path / "top4")
     config = json.loads((source / "config.json").read_text())

@@ -118,13 +118,18 @@ struct LinearWeights {
   torch::Tensor silu_and_mul(const torch::Tensor& x, int64_t n) const;
 };
 
-// wxa8.cpp: row e of x [e, k] (or its one row, for every e) through layers[e], as wxa8_linear
-// runs it: [e, n] in x's dtype. A decode step's experts, each a few microseconds of work, in
-// one call: a shared row quantized once, and one parallel region for all. It takes W4A8/W8A8
-// layers of one shape, group and width, without act-order, whose one row goes neither to AMX,
-// the integer GEMM nor the dequantizing GEMM (wxa8_experts_run).
-bool wxa8_experts_run(const std::vector<const LinearWeights*>& layers);
-torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const LinearWeights*>& layers);
+// wxa8.cpp: whether `rows` rows through a layer go to the few-rows W4A8/W8A8 kernel in
+// wxa8_linear: neither to AMX, the integer GEMM nor the dequantizing GEMM, without act-order.
+bool wxa8_few_rows_run(const LinearWeights& layer, int64_t rows);
+// Rows [starts[e], starts[e] + counts[e]) of x [m, k] through layers[e], as wxa8_linear runs
+// them, one layer's rows after another: [sum of counts, n] in x's dtype. A step's experts, each
+// a few microseconds of work over a row or a few, in one call: the rows quantized once, and one
+// parallel region for all. It takes layers of one shape, group and width whose rows each go to
+// the few-rows kernel (wxa8_experts_run).
+bool wxa8_experts_run(const std::vector<const LinearWeights*>& layers,
+                      const std::vector<int64_t>& counts);
+torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const LinearWeights*>& layers,
+                           const std::vector<int64_t>& starts, const std::vector<int64_t>& counts);
 
 // A mixture-of-experts MLP's weights, run as models/moe.py runs them.
 struct MoEWeights {
@@ -137,6 +142,13 @@ struct MoEWeights {
   int64_t shared_intermediate_size = 0;
 
   torch::Tensor operator()(const torch::Tensor& x, int64_t hidden_size) const;
+
+ private:
+  torch::Tensor expert(int64_t e, const torch::Tensor& rows, int64_t hidden_size) const;
+  torch::Tensor one_row(const torch::Tensor& x, const torch::Tensor& weights,
+                        const torch::Tensor& experts, int64_t hidden_size) const;
+  torch::Tensor many_rows(const torch::Tensor& x, const torch::Tensor& weights,
+                          const torch::Tensor& experts, int64_t hidden_size) const;
 };
 
 // One Llama-family decoder layer's weights: its MLP dense (gate_up, down) or experts (moe).

@@ -1496,25 +1496,42 @@ torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return in_dtype(out, x.scalar_type());
 }
 
-bool wxa8_experts_run(const std::vector<const LinearWeights*>& layers) {
-  if (layers.empty()) return false;
-  const LinearWeights& first = *layers.front();
-  return std::all_of(layers.begin(), layers.end(), [&](const LinearWeights* layer) {
-    return layer->kind == LinearWeights::Kind::kWxA8 && !layer->input_order &&
-           layer->amx_from != 1 && layer->dequantized_from != 1 && layer->gemm_from != 1 &&
-           layer->group == first.group && layer->bits == first.bits &&
-           layer->weight.size(0) == first.weight.size(0);
-  });
+bool wxa8_few_rows_run(const LinearWeights& layer, int64_t rows) {
+  return layer.kind == LinearWeights::Kind::kWxA8 && !layer.input_order &&
+         !(layer.amx_from > 0 && rows >= layer.amx_from) &&
+         !(layer.dequantized_from > 0 && rows >= layer.dequantized_from) &&
+         !wxa8_gemm_runs(rows, layer.weight.size(0), layer.gemm_from);
 }
 
-torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const LinearWeights*>& layers) {
-  TORCH_CHECK(wxa8_experts_run(layers), "wxa8_experts: W4A8/W8A8 layers of one shape, group "
-              "and width, without act-order, AMX or dequantization on one row");
+bool wxa8_experts_run(const std::vector<const LinearWeights*>& layers,
+                      const std::vector<int64_t>& counts) {
+  if (layers.empty() || counts.size() != layers.size()) return false;
+  const LinearWeights& first = *layers.front();
+  for (size_t e = 0; e < layers.size(); ++e) {
+    const LinearWeights& layer = *layers[e];
+    if (!wxa8_few_rows_run(layer, counts[e]) || layer.group != first.group ||
+        layer.bits != first.bits || layer.weight.sizes() != first.weight.sizes())
+      return false;
+  }
+  return true;
+}
+
+torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const LinearWeights*>& layers,
+                           const std::vector<int64_t>& starts, const std::vector<int64_t>& counts) {
+  TORCH_CHECK(wxa8_experts_run(layers, counts) && starts.size() == counts.size(),
+              "wxa8_experts: W4A8/W8A8 layers of one shape, group and width, without "
+              "act-order, each of whose rows go to the few-rows kernel, with a start and a "
+              "count of rows each");
   const LinearWeights& first = *layers.front();
   const int64_t count = static_cast<int64_t>(layers.size()), m = x.size(0), k = x.size(1);
   const int64_t n = first.weight.size(0), group = first.group, bits = first.bits;
-  TORCH_CHECK(x.dim() == 2 && (m == 1 || m == count), "wxa8_experts: one row, or one per layer (",
-              count, "), got ", m);
+  std::vector<int64_t> out_starts(count + 1, 0);
+  for (int64_t e = 0; e < count; ++e) {
+    TORCH_CHECK(counts[e] >= 1 && starts[e] >= 0 && starts[e] + counts[e] <= m,
+                "wxa8_experts: layer ", e, "'s rows [", starts[e], ", ",
+                starts[e] + counts[e], ") outside x's ", m);
+    out_starts[e + 1] = out_starts[e] + counts[e];
+  }
   const torch::Tensor input = readable(x);
   std::vector<int64_t> zero_rows;
   for (const LinearWeights* layer : layers)
@@ -1523,16 +1540,17 @@ torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const Linea
   const int64_t groups = k / group;
   const bool paired = paired_runs(bits, group / kBlock);
   const QuantizedRows rows = quantize_rows(input, group, paired);
-  torch::Tensor out = torch::empty({count, n}, torch::kFloat32);
+  torch::Tensor out = torch::empty({out_starts[count], n}, torch::kFloat32);
   float* op = out.data_ptr<float>();
   at::parallel_for(0, count * n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t e = begin / n; e * n < end; ++e) {
       const LinearWeights& layer = *layers[e];
-      const int64_t r = m == 1 ? 0 : e;
-      few_rows(rows.q + r * k, rows.scale + r * groups, rows.scaled_sum + r * groups, 1, paired,
-               layer.weight.data_ptr<uint8_t>(), layer.scales->data_ptr<float>(),
-               layer.zeros->data_ptr<float>(), zero_rows[e], k, group, bits, op + e * n, n,
-               std::max<int64_t>(begin - e * n, 0), std::min(end - e * n, n));
+      const int64_t r = starts[e];
+      few_rows(rows.q + r * k, rows.scale + r * groups, rows.scaled_sum + r * groups, counts[e],
+               paired, layer.weight.data_ptr<uint8_t>(), layer.scales->data_ptr<float>(),
+               layer.zeros->data_ptr<float>(), zero_rows[e], k, group, bits,
+               op + out_starts[e] * n, n, std::max<int64_t>(begin - e * n, 0),
+               std::min(end - e * n, n));
     }
   });
   return in_dtype(out, x.scalar_type());
