@@ -50,59 +50,33 @@ torch::Tensor LinearWeights::silu_and_mul(const torch::Tensor& x, int64_t n) con
 
 namespace {
 
-// [1, n]: 0 plus each row of rows [m, n] in turn, in rows' dtype, as m calls of add_ sum them,
-// in one call. Adds only: a product here could be contracted into a fused multiply-add.
-torch::Tensor sum_of_rows(const torch::Tensor& rows) {
-  const torch::Tensor in = rows.contiguous();
-  torch::Tensor out = torch::zeros({1, in.size(1)}, in.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, in.scalar_type(), "sum_of_rows", [&] {
-    const scalar_t* row = in.data_ptr<scalar_t>();
-    scalar_t* sum = out.data_ptr<scalar_t>();
-    const int64_t n = in.size(1);
-    for (int64_t r = 0; r < in.size(0); ++r, row += n)
-      for (int64_t c = 0; c < n; ++c) sum[c] = sum[c] + row[c];
-  });
-  return out;
-}
-
-// Row j of rows [k, n] times weights[0, order[j]], in place, each product rounded to rows'
-// dtype as `rows * scales` rounds it: the few torch ops that gather and broadcast the weights
-// cost more than the products.
-void scale_rows(const torch::Tensor& rows, const torch::Tensor& weights,
-                const std::vector<int64_t>& order) {
-  const torch::Tensor by_expert = weights.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, rows.scalar_type(), "scale_rows", [&] {
-    scalar_t* row = rows.data_ptr<scalar_t>();
-    const scalar_t* weight = by_expert.data_ptr<scalar_t>();
-    const int64_t n = rows.size(1);
-    for (const int64_t j : order) {
-      const scalar_t w = weight[j];
-      for (int64_t c = 0; c < n; ++c) row[c] = row[c] * w;
-      row += n;
-    }
-  });
-}
-
 // out's rows plus each (row, expert) pair's output row times its router weight, the pairs in
-// expert order, as index_add_(0, picked, outputs * scales) adds them expert by expert: each
-// product rounded to out's dtype, then added in a pass of its own, so that no product is
-// contracted into a fused multiply-add. pair_outputs[p] is pair p's output row, in place.
-void add_weighted_rows(const torch::Tensor& out, const std::vector<int64_t>& row,
-                       const torch::Tensor& scales, const std::vector<void*>& pair_outputs) {
-  TORCH_CHECK(scales.scalar_type() == out.scalar_type(), "MoEWeights: router weights in ",
-              scales.scalar_type(), ", outputs in ", out.scalar_type());
-  const int64_t pairs = static_cast<int64_t>(row.size()), n = out.size(1);
+// the order given, as index_add_(0, picked, outputs * scales) adds them expert by expert (or
+// add_ for one row): each product rounded to out's dtype, then added in a pass of its own, so
+// that no product is contracted into a fused multiply-add. pairs[i] is the i-th pair's index
+// in weights [rows, top_k] (its row: pairs[i] / top_k), outputs[i] its output row, scaled in
+// place. Columns split among threads from 32K products a thread: a batch-1 decode's few
+// experts stay on one.
+void add_weighted_rows(const torch::Tensor& out, const torch::Tensor& weights,
+                       const std::vector<int64_t>& pairs, const std::vector<void*>& outputs) {
+  TORCH_CHECK(weights.scalar_type() == out.scalar_type(), "MoEWeights: router weights in ",
+              weights.scalar_type(), ", outputs in ", out.scalar_type());
+  const torch::Tensor by_pair = weights.contiguous();
+  const int64_t count = static_cast<int64_t>(pairs.size()), n = out.size(1),
+                top_k = by_pair.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "add_weighted_rows", [&] {
     scalar_t* sum = out.data_ptr<scalar_t>();
-    const scalar_t* scale = scales.data_ptr<scalar_t>();
-    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t p = 0; p < pairs; ++p) {
-        scalar_t* output = static_cast<scalar_t*>(pair_outputs[p]);
-        for (int64_t c = begin; c < end; ++c) output[c] = output[c] * scale[p];
+    const scalar_t* scale = by_pair.data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(64, 32768 / std::max<int64_t>(count, 1));
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = 0; i < count; ++i) {
+        scalar_t* output = static_cast<scalar_t*>(outputs[i]);
+        const scalar_t w = scale[pairs[i]];
+        for (int64_t c = begin; c < end; ++c) output[c] = output[c] * w;
       }
-      for (int64_t p = 0; p < pairs; ++p) {
-        const scalar_t* output = static_cast<const scalar_t*>(pair_outputs[p]);
-        scalar_t* into = sum + row[p] * n;
+      for (int64_t i = 0; i < count; ++i) {
+        const scalar_t* output = static_cast<const scalar_t*>(outputs[i]);
+        scalar_t* into = sum + pairs[i] / top_k * n;
         for (int64_t c = begin; c < end; ++c) into[c] = into[c] + output[c];
       }
     });
@@ -110,45 +84,36 @@ void add_weighted_rows(const torch::Tensor& out, const std::vector<int64_t>& row
 }
 
 // A step's (row, expert) pairs sorted by expert, stably (as torch's stable argsort sorts
-// them): each pair's row and router weight, each expert's count of rows, and x's rows gathered
-// in that order. One counting pass in place of torch's argsort, bincount and gathers: a
-// 64-expert layer of 2-8 rows took 0.91-0.96x the time on a 2-core AVX-512 EPYC.
+// them): each pair's index in the router's [rows, top_k] outputs, each expert's count of rows,
+// and x's rows gathered in that order. One counting pass in place of torch's argsort, bincount
+// and gathers: a 64-expert layer of 2-8 rows took 0.91-0.96x the time on a 2-core AVX-512 EPYC.
 struct SortedPairs {
-  std::vector<int64_t> rows, counts;
-  torch::Tensor weights;   // [pairs], the router weights' dtype
+  std::vector<int64_t> pairs, counts;
   torch::Tensor gathered;  // [pairs, hidden], x's dtype
 };
 
-SortedPairs sort_pairs(const torch::Tensor& x, const torch::Tensor& weights,
-                       const torch::Tensor& experts, int64_t num_experts) {
-  const torch::Tensor in = x.contiguous(), by_pair = weights.contiguous(),
-                      ids = experts.contiguous();
-  const int64_t top_k = ids.size(1), pairs = ids.numel();
+SortedPairs sort_pairs(const torch::Tensor& x, const torch::Tensor& experts,
+                       int64_t num_experts) {
+  const torch::Tensor in = x.contiguous(), ids = experts.contiguous();
+  const int64_t top_k = ids.size(1), count = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
-  SortedPairs sorted{std::vector<int64_t>(pairs), std::vector<int64_t>(num_experts, 0),
-                     torch::empty({pairs}, by_pair.options()),
-                     torch::empty({pairs, in.size(1)}, in.options())};
-  for (int64_t p = 0; p < pairs; ++p) {
+  SortedPairs sorted{std::vector<int64_t>(count), std::vector<int64_t>(num_experts, 0),
+                     torch::empty({count, in.size(1)}, in.options())};
+  for (int64_t p = 0; p < count; ++p) {
     TORCH_CHECK(id[p] >= 0 && id[p] < num_experts, "MoEWeights: expert ", id[p], " of ",
                 num_experts);
     ++sorted.counts[id[p]];
   }
   std::vector<int64_t> next(num_experts, 0);
   std::partial_sum(sorted.counts.begin(), sorted.counts.end() - 1, next.begin() + 1);
-  const int64_t weight_bytes = by_pair.element_size();
-  const char* weight = static_cast<const char*>(by_pair.data_ptr());
-  char* sorted_weight = static_cast<char*>(sorted.weights.data_ptr());
-  for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t at = next[id[p]]++;
-    sorted.rows[at] = p / top_k;
-    std::memcpy(sorted_weight + at * weight_bytes, weight + p * weight_bytes, weight_bytes);
-  }
+  for (int64_t p = 0; p < count; ++p) sorted.pairs[next[id[p]]++] = p;
   const int64_t row_bytes = in.size(1) * in.element_size();
   const char* row = static_cast<const char*>(in.data_ptr());
   char* gathered = static_cast<char*>(sorted.gathered.data_ptr());
-  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
     for (int64_t at = begin; at < end; ++at)
-      std::memcpy(gathered + at * row_bytes, row + sorted.rows[at] * row_bytes, row_bytes);
+      std::memcpy(gathered + at * row_bytes, row + sorted.pairs[at] / top_k * row_bytes,
+                  row_bytes);
   });
   return sorted;
 }
@@ -195,8 +160,13 @@ torch::Tensor MoEWeights::one_row(const torch::Tensor& x, const torch::Tensor& w
     std::iota(each.begin(), each.end(), 0);
     const torch::Tensor outputs = wxa8_experts(
         kvserve::silu_and_mul(wxa8_experts(x, ups, firsts, ones)), downs, each, ones);
-    scale_rows(outputs, weights, order);
-    return sum_of_rows(outputs);
+    std::vector<void*> rows;
+    for (int64_t j = 0; j < top_k; ++j)
+      rows.push_back(static_cast<char*>(outputs.data_ptr()) + j * outputs.stride(0) *
+                                                                  outputs.element_size());
+    torch::Tensor out = torch::zeros_like(x);
+    add_weighted_rows(out, weights, order, rows);
+    return out;
   }
   torch::Tensor out = torch::zeros_like(x);
   for (const int64_t j : order) out.add_(expert(ids[j], x, hidden_size) * weights.narrow(1, j, 1));
@@ -212,7 +182,7 @@ torch::Tensor MoEWeights::one_row(const torch::Tensor& x, const torch::Tensor& w
 torch::Tensor MoEWeights::many_rows(const torch::Tensor& x, const torch::Tensor& weights,
                                     const torch::Tensor& experts, int64_t hidden_size) const {
   const int64_t num_experts = static_cast<int64_t>(gate_up.size());
-  const SortedPairs sorted = sort_pairs(x, weights, experts, num_experts);
+  const SortedPairs sorted = sort_pairs(x, experts, num_experts);
   const int64_t* count = sorted.counts.data();
   std::vector<const LinearWeights*> ups, downs;
   std::vector<int64_t> starts, few_counts;
@@ -258,7 +228,7 @@ torch::Tensor MoEWeights::many_rows(const torch::Tensor& x, const torch::Tensor&
     for (int64_t j = 0; j < count[e]; ++j) pair_outputs.push_back(first + j * row_bytes);
   }
   torch::Tensor out = torch::zeros_like(x);
-  add_weighted_rows(out, sorted.rows, sorted.weights, pair_outputs);
+  add_weighted_rows(out, weights, sorted.pairs, pair_outputs);
   return out;
 }
 
