@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvserve.benchmarks.hf_baseline import hf_cannot_run
+from kvserve.benchmarks.step import percent
 from kvserve.entrypoints.cli import main
 from kvserve.quantization.quantize import quantize_model
 
@@ -165,6 +166,11 @@ def test_bench_prefix_reports_every_config_and_saves_json(llama_dir, tmp_path):
     assert saved["shared"][0]["hit rate %"] == 0.0 and saved["shared"][2]["hit rate %"] > 0
     assert set(saved["ratios"]) >= {"caching / off", "global sharing / caching FCFS",
                                     "multi-turn caching / off"}
+
+
+def test_a_share_of_the_gemm_peak_keeps_two_digits_below_a_tenth_of_a_percent():
+    """A test model's prefill reaches far below 0.1 % of a CPU's GEMM peak: never shown as 0."""
+    assert [percent(s) for s in (0.978, 0.0123, 0.0004321, 0.0)] == [97.8, 1.2, 0.043, 0.0]
 
 
 def test_bench_step_times_every_cell_and_names_a_too_small_pool(llama_dir, tmp_path, capsys):

@@ -24,6 +24,7 @@ matmul FLOPs reach.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Iterator
@@ -207,15 +208,23 @@ def prefill_against_gemm_peak(runner: ModelRunner, kv_cache: KVCacheManager,
     peak = gemm_peak(runner.device, runner.config.model.dtype)
     row = {"prefill tokens": tokens, "step ms": round(seconds * 1e3, 1),
            "tok/s": round(tokens / seconds, 1), "matmul GFLOP/s": round(flops / 1e9, 1),
-           "GEMM peak GFLOP/s": round(peak / 1e9, 1), "% of peak": round(100 * flops / peak, 1),
+           "GEMM peak GFLOP/s": round(peak / 1e9, 1), "% of peak": percent(flops / peak),
            "+ attention GFLOP/s": round(with_attention / 1e9, 1),
            "attention % of FLOPs": round(100 * attention / (matmul + attention), 1),
-           "% of peak with attention": round(100 * with_attention / peak, 1)}
+           "% of peak with attention": percent(with_attention / peak)}
     print_table([row], title=(
         f"prefill from an empty cache, {runner.config.model.dtype}: its matmul FLOPs (2 x "
         f"{weights / 1e6:.0f} M weights per token; then with attention's two products) "
         f"against a {gemm_size(runner.device)}^3 GEMM through the engine's linear layer"))
     return row
+
+
+def percent(share: float) -> float:
+    """`share` in percent, to 0.1 or to two significant digits where that is finer: a test
+    model's prefill reaches well under 0.1 % of a CPU's GEMM peak, and a step slowed by a
+    busy machine should not show it as none."""
+    value = 100 * share
+    return round(value, max(1, 1 - math.floor(math.log10(value)))) if value > 0 else value
 
 
 def causal_attention_flops(cfg: ModelConfig, tokens: int) -> float:
