@@ -136,7 +136,7 @@ def test_a_cpu_moe_block_is_one_kernel_call_to_the_bits_of_its_python_loop(
         path = quantize_model(path, tmp_path / "q", "rtn", 4, group_size=64)
     model = LLM(str(path), dtype=dtype).engine.core.runner.model
     block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
-    assert block._on_cpu_kernels is not None
+    assert block.on_cpu_kernels is not None
     torch.manual_seed(0)
     with torch.inference_mode():
         for rows in (1, 5, 40):

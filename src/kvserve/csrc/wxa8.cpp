@@ -1478,18 +1478,32 @@ torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return out;
 }
 
+namespace {
+
+// The kernel wxa8_linear runs `rows` rows of a layer of n outputs on.
+enum class Route { kDequantized, kAmx, kGemm, kFewRows };
+
+Route route(int64_t rows, int64_t n, int64_t amx_from, int64_t dequantized_from,
+            int64_t gemm_from) {
+  if (dequantized_from > 0 && rows >= dequantized_from) return Route::kDequantized;
+  if (amx_from > 0 && rows >= amx_from) return Route::kAmx;
+  return wxa8_gemm_runs(rows, n, gemm_from) ? Route::kGemm : Route::kFewRows;
+}
+
+}  // namespace
+
 torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
                           const torch::Tensor& scales, const torch::Tensor& zeros,
                           const c10::optional<torch::Tensor>& input_order, int64_t group,
                           int64_t bits, int64_t amx_from, int64_t dequantized_from,
                           int64_t gemm_from) {
   const torch::Tensor rows = input_order ? x.index_select(1, *input_order) : x;
-  const int64_t m = rows.size(0);
-  if (dequantized_from > 0 && m >= dequantized_from)
+  const Route to = route(rows.size(0), packed.size(0), amx_from, dequantized_from, gemm_from);
+  if (to == Route::kDequantized)
     return dequantized_linear(rows.contiguous(), packed, scales, zeros, group, bits)
         .to(x.scalar_type());
   const torch::Tensor input = readable(rows);
-  const torch::Tensor out = amx_from > 0 && m >= amx_from
+  const torch::Tensor out = to == Route::kAmx
                                 ? wxa8_amx_matmul(input, packed, scales, zeros, group, bits)
                                 : wxa8_matmul(input, packed, scales, zeros, group, bits,
                                               gemm_from);
@@ -1498,9 +1512,8 @@ torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 bool wxa8_few_rows_run(const LinearWeights& layer, int64_t rows) {
   return layer.kind == LinearWeights::Kind::kWxA8 && !layer.input_order &&
-         !(layer.amx_from > 0 && rows >= layer.amx_from) &&
-         !(layer.dequantized_from > 0 && rows >= layer.dequantized_from) &&
-         !wxa8_gemm_runs(rows, layer.weight.size(0), layer.gemm_from);
+         route(rows, layer.weight.size(0), layer.amx_from, layer.dequantized_from,
+               layer.gemm_from) == Route::kFewRows;
 }
 
 bool wxa8_experts_run(const std::vector<const LinearWeights*>& layers,

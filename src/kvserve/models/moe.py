@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from types import ModuleType
 
 import torch
 from torch import nn
@@ -47,7 +46,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = Linear(hidden_size, [1], False, dtype) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        on_kernels = self._on_cpu_kernels if cpu_fused_kernels(x) is not None else None
+        on_kernels = self.on_cpu_kernels if cpu_fused_kernels(x) is not None else None
         out = on_kernels(x, x.shape[-1]) if on_kernels is not None else self._experts(x)
         if tp_group().size > 1:
             all_reduce(out)
@@ -61,9 +60,15 @@ class SparseMoeBlock(nn.Module):
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
-    def kernel_weights(self, kernels: ModuleType) -> object:
-        """The block as the C++ kernels run it, routing and shared expert included; its
-        layers must run on them (`runs_on_cpu_kernels`)."""
+    @functools.cached_property
+    def on_cpu_kernels(self) -> object | None:
+        """The block as the C++ kernels run it (routing and shared expert included), where
+        they are built and run every layer of the block, else None: taken once, after
+        loading chose the layers' kernels, for the eager forward and the decode stack alike."""
+        kernels = cpu_kernels()
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if kernels is None or not all(map(runs_on_cpu_kernels, linears)):
+            return None
         shared, shared_gate = self.shared_expert, self.shared_expert_gate
         return kernels.MoEWeights(
             linear_weights(self.gate, kernels),
@@ -74,16 +79,6 @@ class SparseMoeBlock(nn.Module):
                 linear_weights(shared.gate_up_proj, kernels),
                 linear_weights(shared.down_proj, kernels),
                 linear_weights(shared_gate, kernels), shared.down_proj.in_features)))
-
-    @functools.cached_property
-    def _on_cpu_kernels(self) -> object | None:
-        """`kernel_weights`, where the C++ kernels are built and run every layer of the
-        block; taken on its first CPU forward, after loading chose the layers' kernels."""
-        kernels = cpu_kernels()
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        if kernels is None or not all(map(runs_on_cpu_kernels, linears)):
-            return None
-        return self.kernel_weights(kernels)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
                 ) -> torch.Tensor:

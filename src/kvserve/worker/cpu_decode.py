@@ -87,4 +87,4 @@ def _layer_weights(layer: torch.nn.Module, kernels: ModuleType) -> object:
         linear_weights(mlp.down_proj, kernels) if dense else None,
         attn.qkv_proj.bias, attn.q_norm.weight if attn.q_norm is not None else None,
         attn.k_norm.weight if attn.k_norm is not None else None,
-        None if dense else mlp.kernel_weights(kernels))
+        None if dense else mlp.on_cpu_kernels)
