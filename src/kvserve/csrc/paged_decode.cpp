@@ -27,8 +27,9 @@ constexpr int64_t kTile = 16;  // keys scored, and values added, together
 constexpr int64_t kPartition = 128;
 
 // Into L2 (prefetcht1): a unit's keys and values are 16-64 KiB, as much as L1 or twice it, so
-// fetching the next one into L1 evicted it (and this unit's rows) before they were read: a
-// batch of 8 contexts of 4,096 tokens read its bfloat16 KV at 8 GB/s, against 21-24 into L2.
+// fetching the next one into L1 evicted it (and this unit's rows) before they were read. On a
+// 2-core Zen 4 EPYC, 8 contexts of 4,096 tokens then took 0.62x the time (float32 and
+// bfloat16, from DRAM); on an AMX Xeon, 1.00x.
 inline void prefetch(const char* p) { __builtin_prefetch(p, 0, 2); }
 
 // Row src of n values as float32 in dst.
