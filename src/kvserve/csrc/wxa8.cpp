@@ -44,19 +44,20 @@ constexpr int64_t kPrefetchBytes = 4096;
 // 1.04-1.08x).
 constexpr int64_t kRunPrefetchBytes = 2048;
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// Over weight rows of at least kL2PrefetchRowBytes, the AVX-512 kernels fetch the weights
-// kL2PrefetchBytes ahead into L2 (prefetcht1) rather than into L1. On a 2-core Zen 4 EPYC,
-// from DRAM, that took one row over 4-bit rows of 1,024-8,192 channels from 1x to 0.75-0.92x
-// the time, and 4 rows to 0.88-1.0x; over 8-bit rows of 2,048-8,192, 0.74-0.89x at 1-8 rows.
-// Over 4-bit rows of 512-768 channels, 4 rows took 1.07-1.14x, so short rows keep L1.
+// Where a call reads its weights once (one pass of at most kRows activation rows) over rows of
+// at least kL2PrefetchRowBytes, the AVX-512 kernels fetch them kL2PrefetchBytes ahead into L2
+// (prefetcht1) rather than into L1. On a 2-core Zen 4 EPYC, from DRAM, that took one row over
+// 4-bit rows of 1,024-8,192 channels from 1x to 0.75-0.92x the time, and 4 rows to 0.88-1.0x;
+// over 8-bit rows of 512-8,192, 0.74-0.89x at 1 row (one run of 512: 1.03x). Over 4-bit rows
+// of 512-768 channels, 4 rows took 1.07-1.11x, so short rows keep L1; so do calls of 5 rows
+// or more, which pass over each weight row again (8 rows of 8-bit rows of 512-1,024
+// channels: 1.08-1.18x, within the noise of runs whose code did not change).
 constexpr int64_t kL2PrefetchRowBytes = 512;
 constexpr int64_t kL2PrefetchBytes = 8192;
 
-// Fetches what a pass over the weights reads some way past `block`: into L2 where `L2`
-// (rows of at least kL2PrefetchRowBytes), else into L1. A template argument, chosen once per
-// call by with_prefetch: a branch on the row length in paired::tile's loop took 4 and 8 rows
-// to 1.09-1.15x the time.
+// Fetches what a pass over the weights reads some way past `block`: into L2 where `L2`, else
+// into L1. A template argument, chosen once per call by with_prefetch: a branch on the row
+// length in paired::tile's loop took 4 and 8 rows to 1.09-1.15x the time.
 template <bool L2>
 inline void prefetch_weights(const uint8_t* block) {
   if constexpr (L2)
@@ -65,13 +66,17 @@ inline void prefetch_weights(const uint8_t* block) {
     _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes), _MM_HINT_T0);
 }
 
-// fn(std::bool_constant<L2>{}) with L2 as prefetch_weights takes it for rows of row_bytes.
+// fn(std::bool_constant<L2>{}) with L2 as prefetch_weights takes it for a call of `rows`
+// activation rows over weight rows of `row_bytes`; always false off AVX512-VNNI.
 template <typename Fn>
-inline void with_prefetch(int64_t row_bytes, const Fn& fn) {
-  if (row_bytes >= kL2PrefetchRowBytes) fn(std::true_type{});
-  else fn(std::false_type{});
+inline void with_prefetch(int64_t row_bytes, int64_t rows, const Fn& fn) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (row_bytes >= kL2PrefetchRowBytes && rows <= kRows) return fn(std::true_type{});
+#endif
+  fn(std::false_type{});
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // One block's 64 weights as unsigned bytes.
 template <int BITS>
 inline __m512i block_weights(const uint8_t* w) {
@@ -246,36 +251,35 @@ inline void avx2_weight_row(const uint8_t* w, const int8_t* xq, const float* x_s
 //                               - scale[g] * zero[g] * x_zero[r, g]
 // for ROWS activation rows `k` apart, over one weight row: each block of 64 weights is
 // loaded once for all rows, and a group's integer sums are scaled into float lanes, so
-// lanes are summed once per output.
-template <int BITS, int ROWS>
-inline void weight_row(const uint8_t* w, const int8_t* xq, const float* x_scale,
-                       const float* x_zero, const float* scale, const float* zero,
-                       int64_t k, int64_t groups, int64_t blocks, float* out) {
+// lanes are summed once per output. Inlined: with two prefetch choices, GCC called it once per
+// output and tile, which took 8 rows of 8-bit rows of 512-1,024 channels to 1.16-1.2x the time.
+template <int BITS, int ROWS, bool L2>
+__attribute__((always_inline)) inline void weight_row(
+    const uint8_t* w, const int8_t* xq, const float* x_scale, const float* x_zero,
+    const float* scale, const float* zero, int64_t k, int64_t groups, int64_t blocks,
+    float* out) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   constexpr int64_t kBytes = kBlock * BITS / 8;
-  with_prefetch(k * BITS / 8, [&](auto l2) {
-    float zero_terms[ROWS] = {};
-    __m512 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      __m512i dots[ROWS];
-      for (int r = 0; r < ROWS; ++r) dots[r] = _mm512_setzero_si512();
-      for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
-        prefetch_weights<decltype(l2)::value>(w + b * kBytes);
-        const __m512i q = block_weights<BITS>(w + b * kBytes);
-        for (int r = 0; r < ROWS; ++r)
-          dots[r] =
-              _mm512_dpbusd_epi32(dots[r], q, _mm512_loadu_si512(xq + r * k + b * kBlock));
-      }
-      for (int r = 0; r < ROWS; ++r) {
-        const float xs = x_scale[r * groups + g];
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_set1_ps(xs * scale[g]),
-                                 acc[r]);
-        zero_terms[r] += (zero[g] * scale[g]) * x_zero[r * groups + g];
-      }
+  float zero_terms[ROWS] = {};
+  __m512 acc[ROWS];
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dots[ROWS];
+    for (int r = 0; r < ROWS; ++r) dots[r] = _mm512_setzero_si512();
+    for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
+      prefetch_weights<L2>(w + b * kBytes);
+      const __m512i q = block_weights<BITS>(w + b * kBytes);
+      for (int r = 0; r < ROWS; ++r)
+        dots[r] = _mm512_dpbusd_epi32(dots[r], q, _mm512_loadu_si512(xq + r * k + b * kBlock));
     }
-    for (int r = 0; r < ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - zero_terms[r];
-  });
+    for (int r = 0; r < ROWS; ++r) {
+      const float xs = x_scale[r * groups + g];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_set1_ps(xs * scale[g]),
+                               acc[r]);
+      zero_terms[r] += (zero[g] * scale[g]) * x_zero[r * groups + g];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - zero_terms[r];
 #elif defined(__AVX2__)
   switch (blocks) {  // the common group sizes, 64 and 128 channels, with unrolled loops
     case 1: return avx2_weight_row<BITS, ROWS, 1>(w, xq, x_scale, x_zero, scale, zero, k, groups,
@@ -323,12 +327,15 @@ template <int BITS>
 void weight_rows(const uint8_t* w, const int8_t* xq, const float* xs, const float* xz,
                  const float* scale, const float* zero, int64_t m, int64_t k, int64_t groups,
                  int64_t blocks, float* out, int64_t n) {
-  row_tiles(m, [&](auto tile, int64_t r0) {
-    constexpr int rows = decltype(tile)::value;
-    float row_out[rows];
-    weight_row<BITS, rows>(w, xq + r0 * k, xs + r0 * groups, xz + r0 * groups, scale, zero, k,
-                           groups, blocks, row_out);
-    for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * n] = row_out[r];
+  with_prefetch(k * BITS / 8, m, [&](auto l2) {
+    row_tiles(m, [&](auto tile, int64_t r0) {
+      constexpr int rows = decltype(tile)::value;
+      float row_out[rows];
+      weight_row<BITS, rows, decltype(l2)::value>(w, xq + r0 * k, xs + r0 * groups,
+                                                  xz + r0 * groups, scale, zero, k, groups,
+                                                  blocks, row_out);
+      for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * n] = row_out[r];
+    });
   });
 }
 
@@ -661,23 +668,19 @@ inline void tile(const uint8_t* w, int64_t row_bytes, const int8_t* xp, const fl
 
 // Outputs [begin, end) of ROWS rows of out [m, n]: kOuts at a time (half as many from 3 rows
 // on, for the registers), the rest one by one.
-template <int ROWS>
+template <int ROWS, bool L2>
 void outputs(const uint8_t* w, int64_t row_bytes, const int8_t* xp, const float* x_scale,
              const float* x_zero, const float* scale, const float* zero, int64_t zero_row,
              int64_t k, int64_t groups, int64_t blocks, float* out, int64_t n, int64_t begin,
              int64_t end) {
   constexpr int kOuts = ROWS <= 2 ? 4 : 2;
-  with_prefetch(row_bytes, [&](auto l2) {
-    constexpr bool L2 = decltype(l2)::value;
-    int64_t o = begin;
-    for (; o + kOuts <= end; o += kOuts)
-      tile<ROWS, kOuts, L2>(w + o * row_bytes, row_bytes, xp, x_scale, x_zero,
-                            scale + o * groups, zero + o * zero_row, zero_row, k, groups,
-                            blocks, out + o, n);
-    for (; o < end; ++o)
-      tile<ROWS, 1, L2>(w + o * row_bytes, row_bytes, xp, x_scale, x_zero, scale + o * groups,
-                        zero + o * zero_row, zero_row, k, groups, blocks, out + o, n);
-  });
+  int64_t o = begin;
+  for (; o + kOuts <= end; o += kOuts)
+    tile<ROWS, kOuts, L2>(w + o * row_bytes, row_bytes, xp, x_scale, x_zero, scale + o * groups,
+                          zero + o * zero_row, zero_row, k, groups, blocks, out + o, n);
+  for (; o < end; ++o)
+    tile<ROWS, 1, L2>(w + o * row_bytes, row_bytes, xp, x_scale, x_zero, scale + o * groups,
+                      zero + o * zero_row, zero_row, k, groups, blocks, out + o, n);
 }
 
 }  // namespace paired
@@ -1203,10 +1206,12 @@ void few_rows(const int8_t* xq, const float* xs, const float* xz, int64_t m, boo
   const int64_t groups = k / group, blocks = group / kBlock;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (paired) {
-    row_tiles(m, [&](auto tile, int64_t r0) {
-      paired::outputs<decltype(tile)::value>(wp, k * bits / 8, xq + r0 * k, xs + r0 * groups,
-                                             xz + r0 * groups, sp, zp, zero_row, k, groups,
-                                             blocks, op + r0 * n, n, begin, end);
+    with_prefetch(k * bits / 8, m, [&](auto l2) {
+      row_tiles(m, [&](auto tile, int64_t r0) {
+        paired::outputs<decltype(tile)::value, decltype(l2)::value>(
+            wp, k * bits / 8, xq + r0 * k, xs + r0 * groups, xz + r0 * groups, sp, zp,
+            zero_row, k, groups, blocks, op + r0 * n, n, begin, end);
+      });
     });
     return;
   }
