@@ -26,12 +26,6 @@ constexpr int64_t kTile = 16;  // keys scored, and values added, together
 // long contexts and a batch of one, and a sequence's result never depends on the batch.
 constexpr int64_t kPartition = 128;
 
-// Into L2 (prefetcht1): a unit's keys and values are 16-64 KiB, as much as L1 or twice it, so
-// fetching the next one into L1 evicted it (and this unit's rows) before they were read. On a
-// 2-core Zen 4 EPYC, 8 contexts of 4,096 tokens then took 0.62x the time (float32 and
-// bfloat16, from DRAM); on an AMX Xeon, 1.00x.
-inline void prefetch(const char* p) { __builtin_prefetch(p, 0, 2); }
-
 // Row src of n values as float32 in dst.
 inline void widen(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
 
@@ -535,7 +529,11 @@ void attend(const std::vector<Unit>& units, const T* q_ptr, const NewTokens<T>* 
       return count;
     };
     // The pool's blocks lie anywhere, so the hardware prefetchers see a new stream every
-    // block: the next unit's keys and values are fetched while this one computes.
+    // block: the next unit's keys and values are fetched while this one computes. Into L2:
+    // they are 16-64 KiB, as much as L1 or twice it, so fetching them into L1 evicted them
+    // (and this unit's rows) before they were read. On a 2-core Zen 4 EPYC, 8 contexts of
+    // 4,096 tokens then took 0.62x the time (float32 and bfloat16, from DRAM); on an AMX
+    // Xeon, 1.00x.
     if (&unit != &units.back()) {
       const Unit& next = (&unit)[1];
       const int64_t* next_table = tables + next.seq * width;
@@ -547,7 +545,7 @@ void attend(const std::vector<Unit>& units, const T* q_ptr, const NewTokens<T>* 
               pool + (next_table[pos / block_size] * block_size + offset) * head_dim);
           for (int64_t byte = 0; byte < count * head_dim * static_cast<int64_t>(sizeof(T));
                byte += 64)
-            prefetch(run + byte);
+            kvserve::simd::prefetch_into_l2(run + byte);
           pos += count;
         }
     }

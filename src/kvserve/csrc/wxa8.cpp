@@ -61,7 +61,7 @@ constexpr int64_t kL2PrefetchBytes = 8192;
 template <bool L2>
 inline void prefetch_weights(const uint8_t* block) {
   if constexpr (L2)
-    __builtin_prefetch(block + kL2PrefetchBytes, 0, 2);
+    simd::prefetch_into_l2(block + kL2PrefetchBytes);
   else
     _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes), _MM_HINT_T0);
 }
