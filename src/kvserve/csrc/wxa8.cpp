@@ -48,12 +48,18 @@ constexpr int64_t kRunPrefetchBytes = 2048;
 // at least kL2PrefetchRowBytes, the AVX-512 kernels fetch them kL2PrefetchBytes ahead into L2
 // (prefetcht1) rather than into L1. On a 2-core Zen 4 EPYC, from DRAM, that took one row over
 // 4-bit rows of 1,024-8,192 channels from 1x to 0.75-0.92x the time, and 4 rows to 0.88-1.0x;
-// over 8-bit rows of 512-8,192, 0.74-0.89x at 1 row (one run of 512: 1.03x). Over 4-bit rows
-// of 512-768 channels, 4 rows took 1.07-1.11x, so short rows keep L1; so do calls of 5 rows
-// or more, which pass over each weight row again (8 rows of 8-bit rows of 512-1,024
+// over 8-bit rows of 512-8,192, 0.74-0.89x at 1 row (one run of 512: 1.03x). Calls of 5 rows
+// or more, which pass over each weight row again, keep L1 (8 rows of 8-bit rows of 512-1,024
 // channels: 1.08-1.18x, within the noise of runs whose code did not change).
 constexpr int64_t kL2PrefetchRowBytes = 512;
 constexpr int64_t kL2PrefetchBytes = 8192;
+// Shorter 4-bit rows (paired::) go to L2 too on one or two rows, where they are whole cache
+// lines (channels a multiple of 128). There, 4-bit rows of 640, 768 and 896 channels took
+// 0.73-0.77x the time at 1 row and 0.87-0.90x at 2, but 0.98-1.12x at 3-4 rows; rows of
+// 576, 704 and 832 channels (an odd number of 64-channel groups, so every other row starts
+// mid-line) took 1.04-1.44x at 1-2 rows; 8-bit rows of 384 and 448 channels, 1.08-1.28x.
+constexpr int64_t kShortL2PrefetchRowBytes = 256;
+constexpr int64_t kShortL2PrefetchRows = 2;
 
 // Fetches what a pass over the weights reads some way past `block`: into L2 where `L2`, else
 // into L1. A template argument, chosen once per call by with_prefetch: a branch on the row
@@ -67,11 +73,15 @@ inline void prefetch_weights(const uint8_t* block) {
 }
 
 // fn(std::bool_constant<L2>{}) with L2 as prefetch_weights takes it for a call of `rows`
-// activation rows over weight rows of `row_bytes`; always false off AVX512-VNNI.
+// activation rows over weight rows of `row_bytes` (run by paired:: where `paired`); always
+// false off AVX512-VNNI.
 template <typename Fn>
-inline void with_prefetch(int64_t row_bytes, int64_t rows, const Fn& fn) {
+inline void with_prefetch(int64_t row_bytes, int64_t rows, bool paired, const Fn& fn) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (row_bytes >= kL2PrefetchRowBytes && rows <= kRows) return fn(std::true_type{});
+  const bool short_rows = paired && rows <= kShortL2PrefetchRows &&
+                          row_bytes >= kShortL2PrefetchRowBytes && row_bytes % 64 == 0;
+  if ((row_bytes >= kL2PrefetchRowBytes && rows <= kRows) || short_rows)
+    return fn(std::true_type{});
 #endif
   fn(std::false_type{});
 }
@@ -327,7 +337,7 @@ template <int BITS>
 void weight_rows(const uint8_t* w, const int8_t* xq, const float* xs, const float* xz,
                  const float* scale, const float* zero, int64_t m, int64_t k, int64_t groups,
                  int64_t blocks, float* out, int64_t n) {
-  with_prefetch(k * BITS / 8, m, [&](auto l2) {
+  with_prefetch(k * BITS / 8, m, false, [&](auto l2) {
     row_tiles(m, [&](auto tile, int64_t r0) {
       constexpr int rows = decltype(tile)::value;
       float row_out[rows];
@@ -1206,7 +1216,7 @@ void few_rows(const int8_t* xq, const float* xs, const float* xz, int64_t m, boo
   const int64_t groups = k / group, blocks = group / kBlock;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (paired) {
-    with_prefetch(k * bits / 8, m, [&](auto l2) {
+    with_prefetch(k * bits / 8, m, true, [&](auto l2) {
       row_tiles(m, [&](auto tile, int64_t r0) {
         paired::outputs<decltype(tile)::value, decltype(l2)::value>(
             wp, k * bits / 8, xq + r0 * k, xs + r0 * groups, xz + r0 * groups, sp, zp,
