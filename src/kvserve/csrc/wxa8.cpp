@@ -55,9 +55,9 @@ constexpr int64_t kL2PrefetchRowBytes = 512;
 constexpr int64_t kL2PrefetchBytes = 8192;
 // Shorter 4-bit rows (paired::) go to L2 too on one or two rows, where they are whole cache
 // lines (channels a multiple of 128). There, 4-bit rows of 640, 768 and 896 channels took
-// 0.73-0.77x the time at 1 row and 0.87-0.90x at 2, but 0.98-1.12x at 3-4 rows; rows of
-// 576, 704 and 832 channels (an odd number of 64-channel groups, so every other row starts
-// mid-line) took 1.04-1.44x at 1-2 rows; 8-bit rows of 384 and 448 channels, 1.08-1.28x.
+// 0.70-0.93x the time at 1 row and 0.87-0.96x at 2, but 1.05-1.11x at 4; rows of 576, 704
+// and 832 channels (an odd number of 64-channel groups, so every other row starts mid-line)
+// took 1.04-1.58x at 1-2 rows; 8-bit rows of 384 and 448 channels, 1.08-1.28x.
 constexpr int64_t kShortL2PrefetchRowBytes = 256;
 constexpr int64_t kShortL2PrefetchRows = 2;
 
