@@ -544,7 +544,7 @@ void attend(const std::vector<Unit>& units, const T* q_ptr, const NewTokens<T>* 
           const char* run = reinterpret_cast<const char*>(
               pool + (next_table[pos / block_size] * block_size + offset) * head_dim);
           for (int64_t byte = 0; byte < count * head_dim * static_cast<int64_t>(sizeof(T));
-               byte += 64)
+               byte += kvserve::simd::kCacheLineBytes)
             kvserve::simd::prefetch_into_l2(run + byte);
           pos += count;
         }

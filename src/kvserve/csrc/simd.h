@@ -20,6 +20,8 @@ constexpr float kLn2 = 0.693147181f;
 constexpr float kExpTaylor[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24,
                                 1.f / 6,    0.5f,      1.f,       1.f};
 
+constexpr int64_t kCacheLineBytes = 64;
+
 // Fetches p's line into L2 (prefetcht1 on x86), not L1: for streams whose lookahead would
 // crowd out of L1 what is read before it (decode attention's next unit, long weight rows).
 inline void prefetch_into_l2(const void* p) { __builtin_prefetch(p, 0, 2); }

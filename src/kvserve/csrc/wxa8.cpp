@@ -79,7 +79,8 @@ template <typename Fn>
 inline void with_prefetch(int64_t row_bytes, int64_t rows, bool paired, const Fn& fn) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   const bool short_rows = paired && rows <= kShortL2PrefetchRows &&
-                          row_bytes >= kShortL2PrefetchRowBytes && row_bytes % 64 == 0;
+                          row_bytes >= kShortL2PrefetchRowBytes &&
+                          row_bytes % simd::kCacheLineBytes == 0;
   if ((row_bytes >= kL2PrefetchRowBytes && rows <= kRows) || short_rows)
     return fn(std::true_type{});
 #endif
