@@ -393,6 +393,11 @@ COMPLETIONS = "/v1/completions"
     (COMPLETIONS, {"prompt": "x", "user": ""}, 400, "user", "at least 1"),
     (CHAT, {"messages": []}, 400, "messages", "at least 1"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", ""),
+    (CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages.0.content", "'image_url' are not supported"),
+    (CHAT, {"messages": [{"role": "user", "content": ["x"]}]}, 400, "messages.0.content",
+     "content parts are objects"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs", "logprobs"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": True,

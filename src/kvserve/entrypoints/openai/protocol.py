@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from kvserve.sampling_params import SamplingParams, StructuredOutputParams
 
@@ -197,6 +197,20 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Names an image, audio or file part as what it is: pydantic's own error for the
+        union would say that the content should be a string."""
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, dict):
+                raise ValueError('content parts are objects such as {"type": "text", "text": '
+                                 f'"..."}}, got {part!r}')
+            if part.get("type") != "text":
+                raise ValueError(f"content parts of type {part.get('type')!r} are not "
+                                 "supported: the models served here take text parts only")
+        return content
 
     def template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: text parts joined into one string, and

@@ -171,7 +171,10 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
                            ).response()
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
-        return invalid(f"{param or 'body'}: {first.get('msg')}", param).response()
+        message = first.get("msg")
+        if first.get("type") == "value_error":  # a validator's own words, without pydantic's
+            message = str(first.get("ctx", {}).get("error", message))
+        return invalid(f"{param or 'body'}: {message}", param).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
