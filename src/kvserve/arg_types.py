@@ -25,6 +25,7 @@ def _ranged(kind: type, low: float, inclusive: bool, high: float | None = None
 
 
 positive_int = _ranged(int, 1, inclusive=True)  # counts, lengths, sizes
+at_least_two = _ranged(int, 2, inclusive=True)  # lengths that a rate is taken over
 non_negative_int = _ranged(int, 0, inclusive=True)  # where 0 means none or off
 positive_float = _ranged(float, 0.0, inclusive=False)  # rates, seconds
 non_negative_float = _ranged(float, 0.0, inclusive=True)  # temperatures

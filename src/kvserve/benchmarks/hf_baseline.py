@@ -48,9 +48,11 @@ def load_hf(model: str, dtype: torch.dtype, device: str = "cpu"):  # noqa: ANN20
 
 @torch.inference_mode()
 def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int,  # noqa: ANN001
-                      temperature: float = 0.0, static_cache: bool = False) -> None:
+                      temperature: float = 0.0, static_cache: bool = False,
+                      streamer: object = None) -> None:
     """Left-pads the batch and decodes exactly max_new_tokens for every row (EOS ignored);
-    temperature > 0 samples from the whole distribution (no top-k/top-p), as kvserve does."""
+    temperature > 0 samples from the whole distribution (no top-k/top-p), as kvserve does.
+    `streamer` is generate's: handed the prompt, then each step's tokens."""
     width = max(len(p) for p in prompts)
     pad = hf.config.pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=hf.device)
@@ -59,8 +61,36 @@ def hf_generate_batch(hf, prompts: list[list[int]], max_new_tokens: int,  # noqa
     cache = {"cache_implementation": "static"} if static_cache else {}
     hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                 min_new_tokens=max_new_tokens, pad_token_id=pad, **_sampling(temperature),
-                **cache)
+                streamer=streamer, **cache)
     synchronize(hf.device)
+
+
+class _FirstTokenClock:
+    """A `generate` streamer that notes when the first new token comes: generate hands it the
+    prompt first, then each step's tokens."""
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.monotonic()
+
+    def end(self) -> None:
+        pass
+
+
+def hf_request_times(hf, prompt: list[int], max_new_tokens: int,  # noqa: ANN001
+                     static_cache: bool = False) -> tuple[float, float]:
+    """Seconds from the start of one greedy request to its first new token and to its last."""
+    clock = _FirstTokenClock()
+    synchronize(hf.device)
+    start = time.monotonic()
+    hf_generate_batch(hf, [prompt], max_new_tokens, static_cache=static_cache, streamer=clock)
+    assert clock.first is not None, "generate made no token"
+    return clock.first - start, time.monotonic() - start
 
 
 def _sampling(temperature: float) -> dict[str, object]:

