@@ -83,9 +83,14 @@ def test_a_sequence_decodes_the_same_bits_alone_and_in_a_batch(dtype):
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_bfloat16_decode_matches_float32_attention_of_the_same_values(backend):
-    """bfloat16 inputs, float32 arithmetic: only the output's rounding differs."""
-    q, cache, meta, dense = paged_case([1, 3, 4, 9, 17])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(6, 2, 32), (14, 2, 64), (10, 2, 96), (4, 1, 128)])
+def test_bfloat16_decode_matches_float32_attention_of_the_same_values(
+        backend, num_heads, num_kv_heads, head_dim):
+    """bfloat16 inputs, float32 arithmetic: only the output's rounding differs. Query groups
+    of 3 to 7 heads, 1 to 4 runs of 32 head dimensions, and a context split over units."""
+    q, cache, meta, dense = paged_case([1, 3, 4, 9, 17, 300], num_heads, num_kv_heads,
+                                       head_dim)
     q16, cache16 = q.bfloat16(), cache.bfloat16()
     expected = dense_reference(q16.float(), [d.bfloat16().float() for d in dense], None, 0.25)
     out = BACKENDS[backend]().decode(q16, cache16, meta, 0.25)

@@ -263,6 +263,56 @@ struct BF16PairTiles {
   using T = at::BFloat16;
   using Query = T;
   static constexpr int64_t kPair = 32;  // head dimensions per 512-bit row of bfloat16
+  // Query heads whose sums run side by side in add_values: with 64 head dimensions, 4 heads
+  // x 2 runs x 2 halves are 16 chains of multiply-adds.
+  static constexpr int64_t kMaxGroup = 4;
+
+  // fn(std::integral_constant<int, heads>{}), for 1 to kMaxGroup heads.
+  template <typename Fn>
+  static void with_heads(int64_t heads, const Fn& fn) {
+    switch (heads) {
+      case 1: return fn(std::integral_constant<int, 1>{});
+      case 2: return fn(std::integral_constant<int, 2>{});
+      case 3: return fn(std::integral_constant<int, 3>{});
+      default: return fn(std::integral_constant<int, 4>{});
+    }
+  }
+
+  // acc[g * head_dim + first ...] (RUNS runs of 32 head dimensions) += the sum over token
+  // pairs of both tokens' values times their probabilities: rows t and t + 1 interleaved in
+  // registers, so 32-bit lane j of a pair vector holds both tokens' value of one dimension
+  // (in unpack order, which `finish` undoes), and each (head, run, half) sums its pairs in
+  // order in a register of its own.
+  template <int RUNS, int HEADS>
+  static void add_runs(const T (*p16)[kTile], const T* const* rows, int64_t pairs,
+                       int64_t head_dim, float* acc, int64_t first) {
+    __m512 lo[HEADS][RUNS], hi[HEADS][RUNS];
+    for (int g = 0; g < HEADS; ++g)
+      for (int c = 0; c < RUNS; ++c) {
+        lo[g][c] = _mm512_loadu_ps(acc + g * head_dim + first + c * kPair);
+        hi[g][c] = _mm512_loadu_ps(acc + g * head_dim + first + c * kPair + kLanes);
+      }
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512bh both[HEADS];
+      for (int g = 0; g < HEADS; ++g)
+        both[g] = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(p16[g])[p]);
+      for (int c = 0; c < RUNS; ++c) {
+        const __m512i a = _mm512_loadu_si512(rows[2 * p] + first + c * kPair);
+        const __m512i b = _mm512_loadu_si512(rows[2 * p + 1] + first + c * kPair);
+        const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        const __m512bh high = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int g = 0; g < HEADS; ++g) {
+          lo[g][c] = _mm512_dpbf16_ps(lo[g][c], both[g], low);
+          hi[g][c] = _mm512_dpbf16_ps(hi[g][c], both[g], high);
+        }
+      }
+    }
+    for (int g = 0; g < HEADS; ++g)
+      for (int c = 0; c < RUNS; ++c) {
+        _mm512_storeu_ps(acc + g * head_dim + first + c * kPair, lo[g][c]);
+        _mm512_storeu_ps(acc + g * head_dim + first + c * kPair + kLanes, hi[g][c]);
+      }
+  }
 
   static void prepare(const float* queries, int64_t n, T* out) {
     for (int64_t i = 0; i < n; i += kLanes)
@@ -287,38 +337,24 @@ struct BF16PairTiles {
   }
 
   static void add_values(const float* probs, int64_t stride, int64_t group, const T* const* rows,
-                         int64_t count, int64_t head_dim, float* out, std::vector<float>& tile) {
-    // Rows t and t + 1 interleaved: 32-bit lane j of a pair vector holds both tokens' value
-    // of one head dimension.
-    const int64_t pairs = (count + 1) / 2, row_vectors = head_dim / kPair;
-    tile.resize(kTile * head_dim / 2);  // kTile * head_dim bfloat16
-    auto* interleaved = reinterpret_cast<__m512i*>(tile.data());
-    for (int64_t p = 0; p < pairs; ++p)
-      for (int64_t c = 0; c < row_vectors; ++c) {
-        const __m512i a = _mm512_loadu_si512(rows[2 * p] + c * kPair);
-        const __m512i b = _mm512_loadu_si512(rows[2 * p + 1] + c * kPair);
-        _mm512_storeu_si512(interleaved + (p * row_vectors + c) * 2, _mm512_unpacklo_epi16(a, b));
-        _mm512_storeu_si512(interleaved + (p * row_vectors + c) * 2 + 1,
-                            _mm512_unpackhi_epi16(a, b));
-      }
-    for (int64_t g = 0; g < group; ++g) {
-      alignas(64) T p16[kTile];
-      const __mmask16 mask = kvserve::simd::first_lanes(count);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(p16),
-                         (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, probs + g * stride)));
-      const auto* p32 = reinterpret_cast<const int32_t*>(p16);
-      for (int64_t c = 0; c < row_vectors; ++c) {
-        float* acc = out + g * head_dim + c * kPair;
-        __m512 lo = _mm512_loadu_ps(acc), hi = _mm512_loadu_ps(acc + kLanes);
-        for (int64_t p = 0; p < pairs; ++p) {
-          const __m512bh both = (__m512bh)_mm512_set1_epi32(p32[p]);
-          const __m512i* pair = interleaved + (p * row_vectors + c) * 2;
-          lo = _mm512_dpbf16_ps(lo, both, (__m512bh)_mm512_loadu_si512(pair));
-          hi = _mm512_dpbf16_ps(hi, both, (__m512bh)_mm512_loadu_si512(pair + 1));
-        }
-        _mm512_storeu_ps(acc, lo);
-        _mm512_storeu_ps(acc + kLanes, hi);
-      }
+                         int64_t count, int64_t head_dim, float* out, std::vector<float>&) {
+    // Each head's probabilities as bfloat16, two tokens to a 32-bit lane.
+    alignas(64) T p16[kMaxGroup][kTile];
+    const __mmask16 mask = kvserve::simd::first_lanes(count);
+    for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+      const int64_t heads = std::min(kMaxGroup, group - g0);
+      for (int64_t g = 0; g < heads; ++g)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(p16[g]),
+                           (__m256i)_mm512_cvtneps_pbh(
+                               _mm512_maskz_loadu_ps(mask, probs + (g0 + g) * stride)));
+      const int64_t pairs = (count + 1) / 2;
+      float* acc = out + g0 * head_dim;
+      with_heads(heads, [&](auto h) {
+        int64_t c = 0;
+        for (; c + 2 * kPair <= head_dim; c += 2 * kPair)
+          add_runs<2, h>(p16, rows, pairs, head_dim, acc, c);
+        if (c < head_dim) add_runs<1, h>(p16, rows, pairs, head_dim, acc, c);
+      });
     }
   }
 
@@ -533,23 +569,33 @@ void attend(const std::vector<Unit>& units, const T* q_ptr, const NewTokens<T>* 
     // they are 16-64 KiB, as much as L1 or twice it, so fetching them into L1 evicted them
     // (and this unit's rows) before they were read. On a 2-core Zen 4 EPYC, 8 contexts of
     // 4,096 tokens then took 0.62x the time (float32 and bfloat16, from DRAM); on an AMX
-    // Xeon, 1.00x.
-    if (&unit != &units.back()) {
-      const Unit& next = (&unit)[1];
-      const int64_t* next_table = tables + next.seq * width;
-      for (const T* pool : {k_base + next.head * head_stride, v_base + next.head * head_stride})
-        for (int64_t pos = next.begin; pos < next.end;) {
-          const int64_t offset = pos % block_size;
-          const int64_t count = std::min(block_size - offset, next.end - pos);
-          const char* run = reinterpret_cast<const char*>(
-              pool + (next_table[pos / block_size] * block_size + offset) * head_dim);
-          for (int64_t byte = 0; byte < count * head_dim * static_cast<int64_t>(sizeof(T));
-               byte += kvserve::simd::kCacheLineBytes)
-            kvserve::simd::prefetch_into_l2(run + byte);
-          pos += count;
-        }
-    }
+    // Xeon, 1.00x. A share of its rows with each of this unit's tiles (keys first, then
+    // values), not all at the unit's start: hundreds of prefetches in a row filled the
+    // core's miss buffers and stalled it, a fifth of the kernel's cycles.
+    const Unit* next = &unit != &units.back() ? &unit + 1 : nullptr;
+    const int64_t tiles = (n + kTile - 1) / kTile;
+    const int64_t fetch_step =
+        next != nullptr && tiles > 0 ? (next->end - next->begin + tiles - 1) / tiles : 0;
+    int64_t fetch_pos = next != nullptr ? next->begin : 0;
+    int fetch_pool = next != nullptr ? 0 : 2;  // 0: keys, 1: values, 2: done
+    const auto fetch_next = [&] {
+      for (int64_t left = fetch_step; left > 0 && fetch_pool < 2;) {
+        const int64_t offset = fetch_pos % block_size;
+        const int64_t count = std::min({block_size - offset, next->end - fetch_pos, left});
+        const T* pool = (fetch_pool == 0 ? k_base : v_base) + next->head * head_stride;
+        const char* run = reinterpret_cast<const char*>(
+            pool + (tables[next->seq * width + fetch_pos / block_size] * block_size + offset) *
+                       head_dim);
+        for (int64_t byte = 0; byte < count * head_dim * static_cast<int64_t>(sizeof(T));
+             byte += kvserve::simd::kCacheLineBytes)
+          kvserve::simd::prefetch_into_l2(run + byte);
+        fetch_pos += count;
+        left -= count;
+        if (fetch_pos == next->end) fetch_pos = next->begin, ++fetch_pool;
+      }
+    };
     for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+      fetch_next();
       const int64_t count = tile_rows(k_head, t0);
       Tiles::score(queries.data(), group, rows, count, head_dim, scale, scores.data() + t0,
                    kPartition, tile);
@@ -565,6 +611,7 @@ void attend(const std::vector<Unit>& units, const T* q_ptr, const NewTokens<T>* 
       }
     }
     for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+      fetch_next();
       const int64_t count = tile_rows(v_head, t0);
       Tiles::add_values(scores.data() + t0, kPartition, group, rows, count, head_dim,
                         acc.data(), tile);
