@@ -573,25 +573,23 @@ void attend(const std::vector<Unit>& units, const T* q_ptr, const NewTokens<T>* 
     // values), not all at the unit's start: hundreds of prefetches in a row filled the
     // core's miss buffers and stalled it, a fifth of the kernel's cycles.
     const Unit* next = &unit != &units.back() ? &unit + 1 : nullptr;
+    const int64_t next_rows = next != nullptr ? next->end - next->begin : 0;
     const int64_t tiles = (n + kTile - 1) / kTile;
-    const int64_t fetch_step =
-        next != nullptr && tiles > 0 ? (next->end - next->begin + tiles - 1) / tiles : 0;
-    int64_t fetch_pos = next != nullptr ? next->begin : 0;
-    int fetch_pool = next != nullptr ? 0 : 2;  // 0: keys, 1: values, 2: done
+    const int64_t fetch_step = tiles > 0 ? (next_rows + tiles - 1) / tiles : 0;
+    int64_t fetched = 0;  // of the next unit's keys, then of its values
     const auto fetch_next = [&] {
-      for (int64_t left = fetch_step; left > 0 && fetch_pool < 2;) {
-        const int64_t offset = fetch_pos % block_size;
-        const int64_t count = std::min({block_size - offset, next->end - fetch_pos, left});
-        const T* pool = (fetch_pool == 0 ? k_base : v_base) + next->head * head_stride;
+      for (int64_t left = fetch_step; left > 0 && fetched < 2 * next_rows;) {
+        const int64_t pos = next->begin + fetched % next_rows, offset = pos % block_size;
+        const int64_t count = std::min({block_size - offset, next->end - pos, left});
+        const T* pool = (fetched < next_rows ? k_base : v_base) + next->head * head_stride;
         const char* run = reinterpret_cast<const char*>(
-            pool + (tables[next->seq * width + fetch_pos / block_size] * block_size + offset) *
+            pool + (tables[next->seq * width + pos / block_size] * block_size + offset) *
                        head_dim);
         for (int64_t byte = 0; byte < count * head_dim * static_cast<int64_t>(sizeof(T));
              byte += kvserve::simd::kCacheLineBytes)
           kvserve::simd::prefetch_into_l2(run + byte);
-        fetch_pos += count;
+        fetched += count;
         left -= count;
-        if (fetch_pos == next->end) fetch_pos = next->begin, ++fetch_pool;
       }
     };
     for (int64_t t0 = 0; t0 < n; t0 += kTile) {
