@@ -31,7 +31,7 @@ def build(name: str, sources: list[Path], what: str,
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        logger.info("loading the %s (compiled on first use, a minute or two)", what)
+        logger.info("loading the %s (compiled on first use, under a minute on 2 cores)", what)
         build_directory = Path(_get_build_directory(name, verbose=False))
         with _exclusive(build_directory):
             return load(name=name, sources=[str(s) for s in sources],

@@ -2,6 +2,8 @@
 // so each releases the GIL: other threads (the HTTP server) run meanwhile.
 #include "kvserve_cpu.h"
 
+#include <torch/extension.h>
+
 namespace py = pybind11;
 using kvserve::DecoderLayerWeights;
 using kvserve::LinearWeights;

@@ -10,7 +10,7 @@
 
 namespace kvserve {
 
-void evict_from_caches(const torch::Tensor& t) {
+void evict_from_caches(const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous(), "evict_from_caches: a contiguous tensor");
   const auto* first = static_cast<const char*>(t.data_ptr());
   const int64_t bytes = t.numel() * t.element_size();

@@ -17,6 +17,7 @@
 #include "simd.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -327,18 +328,18 @@ void gemm(const T* x, int64_t m, int64_t k, const Blocks& weight, int64_t n, con
 
 // fn(T{}) for the GEMM's element type T of `type`, where this build has a GEMM for it.
 template <typename Fn>
-void with_gemm_type(torch::ScalarType type, const char* name, Fn fn) {
+void with_gemm_type(at::ScalarType type, const char* name, Fn fn) {
 #ifdef KVSERVE_BLOCKED_FLOAT32
-  if (type == torch::kFloat) return fn(float{});
+  if (type == at::kFloat) return fn(float{});
 #endif
 #ifdef __AVX512BF16__
-  if (type == torch::kBFloat16) return fn(at::BFloat16{});
+  if (type == at::kBFloat16) return fn(at::BFloat16{});
 #endif
   TORCH_CHECK(false, name, ": no blocked GEMM for ", type, " on this CPU");
 }
 
 // x: contiguous [m, k] rows of the weight's dtype; packed: a weight of at least n outputs.
-void check_blocked_input(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+void check_blocked_input(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == packed.scalar_type(),
               "blocked_linear: contiguous 2-D input of the weight's dtype");
   TORCH_CHECK(packed.dim() == 4 && packed.size(1) * packed.size(3) == x.size(1) &&
@@ -358,13 +359,13 @@ bool amx_in_use() {
 #endif
 }
 
-bool gemm_supports(const torch::Tensor& w) {
+bool gemm_supports(const at::Tensor& w) {
   switch (w.scalar_type()) {
 #ifdef KVSERVE_BLOCKED_FLOAT32
-    case torch::kFloat: return w.dim() == 2;
+    case at::kFloat: return w.dim() == 2;
 #endif
 #ifdef __AVX512BF16__
-    case torch::kBFloat16: return w.dim() == 2 && w.size(1) % 2 == 0;
+    case at::kBFloat16: return w.dim() == 2 && w.size(1) % 2 == 0;
 #endif
     default: return false;
   }
@@ -376,19 +377,19 @@ bool gemm_supports(const torch::Tensor& w) {
 // every weight once into fresh memory, where staging the fused rows, zero-filling and then
 // permuting took 2-3x the time. bfloat16 shards of a float32 model widen in the same pass
 // (a bfloat16 is a float32's upper half), so the checkpoint is never converted on its own.
-torch::Tensor pack_weight(const std::vector<torch::Tensor>& shards,
-                          c10::ScalarType dtype) {
+at::Tensor pack_weight(const std::vector<at::Tensor>& shards,
+                       c10::ScalarType dtype) {
   TORCH_CHECK(!shards.empty(), "pack_weight: no shards");
   const auto source = shards.front().scalar_type();
   const int64_t k = shards.front().size(1);
   auto packed_options = shards.front().options().dtype(dtype);
-  TORCH_CHECK(gemm_supports(torch::empty({0, k}, packed_options)),
+  TORCH_CHECK(gemm_supports(at::empty({0, k}, packed_options)),
               "pack_weight: no blocked GEMM for this weight on this CPU");
-  const bool widen = source == torch::kBFloat16 && dtype == torch::kFloat;
+  const bool widen = source == at::kBFloat16 && dtype == at::kFloat;
   TORCH_CHECK(source == dtype || widen, "pack_weight: cannot pack ", source, " as ", dtype);
-  const int64_t step = dtype == torch::kBFloat16 ? 2 : 1;
+  const int64_t step = dtype == at::kBFloat16 ? 2 : 1;
   const int64_t units = k / step;
-  std::vector<torch::Tensor> contiguous;
+  std::vector<at::Tensor> contiguous;
   std::vector<const void*> rows;
   for (const auto& shard : shards) {
     TORCH_CHECK(shard.dim() == 2 && shard.size(1) == k && shard.scalar_type() == source,
@@ -399,7 +400,7 @@ torch::Tensor pack_weight(const std::vector<torch::Tensor>& shards,
     for (int64_t r = 0; r < shard.size(0); ++r) rows.push_back(base + r * row_bytes);
   }
   const int64_t n = static_cast<int64_t>(rows.size()), blocks = (n + kBlock - 1) / kBlock;
-  auto packed = torch::empty({blocks, units, kBlock, step}, packed_options);
+  auto packed = at::empty({blocks, units, kBlock, step}, packed_options);
   auto* dst = static_cast<uint32_t*>(packed.data_ptr());
   constexpr int64_t kUnitsPerPass = 256;  // a 16 KiB slice of the block, written in L1
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
@@ -425,11 +426,11 @@ torch::Tensor pack_weight(const std::vector<torch::Tensor>& shards,
   return packed;
 }
 
-torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                             const c10::optional<torch::Tensor>& bias) {
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                          const c10::optional<at::Tensor>& bias) {
   check_blocked_input(x, packed, n);
   const int64_t m = x.size(0), k = x.size(1);
-  auto out = torch::empty({m, n}, x.options());
+  auto out = at::empty({m, n}, x.options());
   if (m > 0)
     with_gemm_type(x.scalar_type(), "blocked_linear", [&](auto type) {
       using T = decltype(type);
@@ -439,7 +440,7 @@ torch::Tensor blocked_linear(const torch::Tensor& x, const torch::Tensor& packed
   return out;
 }
 
-bool dequantized_linear_supports(const torch::Tensor& x) {
+bool dequantized_linear_supports(const at::Tensor& x) {
 #ifdef __AVX512F__
   return gemm_supports(x);
 #else
@@ -447,21 +448,21 @@ bool dequantized_linear_supports(const torch::Tensor& x) {
 #endif
 }
 
-torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qweight,
-                                 const torch::Tensor& scales, const torch::Tensor& zeros,
-                                 int64_t group, int64_t bits) {
+at::Tensor dequantized_linear(const at::Tensor& x, const at::Tensor& qweight,
+                              const at::Tensor& scales, const at::Tensor& zeros,
+                              int64_t group, int64_t bits) {
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "dequantized_linear: contiguous 2-D input");
   TORCH_CHECK(bits == 4 || bits == 8, "dequantized_linear: 4 or 8 bits, got ", bits);
   TORCH_CHECK(group % 64 == 0 && k % group == 0 && qweight.size(1) * 8 == k * bits &&
-                  qweight.scalar_type() == torch::kUInt8 && qweight.is_contiguous(),
+                  qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
               "dequantized_linear: a [n, k * bits / 8] uint8 weight in groups of a multiple "
               "of 64 input channels for input width ", k);
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() == n * (k / group),
               "dequantized_linear: float32 scales of [n, k / group]");
   const int64_t zero_row = wxa8_zero_row(zeros, n, k / group, "dequantized_linear");
-  auto out = torch::empty({m, n}, x.options());
+  auto out = at::empty({m, n}, x.options());
 #ifdef __AVX512F__
   if (m > 0)
     with_gemm_type(x.scalar_type(), "dequantized_linear", [&](auto type) {
@@ -486,16 +487,16 @@ torch::Tensor dequantized_linear(const torch::Tensor& x, const torch::Tensor& qw
 // silu(gate) * up of blocked_linear(x, packed, 2 * n) for a packed [gate; up] weight: fused
 // into the AMX GEMM's store where the bfloat16 GEMM runs on AMX and n is a multiple of 16, else
 // the two ops (the same bits either way).
-torch::Tensor blocked_linear_silu_and_mul(const torch::Tensor& x, const torch::Tensor& packed,
-                                          int64_t n) {
+at::Tensor blocked_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed,
+                                       int64_t n) {
 #ifdef KVSERVE_AMX
-  if (x.scalar_type() == torch::kBFloat16 && n % kBlock == 0 && x.dim() == 2 &&
+  if (x.scalar_type() == at::kBFloat16 && n % kBlock == 0 && x.dim() == 2 &&
       amx::runs(x.size(1))) {
     check_blocked_input(x, packed, 2 * n);
     TORCH_CHECK(packed.size(0) * kBlock == 2 * n,
                 "blocked_linear_silu_and_mul: a packed [gate; up] weight of 2 x ", n,
                 " outputs, got ", packed.size(0) * kBlock);
-    auto out = torch::empty({x.size(0), n}, x.options());
+    auto out = at::empty({x.size(0), n}, x.options());
     using T = at::BFloat16;
     if (x.size(0) > 0)
       amx_gemm_silu_and_mul(x.data_ptr<T>(), x.size(0), x.size(1), packed.data_ptr<T>(), n,

@@ -6,6 +6,9 @@
 // 2-core EPYC).
 #include "kvserve_cpu.h"
 
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -14,9 +17,9 @@
 namespace kvserve {
 
 // The quantized kinds as Int4Weight.matmul, Int8Weight.matmul and WxA8Weight.matmul run them.
-torch::Tensor LinearWeights::operator()(const torch::Tensor& x, int64_t n,
-                                        const c10::optional<torch::Tensor>& bias) const {
-  torch::Tensor out;
+at::Tensor LinearWeights::operator()(const at::Tensor& x, int64_t n,
+                                     const c10::optional<at::Tensor>& bias) const {
+  at::Tensor out;
   switch (kind) {
     case Kind::kBlocked:
       return blocked_linear(x, weight, n, bias);
@@ -25,7 +28,7 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x, int64_t n,
                         dequantized_from, gemm_from);
       break;
     case Kind::kInt4: {
-      const torch::Tensor rows = x.to(torch::kBFloat16);
+      const at::Tensor rows = x.to(at::kBFloat16);
       out = at::_weight_int4pack_mm_for_cpu(
                 (input_order ? rows.index_select(1, *input_order) : rows).contiguous(), weight,
                 group, *scales)
@@ -33,9 +36,9 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x, int64_t n,
       break;
     }
     case Kind::kInt8: {
-      const torch::Tensor rows = x.to(torch::kBFloat16);
+      const at::Tensor rows = x.to(at::kBFloat16);
       out = at::_weight_int8pack_mm(rows, weight, *scales);
-      if (zeros) out = out.to(torch::kFloat) - rows.to(torch::kFloat).sum(1, true) * *zeros;
+      if (zeros) out = out.to(at::kFloat) - rows.to(at::kFloat).sum(1, true) * *zeros;
       out = out.to(x.scalar_type());
       break;
     }
@@ -43,7 +46,7 @@ torch::Tensor LinearWeights::operator()(const torch::Tensor& x, int64_t n,
   return bias ? out + *bias : out;
 }
 
-torch::Tensor LinearWeights::silu_and_mul(const torch::Tensor& x, int64_t n) const {
+at::Tensor LinearWeights::silu_and_mul(const at::Tensor& x, int64_t n) const {
   return kind == Kind::kBlocked ? blocked_linear_silu_and_mul(x, weight, n)
                                 : kvserve::silu_and_mul((*this)(x, 2 * n, c10::nullopt));
 }
@@ -57,11 +60,11 @@ namespace {
 // in weights [rows, top_k] (its row: pairs[i] / top_k), outputs[i] its output row, scaled in
 // place. Columns split among threads from 32K products a thread: a batch-1 decode's few
 // experts stay on one.
-void add_weighted_rows(const torch::Tensor& out, const torch::Tensor& weights,
+void add_weighted_rows(const at::Tensor& out, const at::Tensor& weights,
                        const std::vector<int64_t>& pairs, const std::vector<void*>& outputs) {
   TORCH_CHECK(weights.scalar_type() == out.scalar_type(), "MoEWeights: router weights in ",
               weights.scalar_type(), ", outputs in ", out.scalar_type());
-  const torch::Tensor by_pair = weights.contiguous();
+  const at::Tensor by_pair = weights.contiguous();
   const int64_t count = static_cast<int64_t>(pairs.size()), n = out.size(1),
                 top_k = by_pair.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "add_weighted_rows", [&] {
@@ -89,16 +92,16 @@ void add_weighted_rows(const torch::Tensor& out, const torch::Tensor& weights,
 // and gathers: a 64-expert layer of 2-8 rows took 0.91-0.96x the time on a 2-core AVX-512 EPYC.
 struct SortedPairs {
   std::vector<int64_t> pairs, counts;
-  torch::Tensor gathered;  // [pairs, hidden], x's dtype
+  at::Tensor gathered;  // [pairs, hidden], x's dtype
 };
 
-SortedPairs sort_pairs(const torch::Tensor& x, const torch::Tensor& experts,
+SortedPairs sort_pairs(const at::Tensor& x, const at::Tensor& experts,
                        int64_t num_experts) {
-  const torch::Tensor in = x.contiguous(), ids = experts.contiguous();
+  const at::Tensor in = x.contiguous(), ids = experts.contiguous();
   const int64_t top_k = ids.size(1), count = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
   SortedPairs sorted{std::vector<int64_t>(count), std::vector<int64_t>(num_experts, 0),
-                     torch::empty({count, in.size(1)}, in.options())};
+                     at::empty({count, in.size(1)}, in.options())};
   for (int64_t p = 0; p < count; ++p) {
     TORCH_CHECK(id[p] >= 0 && id[p] < num_experts, "MoEWeights: expert ", id[p], " of ",
                 num_experts);
@@ -120,21 +123,21 @@ SortedPairs sort_pairs(const torch::Tensor& x, const torch::Tensor& experts,
 
 }  // namespace
 
-torch::Tensor MoEWeights::operator()(const torch::Tensor& x, int64_t hidden_size) const {
+at::Tensor MoEWeights::operator()(const at::Tensor& x, int64_t hidden_size) const {
   const auto [weights, experts] = route_experts(
       router(x, static_cast<int64_t>(gate_up.size()), c10::nullopt), top_k, renormalize);
-  torch::Tensor out = x.size(0) == 1 ? one_row(x, weights, experts, hidden_size)
+  at::Tensor out = x.size(0) == 1 ? one_row(x, weights, experts, hidden_size)
                                      : many_rows(x, weights, experts, hidden_size);
   if (shared_intermediate_size) {
-    out += torch::sigmoid((*shared_gate)(x, 1, c10::nullopt)) *
+    out += at::sigmoid((*shared_gate)(x, 1, c10::nullopt)) *
            (*shared_down)(shared_gate_up->silu_and_mul(x, shared_intermediate_size),
                           hidden_size, c10::nullopt);
   }
   return out;
 }
 
-torch::Tensor MoEWeights::expert(int64_t e, const torch::Tensor& rows,
-                                 int64_t hidden_size) const {
+at::Tensor MoEWeights::expert(int64_t e, const at::Tensor& rows,
+                              int64_t hidden_size) const {
   return down[e](gate_up[e].silu_and_mul(rows, intermediate_size), hidden_size, c10::nullopt);
 }
 
@@ -142,8 +145,8 @@ torch::Tensor MoEWeights::expert(int64_t e, const torch::Tensor& rows,
 // no sorting, gathering or scattering: the same ops on the same values, a third of the calls;
 // on W4A8/W8A8 weights, all its experts' gate_up in one call and all their down in another
 // (wxa8_experts), each output times its weight, then their sum in the same order.
-torch::Tensor MoEWeights::one_row(const torch::Tensor& x, const torch::Tensor& weights,
-                                  const torch::Tensor& experts, int64_t hidden_size) const {
+at::Tensor MoEWeights::one_row(const at::Tensor& x, const at::Tensor& weights,
+                               const at::Tensor& experts, int64_t hidden_size) const {
   const int64_t* ids = experts.data_ptr<int64_t>();
   std::vector<int64_t> order(top_k);
   std::iota(order.begin(), order.end(), 0);
@@ -158,17 +161,17 @@ torch::Tensor MoEWeights::one_row(const torch::Tensor& x, const torch::Tensor& w
   if (wxa8_experts_run(ups, ones) && wxa8_experts_run(downs, ones)) {
     std::vector<int64_t> each(top_k);
     std::iota(each.begin(), each.end(), 0);
-    const torch::Tensor outputs = wxa8_experts(
+    const at::Tensor outputs = wxa8_experts(
         kvserve::silu_and_mul(wxa8_experts(x, ups, firsts, ones)), downs, each, ones);
     std::vector<void*> rows;
     for (int64_t j = 0; j < top_k; ++j)
       rows.push_back(static_cast<char*>(outputs.data_ptr()) + j * outputs.stride(0) *
                                                                   outputs.element_size());
-    torch::Tensor out = torch::zeros_like(x);
+    at::Tensor out = at::zeros_like(x);
     add_weighted_rows(out, weights, order, rows);
     return out;
   }
-  torch::Tensor out = torch::zeros_like(x);
+  at::Tensor out = at::zeros_like(x);
   for (const int64_t j : order) out.add_(expert(ids[j], x, hidden_size) * weights.narrow(1, j, 1));
   return out;
 }
@@ -179,8 +182,8 @@ torch::Tensor MoEWeights::one_row(const torch::Tensor& x, const torch::Tensor& w
 // rows over most experts) run in one wxa8_experts call for gate_up and one for down, the
 // others one by one. On a 2-core AVX-512 EPYC, a 64-expert layer's 8 rows took 0.83 ms this
 // way, and 2.15 with a call an expert and torch ops to gather, scale and add.
-torch::Tensor MoEWeights::many_rows(const torch::Tensor& x, const torch::Tensor& weights,
-                                    const torch::Tensor& experts, int64_t hidden_size) const {
+at::Tensor MoEWeights::many_rows(const at::Tensor& x, const at::Tensor& weights,
+                                 const at::Tensor& experts, int64_t hidden_size) const {
   const int64_t num_experts = static_cast<int64_t>(gate_up.size());
   const SortedPairs sorted = sort_pairs(x, experts, num_experts);
   const int64_t* count = sorted.counts.data();
@@ -197,7 +200,7 @@ torch::Tensor MoEWeights::many_rows(const torch::Tensor& x, const torch::Tensor&
   }
   if (!wxa8_experts_run(ups, few_counts) || !wxa8_experts_run(downs, few_counts))
     starts.clear();  // none together
-  torch::Tensor together;
+  at::Tensor together;
   if (!starts.empty()) {
     std::vector<int64_t> outputs(few_counts.size(), 0);
     std::partial_sum(few_counts.begin(), few_counts.end() - 1, outputs.begin() + 1);
@@ -206,7 +209,7 @@ torch::Tensor MoEWeights::many_rows(const torch::Tensor& x, const torch::Tensor&
         outputs, few_counts);
   }
   // Each pair's output row, in expert order: from `together`, or from its expert's own call.
-  std::vector<torch::Tensor> alone;
+  std::vector<at::Tensor> alone;
   std::vector<void*> pair_outputs;
   const int64_t row_bytes = hidden_size * x.element_size();
   char* next_together = starts.empty() ? nullptr : static_cast<char*>(together.data_ptr());
@@ -227,13 +230,13 @@ torch::Tensor MoEWeights::many_rows(const torch::Tensor& x, const torch::Tensor&
     }
     for (int64_t j = 0; j < count[e]; ++j) pair_outputs.push_back(first + j * row_bytes);
   }
-  torch::Tensor out = torch::zeros_like(x);
+  at::Tensor out = at::zeros_like(x);
   add_weighted_rows(out, weights, sorted.pairs, pair_outputs);
   return out;
 }
 
 LlamaDecodeStack::LlamaDecodeStack(std::vector<DecoderLayerWeights> layers,
-                                   torch::Tensor final_norm, int64_t num_heads,
+                                   at::Tensor final_norm, int64_t num_heads,
                                    int64_t num_kv_heads, int64_t head_dim,
                                    int64_t intermediate_size, double eps, double scale)
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), num_heads_(num_heads),
@@ -246,27 +249,27 @@ LlamaDecodeStack::LlamaDecodeStack(std::vector<DecoderLayerWeights> layers,
 // [B, D / 2, 2] float32; kv_caches: each layer's [2, Hkv, blocks, block_size, D] pool;
 // rows_share_sequences: as in rotate_cache_and_decode. Returns the final norm's output
 // [B, hidden].
-torch::Tensor LlamaDecodeStack::forward(torch::Tensor x, const torch::Tensor& rotation,
-                                        const torch::Tensor& slot_mapping,
-                                        const std::vector<torch::Tensor>& kv_caches,
-                                        const torch::Tensor& block_tables,
-                                        const torch::Tensor& seq_lens, int64_t window,
-                                        bool rows_share_sequences) const {
+at::Tensor LlamaDecodeStack::forward(at::Tensor x, const at::Tensor& rotation,
+                                     const at::Tensor& slot_mapping,
+                                     const std::vector<at::Tensor>& kv_caches,
+                                     const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, int64_t window,
+                                     bool rows_share_sequences) const {
   TORCH_CHECK(kv_caches.size() == layers_.size(), "LlamaDecodeStack: ", layers_.size(),
               " layers, ", kv_caches.size(), " KV caches");
   const int64_t rows = x.size(0), qk_heads = num_heads_ + num_kv_heads_;
   const int64_t qkv_size = (qk_heads + num_kv_heads_) * head_dim_;
-  torch::Tensor residual = x;
-  torch::Tensor normed = add_rms_norm(x, layers_[0].input_norm, eps_, c10::nullopt);
+  at::Tensor residual = x;
+  at::Tensor normed = add_rms_norm(x, layers_[0].input_norm, eps_, c10::nullopt);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecoderLayerWeights& layer = layers_[i];
     if (i > 0) normed = add_rms_norm(x, layer.input_norm, eps_, residual);
-    const torch::Tensor heads =
+    const at::Tensor heads =
         layer.qkv(normed, qkv_size, layer.qkv_bias).view({rows, -1, head_dim_});
-    torch::Tensor qk = heads.narrow(1, 0, qk_heads);
+    at::Tensor qk = heads.narrow(1, 0, qk_heads);
     if (layer.q_norm && layer.k_norm)  // each head's row normed, as models/llama.py does
       qk = rms_norm_heads(qk, num_heads_, *layer.q_norm, *layer.k_norm, eps_);
-    const torch::Tensor attention = rotate_cache_and_decode(
+    const at::Tensor attention = rotate_cache_and_decode(
         qk, heads.narrow(1, qk_heads, num_kv_heads_), rotation, slot_mapping, kv_caches[i],
         block_tables, seq_lens, scale_, window, rows_share_sequences);
     normed = add_rms_norm(layer.o(attention.view({rows, -1}), hidden_size_, c10::nullopt),

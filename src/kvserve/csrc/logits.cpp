@@ -13,6 +13,7 @@
 #include "simd.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <limits>
@@ -89,13 +90,13 @@ std::pair<float, int64_t> row_logsumexp_and_greater(const float* x, int64_t n, f
 
 namespace kvserve {
 
-torch::Tensor greedy_tokens(const torch::Tensor& logits) {
+at::Tensor greedy_tokens(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
-                  logits.scalar_type() == torch::kFloat && logits.size(1) > 0 &&
+                  logits.scalar_type() == at::kFloat && logits.size(1) > 0 &&
                   logits.size(1) <= std::numeric_limits<int32_t>::max(),
               "greedy_tokens: contiguous float32 [rows, vocab] logits, 0 < vocab < 2^31");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  auto tokens = torch::empty({rows}, logits.options().dtype(torch::kLong));
+  auto tokens = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* out = tokens.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -112,18 +113,18 @@ bool logsumexp_and_greater_supported() {
 #endif
 }
 
-std::tuple<torch::Tensor, torch::Tensor> logsumexp_and_greater(const torch::Tensor& logits,
-                                                               const torch::Tensor& thresholds) {
+std::tuple<at::Tensor, at::Tensor> logsumexp_and_greater(const at::Tensor& logits,
+                                                         const at::Tensor& thresholds) {
 #ifdef __AVX512F__
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
-                  logits.scalar_type() == torch::kFloat && thresholds.is_contiguous() &&
-                  thresholds.scalar_type() == torch::kFloat &&
+                  logits.scalar_type() == at::kFloat && thresholds.is_contiguous() &&
+                  thresholds.scalar_type() == at::kFloat &&
                   thresholds.numel() == logits.size(0),
               "logsumexp_and_greater: contiguous float32 [rows, vocab] logits and [rows] "
               "thresholds");
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  auto lse = torch::empty({rows}, logits.options());
-  auto greater = torch::empty({rows}, logits.options().dtype(torch::kLong));
+  auto lse = at::empty({rows}, logits.options());
+  auto greater = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   const float* t = thresholds.data_ptr<float>();
   float* lse_out = lse.data_ptr<float>();

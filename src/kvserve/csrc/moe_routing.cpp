@@ -7,6 +7,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -51,17 +52,17 @@ void route_row(const T* logits, int64_t experts, int64_t top_k, bool renormalize
 
 namespace kvserve {
 
-std::tuple<torch::Tensor, torch::Tensor> route_experts(const torch::Tensor& logits, int64_t top_k,
-                                                       bool renormalize) {
+std::tuple<at::Tensor, at::Tensor> route_experts(const at::Tensor& logits, int64_t top_k,
+                                                 bool renormalize) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
-                  (logits.scalar_type() == torch::kFloat ||
-                   logits.scalar_type() == torch::kBFloat16),
+                  (logits.scalar_type() == at::kFloat ||
+                   logits.scalar_type() == at::kBFloat16),
               "route_experts: contiguous 2-D float32 or bfloat16 router logits");
   const int64_t rows = logits.size(0), experts = logits.size(1);
   TORCH_CHECK(top_k >= 1 && top_k <= experts, "route_experts: top_k ", top_k, " of ", experts,
               " experts");
-  torch::Tensor weights = torch::empty({rows, top_k}, logits.options());
-  torch::Tensor ids = torch::empty({rows, top_k}, logits.options().dtype(torch::kLong));
+  at::Tensor weights = at::empty({rows, top_k}, logits.options());
+  at::Tensor ids = at::empty({rows, top_k}, logits.options().dtype(at::kLong));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "route_experts", [&] {
     const scalar_t* in = logits.data_ptr<scalar_t>();
     scalar_t* w = weights.data_ptr<scalar_t>();

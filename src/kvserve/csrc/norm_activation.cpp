@@ -8,6 +8,8 @@
 #include "simd.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cmath>
 #include <type_traits>
@@ -243,9 +245,9 @@ void silu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
   });
 }
 
-void check(const torch::Tensor& x, const char* what) {
+void check(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
-                  (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               what, ": contiguous 2-D float32 or bfloat16 rows");
 }
 
@@ -254,8 +256,8 @@ void check(const torch::Tensor& x, const char* what) {
 namespace kvserve {
 
 // RMSNorm of x's rows, after adding `residual` to x in place of residual when one is given.
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                           c10::optional<torch::Tensor> residual) {
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor weight, double eps,
+                        c10::optional<at::Tensor> residual) {
   check(x, "add_rms_norm");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                   weight.numel() == x.size(1),
@@ -265,9 +267,9 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
                 "add_rms_norm: residual of x's shape and dtype");
   }
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float feps = static_cast<float>(eps);
-  if (x.scalar_type() == torch::kFloat)
+  if (x.scalar_type() == at::kFloat)
     add_rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(),
                       residual ? residual->data_ptr<float>() : nullptr, out.data_ptr<float>(),
                       x.size(0), x.size(1), feps);
@@ -282,22 +284,22 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
 // leading heads of a QKV projection) -> each head's row RMS-normed by q_weight (the first
 // num_q_heads) or k_weight, into a new contiguous tensor: Qwen3's per-head norms as one call,
 // the rows add_rms_norm would norm and the same bits.
-torch::Tensor rms_norm_heads(const torch::Tensor& heads, int64_t num_q_heads,
-                             const torch::Tensor& q_weight, const torch::Tensor& k_weight,
-                             double eps) {
+at::Tensor rms_norm_heads(const at::Tensor& heads, int64_t num_q_heads,
+                          const at::Tensor& q_weight, const at::Tensor& k_weight,
+                          double eps) {
   TORCH_CHECK(heads.dim() == 3 && heads.stride(2) == 1 &&
-                  (heads.scalar_type() == torch::kFloat ||
-                   heads.scalar_type() == torch::kBFloat16),
+                  (heads.scalar_type() == at::kFloat ||
+                   heads.scalar_type() == at::kBFloat16),
               "rms_norm_heads: float32 or bfloat16 heads [rows, heads, head_dim] with "
               "contiguous channels");
   const int64_t head_dim = heads.size(2);
-  for (const torch::Tensor* weight : {&q_weight, &k_weight})
+  for (const at::Tensor* weight : {&q_weight, &k_weight})
     TORCH_CHECK(weight->scalar_type() == heads.scalar_type() && weight->is_contiguous() &&
                     weight->numel() == head_dim,
                 "rms_norm_heads: weights of the heads' dtype and head_dim");
   TORCH_CHECK(num_q_heads >= 0 && num_q_heads <= heads.size(1), "rms_norm_heads: ", num_q_heads,
               " query heads of ", heads.size(1));
-  auto out = torch::empty(heads.sizes(), heads.options());
+  auto out = at::empty(heads.sizes(), heads.options());
   const auto norm = [&](auto type_tag) {
     using T = decltype(type_tag);
     rms_norm_heads_of(heads.data_ptr<T>(), heads.stride(0), heads.stride(1),
@@ -305,7 +307,7 @@ torch::Tensor rms_norm_heads(const torch::Tensor& heads, int64_t num_q_heads,
                       heads.size(0), heads.size(1), num_q_heads, head_dim,
                       static_cast<float>(eps));
   };
-  if (heads.scalar_type() == torch::kFloat)
+  if (heads.scalar_type() == at::kFloat)
     norm(float{});
   else
     norm(at::BFloat16{});
@@ -313,11 +315,11 @@ torch::Tensor rms_norm_heads(const torch::Tensor& heads, int64_t num_q_heads,
 }
 
 // silu(gate) * up for rows laid out as [gate | up].
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+at::Tensor silu_and_mul(at::Tensor gate_up) {
   check(gate_up, "silu_and_mul");
   const int64_t n = gate_up.size(1) / 2;
-  auto out = torch::empty({gate_up.size(0), n}, gate_up.options());
-  if (gate_up.scalar_type() == torch::kFloat)
+  auto out = at::empty({gate_up.size(0), n}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat)
     silu_and_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), gate_up.size(0), n);
   else
     silu_and_mul_rows(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),

@@ -11,6 +11,8 @@
 #include "simd.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cmath>
@@ -693,9 +695,9 @@ void decode(const T* q_ptr, const NewTokens<T>* fresh, T* k_base, T* v_base,
   merge(splits, partials, out_ptr, num_heads, group, head_dim);
 }
 
-void check_inputs(const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
-                  const torch::Tensor& seq_lens, torch::ScalarType dtype, int64_t head_dim) {
-  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) &&
+void check_inputs(const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                  const at::Tensor& seq_lens, at::ScalarType dtype, int64_t head_dim) {
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) &&
                   kv_cache.scalar_type() == dtype,
               "paged_decode_attention: float32 or bfloat16 q and kv_cache of one dtype");
   TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous() &&
@@ -705,9 +707,9 @@ void check_inputs(const torch::Tensor& kv_cache, const torch::Tensor& block_tabl
 }
 
 template <typename T>
-void dispatch(const T* q, const NewTokens<T>* fresh, torch::Tensor& kv_cache,
-              const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-              torch::Tensor& out, int64_t batch, int64_t num_heads, int64_t head_dim,
+void dispatch(const T* q, const NewTokens<T>* fresh, at::Tensor& kv_cache,
+              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+              at::Tensor& out, int64_t batch, int64_t num_heads, int64_t head_dim,
               double scale, int64_t window) {
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
   const int64_t block_size = kv_cache.size(3);
@@ -755,13 +757,13 @@ namespace kvserve {
 // q: [B, Hq, D]; kv_cache: [2, Hkv, num_blocks, block_size, D] of q's dtype; block_tables:
 // [B, W] int64; seq_lens: [B] int64. Keys at positions < seq_len - window are skipped when
 // window > 0.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     double scale, int64_t window) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache,
+                                  at::Tensor block_tables, at::Tensor seq_lens,
+                                  double scale, int64_t window) {
   check_inputs(kv_cache, block_tables, seq_lens, q.scalar_type(), q.size(2));
   TORCH_CHECK(q.is_contiguous(), "paged_decode_attention: inputs must be contiguous");
-  auto out = torch::empty_like(q);
-  if (q.scalar_type() == torch::kFloat)
+  auto out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat)
     dispatch<float>(q.data_ptr<float>(), nullptr, kv_cache, block_tables, seq_lens, out,
                     q.size(0), q.size(1), q.size(2), scale, window);
   else
@@ -774,25 +776,25 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache,
 // (each with contiguous heads; rows may be strided), rotation [B, D / 2, 2] float32
 // (cos, sin), slot_mapping [B] int64; returns [B, Hq, D]. With `rows_share_sequences`, every
 // row's key and value are cached before any row attends.
-torch::Tensor rotate_cache_and_decode(torch::Tensor qk, torch::Tensor v, torch::Tensor rotation,
-                                      torch::Tensor slot_mapping, torch::Tensor kv_cache,
-                                      torch::Tensor block_tables, torch::Tensor seq_lens,
-                                      double scale, int64_t window, bool rows_share_sequences) {
+at::Tensor rotate_cache_and_decode(at::Tensor qk, at::Tensor v, at::Tensor rotation,
+                                   at::Tensor slot_mapping, at::Tensor kv_cache,
+                                   at::Tensor block_tables, at::Tensor seq_lens,
+                                   double scale, int64_t window, bool rows_share_sequences) {
   const int64_t batch = qk.size(0), head_dim = qk.size(2);
   const int64_t num_heads = qk.size(1) - kv_cache.size(1);
   check_inputs(kv_cache, block_tables, seq_lens, qk.scalar_type(), head_dim);
-  const auto heads_contiguous = [&](const torch::Tensor& x) {
+  const auto heads_contiguous = [&](const at::Tensor& x) {
     return x.stride(2) == 1 && x.stride(1) == head_dim;
   };
   TORCH_CHECK(heads_contiguous(qk) && heads_contiguous(v) && rotation.is_contiguous() &&
                   slot_mapping.is_contiguous() && v.scalar_type() == qk.scalar_type() &&
-                  rotation.scalar_type() == torch::kFloat,
+                  rotation.scalar_type() == at::kFloat,
               "rotate_cache_and_decode: qk and v of one dtype with contiguous heads, float32 "
               "rotation");
-  auto out = torch::empty({batch, num_heads, head_dim}, qk.options());
+  auto out = at::empty({batch, num_heads, head_dim}, qk.options());
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* rot = rotation.data_ptr<float>();
-  if (qk.scalar_type() == torch::kFloat) {
+  if (qk.scalar_type() == at::kFloat) {
     const NewTokens<float> fresh{qk.data_ptr<float>(), v.data_ptr<float>(), qk.stride(0),
                                  v.stride(0), rot, slots, rows_share_sequences};
     dispatch<float>(nullptr, &fresh, kv_cache, block_tables, seq_lens, out, batch, num_heads,
@@ -811,8 +813,8 @@ torch::Tensor rotate_cache_and_decode(torch::Tensor qk, torch::Tensor v, torch::
 // prefill rows of a step: qk [N, Hq + Hkv, D], v [N, Hkv, D] (heads contiguous); rotates the
 // queries in place and returns them, qk's first Hq heads: no [N, Hq, D] copy is allocated and
 // written (2,048 rows' rotary, cache writes and prefill attention: 0.98-1.00x the time).
-torch::Tensor rotate_and_cache(torch::Tensor qk, torch::Tensor v, torch::Tensor rotation,
-                               torch::Tensor slot_mapping, torch::Tensor kv_cache) {
+at::Tensor rotate_and_cache(at::Tensor qk, at::Tensor v, at::Tensor rotation,
+                            at::Tensor slot_mapping, at::Tensor kv_cache) {
   const int64_t rows = qk.size(0), head_dim = qk.size(2), num_kv_heads = kv_cache.size(1);
   const int64_t num_heads = qk.size(1) - num_kv_heads;
   TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == head_dim && v.stride(2) == 1 &&
@@ -820,14 +822,14 @@ torch::Tensor rotate_and_cache(torch::Tensor qk, torch::Tensor v, torch::Tensor 
                   slot_mapping.is_contiguous() && kv_cache.is_contiguous() &&
                   v.scalar_type() == qk.scalar_type() &&
                   kv_cache.scalar_type() == qk.scalar_type() &&
-                  rotation.scalar_type() == torch::kFloat &&
-                  (qk.scalar_type() == torch::kFloat || qk.scalar_type() == torch::kBFloat16),
+                  rotation.scalar_type() == at::kFloat &&
+                  (qk.scalar_type() == at::kFloat || qk.scalar_type() == at::kBFloat16),
               "rotate_and_cache: float32 or bfloat16 qk, v and kv_cache with contiguous heads, "
               "float32 rotation");
   const int64_t head_stride = kv_cache.size(2) * kv_cache.size(3) * head_dim;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const float* rot = rotation.data_ptr<float>();
-  if (qk.scalar_type() == torch::kFloat) {
+  if (qk.scalar_type() == at::kFloat) {
     const NewTokens<float> fresh{qk.data_ptr<float>(), v.data_ptr<float>(), qk.stride(0),
                                  v.stride(0), rot, slots, true};
     float* k = kv_cache.data_ptr<float>();

@@ -12,6 +12,7 @@
 #include "simd.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -401,15 +402,15 @@ void attend_tile(int rows, const T* q, int64_t q_stride, const int64_t* pos, con
 }
 
 template <typename T>
-void prefill(const torch::Tensor& q, const torch::Tensor& kv_cache, const int64_t* block_ids,
+void prefill(const at::Tensor& q, const at::Tensor& kv_cache, const int64_t* block_ids,
              int64_t ctx, float scale, int64_t window, const int64_t* positions,
-             torch::Tensor& out) {
+             at::Tensor& out) {
   const int64_t num_q = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
   const int64_t block_size = kv_cache.size(3);
   const int64_t padded = (ctx + kKeyTile - 1) / kKeyTile * kKeyTile;
   const int64_t head_elems = num_blocks * block_size * head_dim;
-  auto packed = torch::empty({2, num_kv_heads, padded * head_dim}, q.options());
+  auto packed = at::empty({2, num_kv_heads, padded * head_dim}, q.options());
   const T* cache = kv_cache.data_ptr<T>();
   T* packed_k = packed[0].data_ptr<T>();
   T* packed_v = packed[1].data_ptr<T>();
@@ -495,7 +496,7 @@ namespace kvserve {
 // written); block_ids: the context's blocks. Returns [num_q, Hq * D], written into `out` when
 // given (rows of a larger step's output: no copy afterwards). With window > 0 a query sees only
 // the last `window` positions.
-bool prefill_attention_supports(const torch::Tensor& q) {
+bool prefill_attention_supports(const at::Tensor& q) {
 #ifdef __AVX512F__
   return gemm_supports(q.new_empty({kBlock, 2}));
 #else
@@ -503,10 +504,10 @@ bool prefill_attention_supports(const torch::Tensor& q) {
 #endif
 }
 
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_ids,
-                                int64_t ctx, double scale, int64_t window,
-                                c10::optional<torch::Tensor> positions,
-                                c10::optional<torch::Tensor> out) {
+at::Tensor prefill_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_ids,
+                             int64_t ctx, double scale, int64_t window,
+                             c10::optional<at::Tensor> positions,
+                             c10::optional<at::Tensor> out) {
   const int64_t num_q = q.size(0), head_dim = q.size(2);
   TORCH_CHECK(prefill_attention_supports(q) && kv_cache.scalar_type() ==
                   q.scalar_type() && kv_cache.is_contiguous(),
@@ -514,12 +515,12 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::
               "contiguous kv_cache of one dtype");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == head_dim && head_dim % 16 == 0,
               "prefill_attention: q heads contiguous, head_dim a multiple of 16");
-  TORCH_CHECK(num_q <= ctx && block_ids.scalar_type() == torch::kLong &&
+  TORCH_CHECK(num_q <= ctx && block_ids.scalar_type() == at::kLong &&
                   block_ids.is_contiguous() &&
                   block_ids.numel() * kv_cache.size(3) >= ctx,
               "prefill_attention: ", num_q, " queries, a context of ", ctx,
               " and int64 block ids covering it");
-  TORCH_CHECK(!positions || (positions->scalar_type() == torch::kLong &&
+  TORCH_CHECK(!positions || (positions->scalar_type() == at::kLong &&
                               positions->is_contiguous() && positions->numel() == num_q),
               "prefill_attention: positions, when given, are num_q contiguous int64");
   TORCH_CHECK(!out || (out->scalar_type() == q.scalar_type() && out->is_contiguous() &&
@@ -527,13 +528,13 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::
                        out->size(1) == q.size(1) * head_dim),
               "prefill_attention: out, when given, is a contiguous [", num_q, ", ",
               q.size(1) * head_dim, "] tensor of q's dtype");
-  auto result = out ? *out : torch::empty({num_q, q.size(1) * head_dim}, q.options());
+  auto result = out ? *out : at::empty({num_q, q.size(1) * head_dim}, q.options());
   if (num_q == 0) return result;
 #ifdef __AVX512F__
   const float s = static_cast<float>(scale);
   const int64_t* ids = block_ids.data_ptr<int64_t>();
   const int64_t* pos = positions ? positions->data_ptr<int64_t>() : nullptr;
-  if (q.scalar_type() == torch::kFloat)
+  if (q.scalar_type() == at::kFloat)
     prefill<float>(q, kv_cache, ids, ctx, s, window, pos, result);
 #ifdef __AVX512BF16__
   else prefill<at::BFloat16>(q, kv_cache, ids, ctx, s, window, pos, result);

@@ -3,7 +3,7 @@
 // being one float32 channel or a pair of bfloat16 ones (the operand shape of VDPBF16PS).
 #pragma once
 
-#include <torch/extension.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <iterator>

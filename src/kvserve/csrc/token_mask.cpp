@@ -11,13 +11,13 @@
 
 namespace kvserve {
 
-void apply_token_bitmask(torch::Tensor logits, const torch::Tensor& bitmask,
-                         const torch::Tensor& rows) {
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask,
+                         const at::Tensor& rows) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
-                  logits.scalar_type() == torch::kFloat,
+                  logits.scalar_type() == at::kFloat,
               "apply_token_bitmask: contiguous float32 [batch, vocab] logits");
   TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() &&
-                  bitmask.scalar_type() == torch::kInt && rows.scalar_type() == torch::kLong &&
+                  bitmask.scalar_type() == at::kInt && rows.scalar_type() == at::kLong &&
                   rows.is_contiguous() && rows.numel() == bitmask.size(0),
               "apply_token_bitmask: an int32 bitmask row per int64 row index");
   const int64_t vocab = logits.size(1), words = bitmask.size(1);

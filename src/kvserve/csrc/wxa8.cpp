@@ -14,6 +14,7 @@
 #include "simd.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <immintrin.h>
 
@@ -719,14 +720,14 @@ bool paired_runs(int64_t bits, int64_t blocks) {
 // there were three took a one-row 64 x 64 call from 12-17 us to 9 on a 2-core AVX2 EPYC.
 struct QuantizedRows {
   int64_t m, k, groups;
-  torch::Tensor storage;  // holds the three below
+  at::Tensor storage;  // holds the three below
   float* scale;           // [m, groups]
   float* scaled_sum;      // [m, groups]
   int8_t* q;              // [m, k]
 
   QuantizedRows(int64_t m, int64_t k, int64_t groups)
       : m(m), k(k), groups(groups),
-        storage(torch::empty({2 * m * groups * 4 + m * k}, torch::kUInt8)),
+        storage(at::empty({2 * m * groups * 4 + m * k}, at::kByte)),
         scale(reinterpret_cast<float*>(storage.data_ptr<uint8_t>())),
         scaled_sum(scale + m * groups),
         q(reinterpret_cast<int8_t*>(scaled_sum + m * groups)) {}
@@ -808,7 +809,7 @@ int32_t group_levels(const T* v, int64_t group, const At& at, float& amax) {
 
 // The rows of x [m, k] quantized, in channel order or (paired) in paired_position's.
 template <typename T>
-QuantizedRows quantize_rows_of(const torch::Tensor& x, int64_t group, bool paired) {
+QuantizedRows quantize_rows_of(const at::Tensor& x, int64_t group, bool paired) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / group;
   QuantizedRows rows(m, k, groups);
   const T* xp = x.data_ptr<T>();
@@ -831,26 +832,26 @@ QuantizedRows quantize_rows_of(const torch::Tensor& x, int64_t group, bool paire
   return rows;
 }
 
-QuantizedRows quantize_rows(const torch::Tensor& x, int64_t group, bool paired) {
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t group, bool paired) {
 #if !defined(__AVX512F__) || defined(__AVX512BF16__)
-  if (x.scalar_type() == torch::kBFloat16) return quantize_rows_of<at::BFloat16>(x, group, paired);
+  if (x.scalar_type() == at::kBFloat16) return quantize_rows_of<at::BFloat16>(x, group, paired);
 #endif
   return quantize_rows_of<float>(x, group, paired);
 }
 
 // x as quantize_rows reads it: contiguous, and in float32 unless it reads x's bfloat16.
-torch::Tensor readable(const torch::Tensor& x) {
-  return kReadsBFloat16 && x.scalar_type() == torch::kBFloat16 ? x.contiguous()
-                                                                : x.to(torch::kFloat).contiguous();
+at::Tensor readable(const at::Tensor& x) {
+  return kReadsBFloat16 && x.scalar_type() == at::kBFloat16 ? x.contiguous()
+                                                                : x.to(at::kFloat).contiguous();
 }
 
 // The float32 output in `dtype`: bfloat16 rounded by simd.h's store where the CPU has
 // AVX512-BF16 (to nearest even, as torch rounds it) in one loop of its own, not torch's
 // conversion machinery, a few microseconds of a one-row call.
-torch::Tensor in_dtype(const torch::Tensor& out, at::ScalarType dtype) {
+at::Tensor in_dtype(const at::Tensor& out, at::ScalarType dtype) {
 #ifdef __AVX512BF16__
-  if (dtype == torch::kBFloat16) {
-    torch::Tensor result = torch::empty(out.sizes(), dtype);
+  if (dtype == at::kBFloat16) {
+    at::Tensor result = at::empty(out.sizes(), dtype);
     const float* src = out.data_ptr<float>();
     at::BFloat16* dst = result.data_ptr<at::BFloat16>();
     const int64_t count = out.numel();
@@ -1188,21 +1189,21 @@ void with_bits(int64_t bits, Fn fn) {
 
 // x [M, K] float32; packed [N, K * bits / 8] uint8; scales [N, K / group] float32, and zeros
 // as kvserve::wxa8_zero_row takes them, whose result it returns.
-int64_t check_inputs(const torch::Tensor& x, const torch::Tensor& packed,
-                     const torch::Tensor& scales, const torch::Tensor& zeros, int64_t group,
+int64_t check_inputs(const at::Tensor& x, const at::Tensor& packed,
+                     const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
                      int64_t bits) {
-  TORCH_CHECK((x.dtype() == torch::kFloat32 ||
-               (kReadsBFloat16 && x.dtype() == torch::kBFloat16)) &&
+  TORCH_CHECK((x.dtype() == at::kFloat ||
+               (kReadsBFloat16 && x.dtype() == at::kBFloat16)) &&
                   x.is_contiguous() && x.dim() == 2,
               "wxa8: contiguous 2-D float32 input", kReadsBFloat16 ? " (or bfloat16)" : "");
   TORCH_CHECK(bits == 4 || bits == 8, "wxa8: 4 or 8 bits, got ", bits);
   const int64_t k = x.size(1), n = packed.size(0);
   TORCH_CHECK(group % kBlock == 0 && k % group == 0 && packed.size(1) * 8 == k * bits &&
-                  packed.is_contiguous() && packed.scalar_type() == torch::kUInt8,
+                  packed.is_contiguous() && packed.scalar_type() == at::kByte,
               "wxa8: a [n, k * bits / 8] uint8 weight in groups of a multiple of 64 channels "
               "for input width ", k);
   TORCH_CHECK(scales.numel() == n * (k / group) && scales.is_contiguous() &&
-                  scales.scalar_type() == torch::kFloat,
+                  scales.scalar_type() == at::kFloat,
               "wxa8: float32 scales of [n, k / group]");
   return kvserve::wxa8_zero_row(zeros, n, k / group, "wxa8");
 }
@@ -1360,8 +1361,8 @@ void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scale
   const int64_t units = k / kUnit, units_per_group = group / kUnit;
   const int64_t slabs = (m + 15) / 16, row_bytes = k * BITS / 8;
   // torch's CPU allocator aligns to 64 bytes, as the tiles' stores need.
-  const torch::Tensor tile_buffer = torch::empty({slabs * units * 2 * kTileBytes}, torch::kInt8);
-  const torch::Tensor row_scales = torch::empty({2, slabs * groups * 16}, torch::kFloat32);
+  const at::Tensor tile_buffer = at::empty({slabs * units * 2 * kTileBytes}, at::kChar);
+  const at::Tensor row_scales = at::empty({2, slabs * groups * 16}, at::kFloat);
   const int8_t* tiles = tile_buffer.data_ptr<int8_t>();
   const float* x_scale = row_scales.data_ptr<float>();
   const float* x_scaled_sum = x_scale + slabs * groups * 16;
@@ -1457,10 +1458,10 @@ void matmul(const QuantizedRows& rows, const uint8_t* packed, const float* scale
 
 namespace kvserve {
 
-int64_t wxa8_zero_row(const torch::Tensor& zeros, int64_t n, int64_t groups, const char* who) {
+int64_t wxa8_zero_row(const at::Tensor& zeros, int64_t n, int64_t groups, const char* who) {
   TORCH_CHECK(zeros.dim() == 2 && (zeros.size(0) == n || zeros.size(0) == 1) &&
                   zeros.size(1) == groups && zeros.is_contiguous() &&
-                  zeros.scalar_type() == torch::kFloat,
+                  zeros.scalar_type() == at::kFloat,
               who, ": float32 zeros of [n, k / group], or of [1, k / group] for all outputs: ",
               "[", n, " or 1, ", groups, "], got ", zeros.sizes(), " ", zeros.scalar_type());
   return zeros.size(0) == 1 ? 0 : groups;
@@ -1483,13 +1484,13 @@ bool wxa8_amx_runs(int64_t k, int64_t n, int64_t group) {
 #endif
 }
 
-torch::Tensor wxa8_amx_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                              torch::Tensor zeros, int64_t group, int64_t bits) {
+at::Tensor wxa8_amx_matmul(at::Tensor x, at::Tensor packed, at::Tensor scales,
+                           at::Tensor zeros, int64_t group, int64_t bits) {
   const int64_t zero_row = check_inputs(x, packed, scales, zeros, group, bits);
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
   TORCH_CHECK(wxa8_amx_runs(k, n, group), "wxa8_amx_matmul: no AMX int8 tiles, or groups not "
               "of a multiple of 128 channels, or outputs not a multiple of 16");
-  auto out = torch::empty({m, n}, torch::kFloat32);
+  auto out = at::empty({m, n}, at::kFloat);
 #if defined(KVSERVE_AMX) && defined(__AMX_INT8__)
   if (m == 0) return out;
   const QuantizedRows rows = quantize_rows(x, group, false);
@@ -1502,14 +1503,14 @@ torch::Tensor wxa8_amx_matmul(torch::Tensor x, torch::Tensor packed, torch::Tens
   return out;
 }
 
-torch::Tensor wxa8_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                          torch::Tensor zeros, int64_t group, int64_t bits, int64_t gemm_from) {
+at::Tensor wxa8_matmul(at::Tensor x, at::Tensor packed, at::Tensor scales,
+                       at::Tensor zeros, int64_t group, int64_t bits, int64_t gemm_from) {
   const int64_t zero_row = check_inputs(x, packed, scales, zeros, group, bits);
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0);
   const bool many_rows = wxa8_gemm_runs(m, n, gemm_from),
              paired = !many_rows && paired_runs(bits, group / kBlock);
   const QuantizedRows rows = quantize_rows(x, group, paired);
-  auto out = torch::empty({m, n}, torch::kFloat32);
+  auto out = at::empty({m, n}, at::kFloat);
 #if defined(__AVX2__)
   if (many_rows) {
     with_bits(bits, [&](auto b) {
@@ -1542,18 +1543,18 @@ Route route(int64_t rows, int64_t n, int64_t amx_from, int64_t dequantized_from,
 
 }  // namespace
 
-torch::Tensor wxa8_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                          const torch::Tensor& scales, const torch::Tensor& zeros,
-                          const c10::optional<torch::Tensor>& input_order, int64_t group,
-                          int64_t bits, int64_t amx_from, int64_t dequantized_from,
-                          int64_t gemm_from) {
-  const torch::Tensor rows = input_order ? x.index_select(1, *input_order) : x;
+at::Tensor wxa8_linear(const at::Tensor& x, const at::Tensor& packed,
+                       const at::Tensor& scales, const at::Tensor& zeros,
+                       const c10::optional<at::Tensor>& input_order, int64_t group,
+                       int64_t bits, int64_t amx_from, int64_t dequantized_from,
+                       int64_t gemm_from) {
+  const at::Tensor rows = input_order ? x.index_select(1, *input_order) : x;
   const Route to = route(rows.size(0), packed.size(0), amx_from, dequantized_from, gemm_from);
   if (to == Route::kDequantized)
     return dequantized_linear(rows.contiguous(), packed, scales, zeros, group, bits)
         .to(x.scalar_type());
-  const torch::Tensor input = readable(rows);
-  const torch::Tensor out = to == Route::kAmx
+  const at::Tensor input = readable(rows);
+  const at::Tensor out = to == Route::kAmx
                                 ? wxa8_amx_matmul(input, packed, scales, zeros, group, bits)
                                 : wxa8_matmul(input, packed, scales, zeros, group, bits,
                                               gemm_from);
@@ -1579,8 +1580,8 @@ bool wxa8_experts_run(const std::vector<const LinearWeights*>& layers,
   return true;
 }
 
-torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const LinearWeights*>& layers,
-                           const std::vector<int64_t>& starts, const std::vector<int64_t>& counts) {
+at::Tensor wxa8_experts(const at::Tensor& x, const std::vector<const LinearWeights*>& layers,
+                        const std::vector<int64_t>& starts, const std::vector<int64_t>& counts) {
   TORCH_CHECK(wxa8_experts_run(layers, counts) && starts.size() == counts.size(),
               "wxa8_experts: W4A8/W8A8 layers of one shape, group and width, without "
               "act-order, each of whose rows go to the few-rows kernel, with a start and a "
@@ -1595,7 +1596,7 @@ torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const Linea
                 starts[e] + counts[e], ") outside x's ", m);
     out_starts[e + 1] = out_starts[e] + counts[e];
   }
-  const torch::Tensor input = readable(x);
+  const at::Tensor input = readable(x);
   std::vector<int64_t> zero_rows;
   for (const LinearWeights* layer : layers)
     zero_rows.push_back(check_inputs(input, layer->weight, *layer->scales, *layer->zeros, group,
@@ -1603,7 +1604,7 @@ torch::Tensor wxa8_experts(const torch::Tensor& x, const std::vector<const Linea
   const int64_t groups = k / group;
   const bool paired = paired_runs(bits, group / kBlock);
   const QuantizedRows rows = quantize_rows(input, group, paired);
-  torch::Tensor out = torch::empty({out_starts[count], n}, torch::kFloat32);
+  at::Tensor out = at::empty({out_starts[count], n}, at::kFloat);
   float* op = out.data_ptr<float>();
   at::parallel_for(0, count * n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t e = begin / n; e * n < end; ++e) {
