@@ -2,7 +2,7 @@
 // so each releases the GIL: other threads (the HTTP server) run meanwhile.
 #include "kvserve_cpu.h"
 
-#include <torch/extension.h>
+#include <torch/python.h>
 
 namespace py = pybind11;
 using kvserve::DecoderLayerWeights;
@@ -75,10 +75,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // load into the same process.
   using Kind = LinearWeights::Kind;
   py::class_<LinearWeights>(m, "LinearWeights", py::module_local())
-      .def(py::init([](torch::Tensor packed) { return LinearWeights{packed}; }),
+      .def(py::init([](at::Tensor packed) { return LinearWeights{packed}; }),
            py::arg("packed"))
-      .def(py::init([](torch::Tensor weight, int64_t bits, torch::Tensor scales,
-                       torch::Tensor zeros, c10::optional<torch::Tensor> input_order,
+      .def(py::init([](at::Tensor weight, int64_t bits, at::Tensor scales,
+                       at::Tensor zeros, c10::optional<at::Tensor> input_order,
                        int64_t group, int64_t amx_from, int64_t dequantized_from,
                        int64_t gemm_from) {
              return LinearWeights{weight, Kind::kWxA8, bits, scales, zeros, input_order,
@@ -89,8 +89,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("dequantized_from"), py::arg("gemm_from"))
       .def_static(
           "int4",
-          [](torch::Tensor packed, torch::Tensor scales_and_zeros, int64_t group,
-             c10::optional<torch::Tensor> input_order) {
+          [](at::Tensor packed, at::Tensor scales_and_zeros, int64_t group,
+             c10::optional<at::Tensor> input_order) {
             return LinearWeights{packed, Kind::kInt4, 4, scales_and_zeros, c10::nullopt,
                                  input_order, group};
           },
@@ -98,8 +98,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("input_order"))
       .def_static(
           "int8",
-          [](torch::Tensor weight, torch::Tensor scales,
-             c10::optional<torch::Tensor> zero_terms) {
+          [](at::Tensor weight, at::Tensor scales,
+             c10::optional<at::Tensor> zero_terms) {
             return LinearWeights{weight, Kind::kInt8, 8, scales, zero_terms};
           },
           py::arg("weight"), py::arg("scales"), py::arg("zero_terms"));
@@ -114,16 +114,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__call__", &MoEWeights::operator(), py::arg("x"), py::arg("hidden_size"), release,
            "the block's output for x [rows, hidden_size]");
   py::class_<DecoderLayerWeights>(m, "DecoderLayerWeights", py::module_local())
-      .def(py::init<torch::Tensor, LinearWeights, LinearWeights, torch::Tensor,
+      .def(py::init<at::Tensor, LinearWeights, LinearWeights, at::Tensor,
                     c10::optional<LinearWeights>, c10::optional<LinearWeights>,
-                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                    c10::optional<torch::Tensor>, c10::optional<MoEWeights>>(),
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                    c10::optional<at::Tensor>, c10::optional<MoEWeights>>(),
            py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"),
            py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias") = py::none(),
            py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
            py::arg("moe") = py::none());
   py::class_<LlamaDecodeStack>(m, "LlamaDecodeStack", py::module_local())
-      .def(py::init<std::vector<DecoderLayerWeights>, torch::Tensor, int64_t, int64_t, int64_t,
+      .def(py::init<std::vector<DecoderLayerWeights>, at::Tensor, int64_t, int64_t, int64_t,
                     int64_t, double, double>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"),

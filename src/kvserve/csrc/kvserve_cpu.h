@@ -1,7 +1,7 @@
 // The CPU kernels of one extension (built on first use by kvserve/cpp_extension.py), as the
-// tensor-level functions Python calls and the decode stack composes. Kernel files include
-// ATen's tensor and the operators they call, not <torch/extension.h> (the C++ frontend and
-// pybind11, ~20 s of parsing per file); bindings.cpp alone includes that.
+// tensor-level functions Python calls and the decode stack composes. Files include ATen's
+// tensor and the operators they call, and bindings.cpp torch's Python bindings, not
+// <torch/extension.h>: its C++ frontend took ~20 s of parsing per file.
 #pragma once
 
 #include <ATen/core/Tensor.h>
