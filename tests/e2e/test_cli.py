@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -241,7 +242,13 @@ def test_bench_latency_sets_every_engine_against_the_floor(llama_dir, tmp_path):
                   "--output-len", "32", "--runs", "1", "--baseline", "hf", "vllm",
                   "--json", str(out))
     assert run.returncode == 0, run.stderr
-    rows = {r["engine"]: r for r in json.loads(out.read_text())["rows"]}
+    result = json.loads(out.read_text())
+    rows = {r["engine"]: r for r in result["rows"]}
+    # The floor's bandwidth is the median of those measured after each kvserve request (its
+    # warm-up and its one run).
+    samples = result["bandwidth_samples"]
+    assert len(samples) == 2
+    assert result["read_bandwidth"] == statistics.median(read for _, read in samples)
     # TTFT and TPOT are both timed within each request, so neither can come out at 0 or below.
     for engine in ("kvserve float32", "transformers"):
         row = rows[engine]
