@@ -194,6 +194,7 @@ def test_bench_step_times_every_cell_and_names_a_too_small_pool(llama_dir, tmp_p
         (1, 0), (1, 8), (1, 24), (3, 0), (3, 8), (3, 24)]
     assert all(r["chunk alone ms"] > 0 for r in rows if r["chunk"])
     assert all(r["roofline ms"] > 0 and r["step / roofline"] > 0 for r in rows if not r["chunk"])
+    assert len(saved["bandwidth_samples"]) == 2  # after each number of decodes' steps
     for flags, error in ((["--decodes", "64", "--kv-cache-memory", "0.001"],
                           "--kv-cache-memory: the largest step needs"),
                          (["--context", "1000000"], "--context: 1000000 plus the largest"),
@@ -209,10 +210,15 @@ def test_bench_kernels_times_every_kernel_against_the_floor(tmp_path, capsys):
                   "32", "--batches", "1", "3", "--contexts", "40", "--repeats", "2",
                   "--json", str(out))
     assert run.returncode == 0, run.stderr
-    rows = json.loads(out.read_text())["rows"]
+    saved = json.loads(out.read_text())
+    rows = saved["rows"]
     assert [(r["batch"], r["kernel"]) for r in rows] == [
         (1, "cpu kernel"), (1, "torch gather"), (3, "cpu kernel"), (3, "torch gather")]
     assert all(r["time / floor"] > 0 for r in rows)
+    # One bandwidth measured after each case; the floors take their median.
+    samples = saved["bandwidth_samples"]
+    assert len(samples) == 2
+    assert saved["copy_bandwidth"] == statistics.median(copy for copy, _ in samples)
     assert "--num-heads (5) must be a multiple" in usage_error(
         capsys, "bench", "kernels", "--num-heads", "5", "--num-kv-heads", "2")
 
@@ -223,7 +229,9 @@ def test_bench_quantized_times_the_dense_layer_and_every_kernel(tmp_path):
     run = kvserve("bench", "quantized", "--layers", "o", "--batches", "1", "3", "--repeats",
                   "2", "--json", str(out))
     assert run.returncode == 0, run.stderr
-    rows = json.loads(out.read_text())["rows"]
+    saved = json.loads(out.read_text())
+    rows = saved["rows"]
+    assert len(saved["bandwidth_samples"]) == 2  # after each batch of the one layer
     for batch in (1, 3):
         mine = [r for r in rows if r["rows"] == batch]
         assert mine[0]["kernel"] == "dense" and mine[0]["speed-up vs dense"] == 1.0

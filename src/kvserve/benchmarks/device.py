@@ -5,6 +5,7 @@ step is measured against, and how fast it multiplies matrices, the ceiling of a 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import statistics
 import time
@@ -106,6 +107,34 @@ def memory_bandwidth(device: str | torch.device = "cpu", num_bytes: int = 1 << 3
     copy = min(timed(lambda: dst.copy_(src), device) for _ in range(repeats))
     read = min(timed(src.sum, device) for _ in range(repeats))
     return 2 * num_bytes / copy, num_bytes / read
+
+
+@dataclasses.dataclass
+class BandwidthSamples:
+    """A device's bandwidth measured beside a benchmark's timed work, after each part of it,
+    and the median taken. A shared machine's bandwidth moves: a 2-core VM read 31-35 GB/s for
+    minutes, then 49-54 for a second, and one measurement put the same TPOT at 1.5x and at
+    2.3x its floor from one command to the next."""
+
+    device: str | torch.device
+    samples: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # copy, read
+
+    def measure(self) -> None:
+        self.samples.append(memory_bandwidth(self.device, repeats=3))
+
+    @property
+    def copy(self) -> float:
+        return statistics.median(copy for copy, _ in self.samples)
+
+    @property
+    def read(self) -> float:
+        return statistics.median(read for _, read in self.samples)
+
+    def describe(self) -> str:
+        reads = [read for _, read in self.samples]
+        return (f"{self.copy / 1e9:.1f} GB/s copy / {self.read / 1e9:.1f} GB/s read bandwidth "
+                f"(medians of {len(reads)} measurements beside the runs; read "
+                f"{min(reads) / 1e9:.1f}-{max(reads) / 1e9:.1f})")
 
 
 def weight_bytes(model: torch.nn.Module, rows: int = 1) -> int:

@@ -1,14 +1,14 @@
 """`kvserve bench kernels`: paged decode attention against the device's bandwidth floor.
 
 Decode attention reads every cached key and value of the batch once, so its floor is those
-bytes at the copy bandwidth measured in the same run. Each kernel the device has is timed on
-the same random paged cache: on CUDA the Triton split-K kernel with the exact softmax merge
-(4 warps a program, the engine's, and 8, with half the registers a thread), with
-FlashDecoding++'s unified maximum, and the varlen kernel that a graph-replayed step with
-chunks runs its decodes in (one program per sequence and KV head, no split); on CPU the C++
-kernel; everywhere the plain-torch reference, which gathers the blocks first. On CUDA the
-calls replay from a CUDA graph, as in a decode step, over enough copies of the cache that
-none is read from the L2 cache; on CPU each call follows a read that empties the caches.
+bytes at the copy bandwidth, measured after each case and the median taken. Each kernel the
+device has is timed on the same random paged cache: on CUDA the Triton split-K kernel with the
+exact softmax merge (4 warps a program, the engine's, and 8, with half the registers a
+thread), with FlashDecoding++'s unified maximum, and the varlen kernel that a graph-replayed
+step with chunks runs its decodes in (one program per sequence and KV head, no split); on
+CPU the C++ kernel; everywhere the plain-torch reference, which gathers the blocks first. On
+CUDA the calls replay from a CUDA graph, as in a decode step, over enough copies of the cache
+that none is read from the L2 cache; on CPU each call follows a read that empties the caches.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvserve.arg_types import positive_int
 from kvserve.attention.backend import AttentionMetadata
 from kvserve.attention.cpu_paged import CpuPagedAttention
 from kvserve.attention.torch_ref import TorchPagedAttention
-from kvserve.benchmarks.device import copies_past_cache, device_seconds, memory_bandwidth
+from kvserve.benchmarks.device import BandwidthSamples, copies_past_cache, device_seconds
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.config import resolve_dtype
 from kvserve.cpp_extension import cpu_kernels
@@ -90,14 +90,14 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-heads ({args.num_heads}) must be a multiple of "
                          f"--num-kv-heads ({args.num_kv_heads})")
     dtype = resolve_dtype(args.dtype, {}, args.device)
-    bandwidth = memory_bandwidth(args.device)[0]
+    bandwidth = BandwidthSamples(args.device)
     kernels = decode_kernels(args)
     rows: list[dict[str, object]] = []
+    timings: list[tuple[int, float]] = []  # each row's KV bytes and seconds
     for context in args.contexts:
         for batch in args.batches:
             q, cache, meta = decode_case(batch, context, args, dtype)
             kv_bytes = cache.numel() * cache.element_size()
-            floor = kv_bytes / bandwidth
             cases = [(q, cache, meta)] + [decode_case(batch, context, args, dtype) for _ in
                                           range(copies_past_cache(kv_bytes, args.device) - 1)]
             for name, kernel in kernels.items():
@@ -105,16 +105,20 @@ def run(args: argparse.Namespace) -> None:
                 seconds = device_seconds(calls, args.device, args.repeats)
                 rows.append({"context": context, "batch": batch, "kernel": name,
                              "ms": round(seconds * 1e3, 3),
-                             "GB/s": round(kv_bytes / seconds / 1e9, 1),
-                             "floor ms": round(floor * 1e3, 3),
-                             "time / floor": round(seconds / floor, 2)})
+                             "GB/s": round(kv_bytes / seconds / 1e9, 1)})
+                timings.append((kv_bytes, seconds))
+            bandwidth.measure()
             print_table(rows[-len(kernels):])
+    for row, (kv_bytes, seconds) in zip(rows, timings, strict=True):
+        floor = kv_bytes / bandwidth.copy
+        row |= {"floor ms": round(floor * 1e3, 3), "time / floor": round(seconds / floor, 2)}
     print_table(rows, title=(
         f"paged decode attention, {args.device}, {dtype}, {args.num_heads}/{args.num_kv_heads} "
         f"heads of {args.head_dim}, block {args.block_size}, medians of {args.repeats}; floor "
-        f"= the batch's KV at {bandwidth / 1e9:.1f} GB/s copy bandwidth"))
+        f"= the batch's KV at the copy bandwidth, {bandwidth.describe()}"))
     save_json(args.json, {"benchmark": "kernels", "device": args.device, "dtype": str(dtype),
-                          "copy_bandwidth": bandwidth, "rows": rows})
+                          "copy_bandwidth": bandwidth.copy,
+                          "bandwidth_samples": bandwidth.samples, "rows": rows})
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -3,9 +3,7 @@
 The floor is the time to stream every matmul weight once (what one decode step must read)
 at the bandwidth of the engine's device measured in the same run: a large copy (read + write
 bytes counted), and a large read-only sum, which is what a decode step does with its weights.
-Each is measured after every kvserve request and the median taken: a shared machine's
-bandwidth moves (one 2-core VM read 30-35 GB/s for minutes, then 44-49 for a second), and
-one measurement before or after the runs put the same TPOT at 1.5x or at 2.3x the floor.
+Both are measured after every kvserve request and the medians taken (`BandwidthSamples`).
 transformers runs on the same device, eagerly and, with `--hf-compile`, with a static cache
 that it compiles; `--baseline vllm llamacpp` adds those engines (see `peers.py`).
 """
@@ -18,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from kvserve.arg_types import at_least_two, positive_int
-from kvserve.benchmarks.device import memory_bandwidth, on_one_gpu, synchronize, weight_bytes
+from kvserve.benchmarks.device import BandwidthSamples, on_one_gpu, synchronize, weight_bytes
 from kvserve.benchmarks.hf_baseline import hf_request_times, load_hf
 from kvserve.benchmarks.peers import add_baseline_arg, each_peer
 from kvserve.benchmarks.report import print_table, save_json
@@ -47,7 +45,7 @@ def run(args: argparse.Namespace) -> None:
     cfg, device = llm.engine.config.model, llm.engine.config.device
     prompt = fixed(1, args.prompt_len, args.output_len, cfg.vocab_size).prompts[0]
 
-    bandwidths = []  # (copy, read) after each request
+    bandwidth = BandwidthSamples(device)
 
     def ours(n: int) -> tuple[float, float]:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -57,15 +55,13 @@ def run(args: argparse.Namespace) -> None:
         output = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         synchronize(device)
         times = output.first_token_time - start, time.monotonic() - start
-        bandwidths.append(memory_bandwidth(device, repeats=3))
+        bandwidth.measure()
         return times
 
     ttft, tpot = ttft_and_tpot(ours, args.output_len, args.runs)
-    bandwidth = statistics.median(copy for copy, _ in bandwidths)
-    read_bandwidth = statistics.median(read for _, read in bandwidths)
     nbytes = weight_bytes(llm.engine.core.runner.model)
-    floor = nbytes / bandwidth
-    read_floor = nbytes / read_bandwidth
+    floor = nbytes / bandwidth.copy
+    read_floor = nbytes / bandwidth.read
 
     def row(engine: str, ttft_s: float, tpot_s: float) -> dict[str, object]:
         return {"engine": engine, "TTFT ms": round(ttft_s * 1e3, 1),
@@ -94,14 +90,12 @@ def run(args: argparse.Namespace) -> None:
     print_table(rows, title=(
         f"latency, batch 1, {args.prompt_len}-token prompt, {args.output_len} new tokens, "
         f"{args.model}, {cfg.dtype}, {device}; floor = {nbytes / 1e6:.0f} MB of weights at "
-        f"{bandwidth / 1e9:.1f} GB/s copy / {read_bandwidth / 1e9:.1f} GB/s read bandwidth "
-        f"(medians of {len(bandwidths)} measurements beside kvserve's requests; read "
-        f"{min(r for _, r in bandwidths) / 1e9:.1f}-{max(r for _, r in bandwidths) / 1e9:.1f})"))
+        f"{bandwidth.describe()}"))
     save_json(args.json, {"benchmark": "latency", "model": args.model, "device": device,
                           "rows": rows,
-                          "weight_bytes": nbytes, "copy_bandwidth": bandwidth,
-                          "read_bandwidth": read_bandwidth,
-                          "bandwidth_samples": [list(sample) for sample in bandwidths]})
+                          "weight_bytes": nbytes, "copy_bandwidth": bandwidth.copy,
+                          "read_bandwidth": bandwidth.read,
+                          "bandwidth_samples": bandwidth.samples})
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -7,11 +7,11 @@ device has (CPU: PyTorch's int4 and int8, our W4A8/W8A8 on VNNI and on AMX's int
 the same bytes dequantized into the blocked GEMM's tiles; CUDA: the Triton W4A16 and W8A16
 GEMMs, and in bfloat16 PyTorch's int4 GEMM, tinygemm) is timed on the same random weight, RTN
 quantized, with its speed-up over dense and its time over its own floor: its weight bytes at
-the copy bandwidth measured in the same run.
-On CUDA the calls replay from a CUDA graph, as in a decode step, over enough copies of the
-weight that none is read from the L2 cache; on CPU each call follows a read that empties the
-caches (`device.device_seconds`). Triton's two kernels are
-timed apart, the GEMV up to the rows it takes; each row names the tile its autotuner picked.
+the copy bandwidth, measured after each layer and batch and the median taken. On CUDA the
+calls replay from a CUDA graph, as in a decode step, over enough copies of the weight that
+none is read from the L2 cache; on CPU each call follows a read that empties the caches
+(`device.device_seconds`). Triton's two kernels are timed apart, the GEMV up to the rows it
+takes; each row names the tile its autotuner picked.
 
 On CUDA the dense layer is timed twice up to 16 rows: cuBLAS (the baseline) and the split-K
 kernel the engine picks instead where it times faster (`layers/triton_linear.py`); for `down`,
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from kvserve.arg_types import positive_int
-from kvserve.benchmarks.device import device_seconds, memory_bandwidth, past_cache_copies
+from kvserve.benchmarks.device import BandwidthSamples, device_seconds, past_cache_copies
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.config import resolve_dtype
 from kvserve.layers.linear import Linear
@@ -125,9 +125,10 @@ def _kernels(weight: torch.Tensor, layer: str, args: argparse.Namespace, dtype: 
 
 def run(args: argparse.Namespace) -> None:
     dtype = resolve_dtype(args.dtype, {}, args.device)
-    bandwidth = memory_bandwidth(args.device)[0]
+    bandwidth = BandwidthSamples(args.device)
     gen = torch.Generator().manual_seed(0)
     rows: list[dict[str, object]] = []
+    timings: list[tuple[int, float]] = []  # each row's weight bytes and seconds
     for layer, (in_features, out_features) in LLAMA3_8B.items():
         if args.layers and layer not in args.layers:
             continue
@@ -151,17 +152,21 @@ def run(args: argparse.Namespace) -> None:
                 dense_seconds = dense_seconds or seconds
                 rows.append({"layer": f"{layer} {in_features}->{out_features}", "rows": batch,
                              "kernel": name, "ms": round(seconds * 1e3, 3),
-                             "speed-up vs dense": round(dense_seconds / seconds, 2),
-                             "time / own floor": round(seconds * bandwidth / num_bytes, 2)})
+                             "speed-up vs dense": round(dense_seconds / seconds, 2)})
+                timings.append((num_bytes, seconds))
                 if "Triton" in name and "split-K" not in name:
                     rows[-1]["tile"] = chosen_tile(gemv="GEMV" in name)
+            bandwidth.measure()
             print_table(rows[first_row:])
+    for row, (num_bytes, seconds) in zip(rows, timings, strict=True):
+        row["time / own floor"] = round(seconds * bandwidth.copy / num_bytes, 2)
     print_table(rows, title=(
         f"weight-only quantized GEMMs, {args.device}, activations {dtype}, llama3-8b shapes, "
-        f"medians of {args.repeats}; floor = the kernel's weight bytes at "
-        f"{bandwidth / 1e9:.1f} GB/s copy bandwidth"))
+        f"medians of {args.repeats}; floor = the kernel's weight bytes at the copy bandwidth, "
+        f"{bandwidth.describe()}"))
     save_json(args.json, {"benchmark": "quantized", "device": args.device,
-                          "dtype": str(dtype), "copy_bandwidth": bandwidth, "rows": rows})
+                          "dtype": str(dtype), "copy_bandwidth": bandwidth.copy,
+                          "bandwidth_samples": bandwidth.samples, "rows": rows})
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

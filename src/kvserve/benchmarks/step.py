@@ -13,9 +13,10 @@ Where steps with chunks replay CUDA graphs, each such step is also timed eagerly
 `--max-graph-tokens 0`): the graphs' gain, in the same run.
 
 Each decode-only step is also set against its roofline: the bytes it must read (every matmul
-weight once, and each sequence's KV) at the device's copy bandwidth measured in the same run.
-Of a mixture-of-experts layer it reads only the experts its rows pick, counted as if they
-routed uniformly at random: the decodes have varied tokens, as a real batch has.
+weight once, and each sequence's KV) at the device's copy bandwidth, measured after each
+number of decodes' steps and the median taken (`BandwidthSamples`). Of a mixture-of-experts
+layer it reads only the experts its rows pick, counted as if they routed uniformly at random:
+the decodes have varied tokens, as a real batch has.
 A prefill of `--prefill-tokens` from an empty cache is set against the device's GEMM peak
 (the engine's own matmul path, measured in the same run): the share of it that the prefill's
 matmul FLOPs reach.
@@ -34,10 +35,10 @@ import torch
 
 from kvserve.arg_types import non_negative_int, positive_int
 from kvserve.benchmarks.device import (
+    BandwidthSamples,
     gemm_peak,
     gemm_size,
     matmul_params,
-    memory_bandwidth,
     synchronize,
     weight_bytes,
 )
@@ -126,16 +127,17 @@ def run(args: argparse.Namespace) -> None:
 
     alone = {c: median_ms(0, c) for c in chunks}
     graphed = runner.graphs is not None and bool(runner.graphs.mixed.sizes)
-    bandwidth = memory_bandwidth(runner.device)[0]
+    bandwidth = BandwidthSamples(runner.device)
     kv_per_token = runner.config.model.kv_bytes_per_token
     rows: list[dict[str, object]] = []
+    streamed: list[tuple[dict[str, object], int, float]] = []  # a decode row, its bytes, its ms
     for num_decodes in args.decodes:
         base = median_ms(num_decodes, 0)
         weights = weight_bytes(runner.model, num_decodes)
-        floor = (weights + num_decodes * (args.context + 1) * kv_per_token) / bandwidth * 1e3
         rows.append({"decodes": num_decodes, "chunk": 0, "step ms": round(base, 1),
-                     "weights MB": round(weights / 1e6), "roofline ms": round(floor, 2),
-                     "step / roofline": round(base / floor, 2)})
+                     "weights MB": round(weights / 1e6)})
+        streamed.append((rows[-1], weights + num_decodes * (args.context + 1) * kv_per_token,
+                         base))
         for c in chunks:
             step = median_ms(num_decodes, c)
             rows.append({"decodes": num_decodes, "chunk": c, "step ms": round(step, 1),
@@ -148,21 +150,26 @@ def run(args: argparse.Namespace) -> None:
                     eager = median_ms(num_decodes, c)
                 rows[-1] |= {"eager step ms": round(eager, 1),
                              "graph speed-up": round(eager / step, 2)}
+        bandwidth.measure()
         print_table(rows[-len(chunks) - 1:])
+    for row, num_bytes, step_ms in streamed:
+        floor = num_bytes / bandwidth.copy * 1e3
+        row |= {"roofline ms": round(floor, 2), "step / roofline": round(step_ms / floor, 2)}
     print_table(rows, title=(
         f"step cost, {args.model}, {runner.config.model.dtype}, {runner.device}, context "
         f"{args.context}, medians of {args.repeats}; ride-along ratio = what a chunk adds to "
         f"a decode step / the same chunk in a step of its own; a {chunks[-1]}-token chunk "
         f"alone costs {alone[chunks[-1]] / chunks[-1]:.2f} ms/token; roofline = the weights "
         f"the decodes stream (of a mixture-of-experts layer, the experts as many rows routed "
-        f"uniformly at random pick) + their KV at {bandwidth / 1e9:.1f} GB/s"))
+        f"uniformly at random pick) + their KV at the copy bandwidth, {bandwidth.describe()}"))
     prefill = prefill_against_gemm_peak(runner, kv_cache, args)
     if args.profile:
         print_profile(steps, min(args.decodes), args.profile_chunk, args.profile,
                       next(r["step ms"] for r in rows if r["decodes"] == min(args.decodes)
                            and r["chunk"] == args.profile_chunk))
     save_json(args.json, {"benchmark": "step", "model": args.model, "device": runner.device,
-                          "context": args.context, "copy_bandwidth": bandwidth,
+                          "context": args.context, "copy_bandwidth": bandwidth.copy,
+                          "bandwidth_samples": bandwidth.samples,
                           "rows": rows, "prefill": prefill})
 
 
