@@ -26,10 +26,16 @@ def build(name: str, sources: list[Path], what: str,
           extra_cflags: Sequence[str] = ()) -> ModuleType | None:
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return None
-    if extra_cflags:  # a build of its own, beside the machine's
-        name += "_" + hashlib.sha1(" ".join(extra_cflags).encode()).hexdigest()[:8]
     try:
+        import torch
         from torch.utils.cpp_extension import _get_build_directory, load
+
+        # A build of its own for each source folder, torch and set of flags: two checkouts
+        # or installs (tests in one, a server from another) that shared one rebuilt it, a
+        # minute each time, whenever they took turns.
+        origin = [str(sources[0].parent.resolve()), torch.__version__,
+                  str(Path(torch.__file__).parent), *extra_cflags]
+        name += "_" + hashlib.sha1(" ".join(origin).encode()).hexdigest()[:8]
 
         logger.info("loading the %s (compiled on first use, under a minute on 2 cores)", what)
         build_directory = Path(_get_build_directory(name, verbose=False))
