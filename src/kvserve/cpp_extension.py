@@ -1,5 +1,5 @@
-"""Builds the project's C++ CPU kernels on first use (cached under ~/.cache/torch_extensions),
-for the machine's own instruction set. A kernel that fails to build is reported once and
+"""Builds the project's C++ CPU kernels on first use (cached under ~/.cache/torch_extensions,
+a folder for each checkout), for the machine's own instruction set. A kernel that fails to build is reported once and
 left out, and the plain-torch path runs instead; `KVSERVE_CPU_KERNELS=0` leaves all out.
 `KVSERVE_CPU_CFLAGS` adds compiler flags, e.g. `-mno-avx512f -mno-avxvnni -mno-amx-tile` to
 run the kernels an AVX2-only CPU gets (with `ATEN_CPU_CAPABILITY=avx2` and
@@ -27,15 +27,9 @@ def build(name: str, sources: list[Path], what: str,
     if os.environ.get("KVSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
-        import torch
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        # A build of its own for each source folder, torch and set of flags: two checkouts
-        # or installs (tests in one, a server from another) that shared one rebuilt it, a
-        # minute each time, whenever they took turns.
-        origin = [str(sources[0].parent.resolve()), torch.__version__,
-                  str(Path(torch.__file__).parent), *extra_cflags]
-        name += "_" + hashlib.sha1(" ".join(origin).encode()).hexdigest()[:8]
+        name = build_name(name, sources, extra_cflags)
 
         logger.info("loading the %s (compiled on first use, under a minute on 2 cores)", what)
         build_directory = Path(_get_build_directory(name, verbose=False))
@@ -47,6 +41,17 @@ def build(name: str, sources: list[Path], what: str,
     except Exception as e:  # noqa: BLE001 (any build failure means: use the torch path)
         logger.warning("kvserve: %s unavailable (%s); using plain torch", what, e)
         return None
+
+
+def build_name(name: str, sources: Sequence[Path], extra_cflags: Sequence[str]) -> str:
+    """`name` made unique to the sources' folder, torch and the flags: two checkouts or
+    installs (tests in one, a server from another) that shared one build rebuilt it, 45-50 s
+    on 2 cores, each time they took turns."""
+    import torch
+
+    origin = [str(Path(sources[0]).parent.resolve()), torch.__version__,
+              str(Path(torch.__file__).parent), *extra_cflags]
+    return name + "_" + hashlib.sha1(" ".join(origin).encode()).hexdigest()[:8]
 
 
 @contextlib.contextmanager

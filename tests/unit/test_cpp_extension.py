@@ -1,11 +1,12 @@
-"""The kernels' build lock: a build killed midway must not stall every later one."""
+"""The kernels' build: its lock (a build killed midway must not stall every later one) and
+its folder (one for each checkout and set of flags)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from kvserve.cpp_extension import _exclusive
+from kvserve.cpp_extension import _exclusive, build_name
 
 
 def test_a_lock_file_left_by_a_killed_build_is_cleared(tmp_path):
@@ -26,3 +27,12 @@ def test_the_lock_dies_with_its_holder(tmp_path):
     holder.wait()
     with _exclusive(tmp_path):  # would wait forever on a lock that outlived its holder
         pass
+
+
+def test_each_source_folder_and_set_of_flags_builds_apart(tmp_path):
+    """Two checkouts that shared one build folder rebuilt it each time they took turns."""
+    here, there = [tmp_path / "a" / "x.cpp"], [tmp_path / "b" / "x.cpp"]
+    assert build_name("k", here, []) == build_name("k", here, [])
+    assert build_name("k", here, []) != build_name("k", there, [])
+    assert build_name("k", here, []) != build_name("k", here, ["-mno-avx512f"])
+    assert build_name("k", here, []).startswith("k_")
