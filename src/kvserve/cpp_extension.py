@@ -1,6 +1,7 @@
 """Builds the project's C++ CPU kernels on first use (cached under ~/.cache/torch_extensions,
-a folder for each checkout), for the machine's own instruction set. A kernel that fails to build is reported once and
-left out, and the plain-torch path runs instead; `KVSERVE_CPU_KERNELS=0` leaves all out.
+a folder for each checkout), for the machine's own instruction set. A kernel that fails to
+build is reported once and left out, and the plain-torch path runs instead;
+`KVSERVE_CPU_KERNELS=0` leaves all out.
 `KVSERVE_CPU_CFLAGS` adds compiler flags, e.g. `-mno-avx512f -mno-avxvnni -mno-amx-tile` to
 run the kernels an AVX2-only CPU gets (with `ATEN_CPU_CAPABILITY=avx2` and
 `ONEDNN_MAX_CPU_ISA=AVX2` for torch's own)."""
