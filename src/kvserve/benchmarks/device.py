@@ -99,7 +99,7 @@ def past_cache_copies(method: Callable, num_bytes: int, device: str | torch.devi
 
 
 def memory_bandwidth(device: str | torch.device = "cpu", num_bytes: int = 1 << 30,
-                     repeats: int = 5) -> tuple[float, float]:
+                     repeats: int = 3) -> tuple[float, float]:
     """Best bytes/s on `device` of a large tensor copy (read + write counted) and of a
     read-only sum."""
     src = torch.ones(num_bytes // 4, device=device)
@@ -120,7 +120,7 @@ class BandwidthSamples:
     samples: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # copy, read
 
     def measure(self) -> None:
-        self.samples.append(memory_bandwidth(self.device, repeats=3))
+        self.samples.append(memory_bandwidth(self.device))
 
     @property
     def copy(self) -> float:
