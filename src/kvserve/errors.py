@@ -12,3 +12,12 @@ class EngineOverloadedError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine (or the replica) running a request failed; the request ended unfinished."""
+
+    code = "request_failed"  # the API error's code
+
+
+class ServerStoppingError(RequestFailedError):
+    """The server stopped (SIGTERM or Ctrl+C) before the request finished, once its
+    `--shutdown-timeout` had passed."""
+
+    code = "server_shutting_down"

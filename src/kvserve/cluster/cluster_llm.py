@@ -124,6 +124,7 @@ class ClusterLLM(StreamingLLM):
                              f"{migration_threshold}")
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        super().__init__()
         ray = import_ray()
         # Bad options fail here, not in every replica.
         self.max_num_seqs = EngineConfig.create(model, **engine_options).scheduler.max_num_seqs
@@ -200,7 +201,7 @@ class ClusterLLM(StreamingLLM):
         self._start_pollers()
         streams = []
         for parent, max_tokens in prepared:
-            stream = RequestStream(parent.request_id, self)
+            stream = self._new_stream(parent.request_id)
             request = InFlight(parent, params, max_tokens, stream, replica=-1)
             self._in_flight[parent.request_id] = request
             self._send(request, self._route(parent))

@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
@@ -86,6 +87,23 @@ class StreamingLLM:
     """What one engine (`AsyncLLM`) and a cluster (`ClusterLLM`) share: a request's outputs
     as an async iterator, over their `add_requests`."""
 
+    def __init__(self) -> None:
+        self._streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
+
+    def _new_stream(self, request_id: str) -> RequestStream:
+        stream = RequestStream(request_id, self)
+        self._streams.add(stream)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def fail_streams(self, error: RequestFailedError) -> None:
+        """Ends every stream still open with `error`; each aborts its request as it ends."""
+        for stream in list(self._streams):
+            if not stream.finished:
+                stream.put(error)
+
     def add_requests(self, prompts: list[PromptType], params: SamplingParams
                      ) -> list[RequestStream]:
         raise NotImplementedError
@@ -118,6 +136,7 @@ class AsyncLLM(StreamingLLM):
                  model_name: str | None = None, **engine_options: Any) -> None:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        super().__init__()
         self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
         self.inputs = self.engine.inputs
         self.max_waiting_requests = max_waiting_requests
@@ -159,7 +178,7 @@ class AsyncLLM(StreamingLLM):
                 " retry later")
         streams = []
         for parent, max_tokens in prepared:
-            stream = RequestStream(parent.request_id, self)
+            stream = self._new_stream(parent.request_id)
             self.add_prepared(parent, params, max_tokens, stream)
             streams.append(stream)
         return streams

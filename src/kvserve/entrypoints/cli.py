@@ -59,7 +59,8 @@ def _serve(args: argparse.Namespace) -> None:
                           max_request_bytes=args.max_request_bytes,
                           tool_call_parser=args.tool_call_parser
                           if args.enable_auto_tool_choice else None,
-                          reasoning_parser=args.reasoning_parser)
+                          reasoning_parser=args.reasoning_parser,
+                          shutdown_timeout=args.shutdown_timeout)
     serve(llm, config, args.host, args.port)
 
 
@@ -130,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="beyond this many queued requests, answer 503 with Retry-After")
     srv.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
                      help="larger request bodies get 413")
+    srv.add_argument("--shutdown-timeout", type=non_negative_int, default=0,
+                     help="on SIGTERM or Ctrl+C, stop taking connections and give the "
+                          "requests in flight this many seconds to finish before aborting "
+                          "them (default 0: abort them at once)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help='let the model decide whether to call a tool (tool_choice "auto", '
                           "the default with tools): needs --tool-call-parser")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from typing import IO
 
 import httpx
 
@@ -16,15 +18,16 @@ from kvserve.worker.tensor_parallel import free_port
 
 @contextmanager
 def server_process(model: str, flags: list[str], env: dict[str, str] | None = None,
-                   timeout: float = 600) -> Iterator[str]:
+                   timeout: float = 600, log: IO[str] | None = None,
+                   stop_signal: int = signal.SIGTERM) -> Iterator[str]:
     """Runs `kvserve serve MODEL FLAGS` on a free loopback port; yields its base URL once
-    `/health` answers and stops it afterwards. Its output goes to a file, not a pipe, which
-    would block the server once full."""
+    `/health` answers and stops it afterwards with `stop_signal`. Its output goes to `log`, or
+    to a temporary file: not a pipe, which would block the server once full."""
     port = free_port()
     command = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", model,
                "--port", str(port), *flags]
     url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile(mode="w+") as log:
+    with nullcontext(log) if log else tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 text=True)
         try:
@@ -42,5 +45,5 @@ def server_process(model: str, flags: list[str], env: dict[str, str] | None = No
                 time.sleep(0.2)
             yield url
         finally:
-            proc.terminate()
+            proc.send_signal(stop_signal)
             proc.wait(timeout=60)

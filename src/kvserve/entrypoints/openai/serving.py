@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.entrypoints.async_llm import RequestStream
+from kvserve.errors import RequestFailedError
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -37,6 +38,8 @@ class ServingBackend(Protocol):
     def lora_names(self) -> set[str]: ...
 
     async def load_lora_adapter(self, name: str, path: str) -> None: ...
+
+    def fail_streams(self, error: RequestFailedError) -> None: ...
 
     def shutdown(self) -> None: ...
 
