@@ -10,6 +10,11 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is at its bound (`max_waiting_requests`); retry later."""
 
 
+class EngineDeadError(RuntimeError):
+    """The engine can run no more steps (a tensor-parallel rank exited, or its thread
+    stopped): every request fails, and a server stops so that its supervisor restarts it."""
+
+
 class RequestFailedError(RuntimeError):
     """The engine (or the replica) running a request failed; the request ended unfinished."""
 

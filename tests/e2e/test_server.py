@@ -18,7 +18,10 @@ import openai
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.entrypoints.async_llm import AsyncLLM
 from kvserve.entrypoints.openai.launch import server_process
+from kvserve.entrypoints.openai.server import ServerConfig, build_app
+from kvserve.errors import EngineDeadError, RequestFailedError
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -543,3 +546,83 @@ def test_a_stop_ends_the_requests_in_flight_then_the_server(
     assert "Application shutdown complete" in output
     for noise in ("Traceback", "leaked"):
         assert noise not in output, output[output.index(noise) - 200:]
+
+
+def test_a_dead_engine_fails_its_requests_and_health_then_stops_serving(
+        llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anything raised outside a step (here, while the engine thread looks for work) ends the
+    engine: the request waiting on it fails where it used to wait forever, then new requests
+    and /health answer 503, which a supervisor's probe sees."""
+
+    async def run() -> None:
+        llm = AsyncLLM(str(llama_dir))
+        app = build_app(llm, ServerConfig(model_name=MODEL))
+        monkeypatch.setattr(llm.engine, "has_unfinished_requests",
+                            lambda: (_ for _ in ()).throw(RuntimeError("lost the pool")))
+        async def consume() -> None:
+            async for _ in llm.generate("x", SamplingParams(max_tokens=4)):
+                pass
+
+        try:
+            with pytest.raises(RequestFailedError, match="the engine stopped: RuntimeError"):
+                await asyncio.wait_for(consume(), 120)  # a guard: it waited forever before
+            assert isinstance(llm.dead, EngineDeadError)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                for response in (await client.get("/health"),
+                                 await client.post(COMPLETIONS, json={"prompt": "x"})):
+                    _check_error(response, 503, None, "the engine stopped")
+                    assert response.json()["error"]["code"] == "engine_dead"
+        finally:
+            llm.shutdown()
+
+    asyncio.run(run())
+
+
+def test_a_killed_tensor_parallel_rank_stops_the_server(llama_dir: Path,
+                                                        tmp_path: Path) -> None:
+    """A rank killed (by the OOM killer, say) fails the request in flight with its name, then
+    the server stops by itself and exits with an error, for its supervisor to restart it;
+    before, it answered /health with 200 and failed every request with a broken pipe."""
+    with open(tmp_path / "server.log", "w+") as log:
+        with server_process(str(llama_dir), ["--tensor-parallel-size", "2"], timeout=300,
+                            log=log) as url:
+            server_pid = httpx.get(f"{url}/replicas").json()[0]["pid"]
+            rank = max(_spawned_children(server_pid))
+            os.kill(rank, signal.SIGKILL)
+            while _alive(rank):
+                time.sleep(0.05)
+            response = _post(url, COMPLETIONS, {"prompt": "x", "max_tokens": 4})
+            _check_error(response, 500)
+            assert re.search(r"tensor-parallel rank \d exited", response.text)
+            deadline = time.monotonic() + 120
+            while _alive(server_pid):
+                assert time.monotonic() < deadline, "the server went on serving"
+                time.sleep(0.1)
+        log.seek(0)
+        output = log.read()
+    assert re.match(r"kvserve: tensor-parallel rank \d exited", output.splitlines()[-1])
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The multiprocessing workers `pid` spawned (Linux's /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running still: neither gone nor a zombie (whose pipes are closed)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+

@@ -25,7 +25,7 @@ from kvserve.config import DEFAULT_MAX_WAITING_REQUESTS, EngineConfig
 from kvserve.engine.input_processor import ParentRequest, PromptType
 from kvserve.engine.llm_engine import LLMEngine, MigratedRequest
 from kvserve.engine.metrics import EngineMetrics
-from kvserve.errors import EngineOverloadedError, RequestFailedError
+from kvserve.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -89,6 +89,7 @@ class StreamingLLM:
 
     def __init__(self) -> None:
         self._streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
+        self.dead: EngineDeadError | None = None  # set once no request can run any more
 
     def _new_stream(self, request_id: str) -> RequestStream:
         stream = RequestStream(request_id, self)
@@ -169,8 +170,10 @@ class AsyncLLM(StreamingLLM):
     def add_requests(self, prompts: list[PromptType], params: SamplingParams
                      ) -> list[RequestStream]:
         """Validates every prompt, then queues them all; one stream per prompt. Raises
-        ValueError naming the field (`prompt[i]` for lists) or EngineOverloadedError when the
-        waiting queue is full, before anything is queued."""
+        ValueError naming the field (`prompt[i]` for lists), EngineOverloadedError when the
+        waiting queue is full, or EngineDeadError, before anything is queued."""
+        if self.dead is not None:
+            raise self.dead
         prepared = self.inputs.prepare_requests(prompts, params)
         if self.num_waiting + len(prepared) > self.max_waiting_requests:
             raise EngineOverloadedError(
@@ -187,6 +190,9 @@ class AsyncLLM(StreamingLLM):
                      sink: OutputSink) -> None:
         """Queues a validated request; the engine thread hands its outputs to `sink`."""
         self._sinks[parent.request_id] = sink
+        if self.dead is not None:  # died since the caller looked: no thread takes commands
+            self._fail_dead(parent.request_id)
+            return
         self._num_submitted += 1
         arrival = time.monotonic()
 
@@ -276,6 +282,25 @@ class AsyncLLM(StreamingLLM):
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
+        """Steps until shut down. A step that fails fails its requests, and the engine goes
+        on; an engine that can step no more (EngineDeadError, or anything raised outside a
+        step) fails them too, then sets `dead` and ends the thread, where it used to leave
+        every request waiting."""
+        try:
+            self._step_until_shut_down()
+        except Exception as e:  # noqa: BLE001 (reported through `dead` and each request)
+            logger.exception("the engine stopped")
+            self.dead = e if isinstance(e, EngineDeadError) else EngineDeadError(
+                f"the engine stopped: {e!r}")
+            for request_id in list(self._sinks):
+                self._fail_dead(request_id)
+
+    def _fail_dead(self, request_id: str) -> None:
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink.put(RequestFailedError(f"{self.dead}; retry the request"))
+
+    def _step_until_shut_down(self) -> None:
         while True:
             idle = not self.engine.has_unfinished_requests() or self.engine.core.idle
             if not self._apply_commands(block=idle):
@@ -284,6 +309,8 @@ class AsyncLLM(StreamingLLM):
                 continue
             try:
                 outputs = self.engine.step()
+            except EngineDeadError:
+                raise
             except Exception as e:  # noqa: BLE001 (fail the batch, keep serving new requests)
                 logger.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(e)

@@ -21,6 +21,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.errors import EngineDeadError
 from kvserve.worker.pending_output import PendingOutput
 from kvserve.worker.tensor_parallel import free_port, init_tensor_parallel
 
@@ -89,15 +90,20 @@ class TensorParallelExecutor:
             try:
                 results.append(pipe.recv())
             except EOFError:
-                raise RuntimeError(f"tensor-parallel rank {rank} exited") from None
+                raise EngineDeadError(f"tensor-parallel rank {rank} exited") from None
+            except OSError as e:  # a socket pair's reset, where a pipe reads its end
+                raise EngineDeadError(f"tensor-parallel rank {rank} exited ({e})") from None
         for result in results:
             if isinstance(result, Exception):
                 raise result
         return results
 
     def _call_all(self, method: str, per_rank_args: list[tuple[Any, ...]]) -> list[Any]:
-        for pipe, args in zip(self.pipes, per_rank_args, strict=True):
-            pipe.send((method, args))
+        for rank, (pipe, args) in enumerate(zip(self.pipes, per_rank_args, strict=True)):
+            try:
+                pipe.send((method, args))
+            except OSError as e:  # its end of the pipe closed: the process is gone
+                raise EngineDeadError(f"tensor-parallel rank {rank} exited ({e})") from None
         return self._gather()
 
     def _call(self, method: str, *args: Any) -> list[Any]:

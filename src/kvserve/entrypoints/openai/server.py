@@ -42,7 +42,12 @@ from kvserve.entrypoints.openai.serving import ServingBackend, now, sse
 from kvserve.entrypoints.openai.serving_chat import ChatServer
 from kvserve.entrypoints.openai.serving_completions import CompletionServer
 from kvserve.entrypoints.openai.serving_tokenization import TokenizationServer
-from kvserve.errors import EngineOverloadedError, RequestFailedError, ServerStoppingError
+from kvserve.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+    ServerStoppingError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +202,11 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
     async def request_failed(_: Request, e: RequestFailedError) -> JSONResponse:
         return APIError(500, str(e), "server_error", code=e.code).response()
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return APIError(503, f"{e}; the server is stopping", "server_error",
+                        code="engine_dead").response()
+
     @app.exception_handler(ServerStoppingError)
     async def stopping(_: Request, e: ServerStoppingError) -> JSONResponse:
         return APIError(503, str(e), "server_error", code=e.code).response()
@@ -223,6 +233,8 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if llm.dead is not None:
+            raise llm.dead
         return Response(status_code=200)
 
     @app.get("/version")
@@ -324,6 +336,8 @@ def serve(llm: ServingBackend, config: ServerConfig, host: str, port: int) -> No
     finally:
         llm.shutdown()
         gc.unfreeze()
+    if llm.dead is not None:  # a failure, for the supervisor to restart the server
+        raise SystemExit(f"kvserve: {llm.dead}")
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -333,12 +347,20 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 class _DrainingServer(uvicorn.Server):
     """uvicorn's server, whose stop (SIGTERM or Ctrl+C) gives the requests in flight
     `shutdown_timeout` seconds, then ends them with an error: a stream's last event or a 503.
-    Left to uvicorn, a stop waited for every open stream to finish, however long."""
+    Left to uvicorn, a stop waited for every open stream to finish, however long. It also
+    stops by itself once the engine is dead, where it used to answer /health with 200 and
+    fail every request."""
 
     def __init__(self, config: uvicorn.Config, llm: ServingBackend,
                  shutdown_timeout: float) -> None:
         super().__init__(config)
         self.llm, self.shutdown_timeout = llm, shutdown_timeout
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.llm.dead is not None and not self.should_exit:
+            logger.error("stopping the server: %s", self.llm.dead)
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         error = ServerStoppingError(

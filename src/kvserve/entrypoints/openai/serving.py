@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from kvserve.engine.input_processor import InputProcessor, PromptType
 from kvserve.entrypoints.async_llm import RequestStream
-from kvserve.errors import RequestFailedError
+from kvserve.errors import EngineDeadError, RequestFailedError
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -23,6 +23,7 @@ class ServingBackend(Protocol):
     """What the server runs on: one engine (`AsyncLLM`) or a cluster of them (`ClusterLLM`)."""
 
     inputs: InputProcessor
+    dead: EngineDeadError | None  # set once no request can run any more
 
     def add_requests(self, prompts: list[PromptType], params: SamplingParams
                      ) -> list[RequestStream]: ...
