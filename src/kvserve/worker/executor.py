@@ -63,6 +63,13 @@ def _stop(pipes: list[Connection], processes: list[multiprocessing.Process]) -> 
             process.kill()
 
 
+def _rank_exited(rank: int, error: Exception) -> EngineDeadError:
+    """What reading a rank's pipe (EOF, or a reset: the pipes are socket pairs) or writing it
+    (a broken pipe) means: its process is gone."""
+    detail = f" ({error})" if str(error) else ""
+    return EngineDeadError(f"tensor-parallel rank {rank} exited{detail}")
+
+
 class TensorParallelExecutor:
     """Runs `config.tensor_parallel_size` ranks; has the `ModelRunner` methods the engine
     calls."""
@@ -89,10 +96,8 @@ class TensorParallelExecutor:
         for rank, pipe in enumerate(self.pipes):
             try:
                 results.append(pipe.recv())
-            except EOFError:
-                raise EngineDeadError(f"tensor-parallel rank {rank} exited") from None
-            except OSError as e:  # a socket pair's reset, where a pipe reads its end
-                raise EngineDeadError(f"tensor-parallel rank {rank} exited ({e})") from None
+            except (EOFError, OSError) as e:
+                raise _rank_exited(rank, e) from None
         for result in results:
             if isinstance(result, Exception):
                 raise result
@@ -102,8 +107,8 @@ class TensorParallelExecutor:
         for rank, (pipe, args) in enumerate(zip(self.pipes, per_rank_args, strict=True)):
             try:
                 pipe.send((method, args))
-            except OSError as e:  # its end of the pipe closed: the process is gone
-                raise EngineDeadError(f"tensor-parallel rank {rank} exited ({e})") from None
+            except OSError as e:
+                raise _rank_exited(rank, e) from None
         return self._gather()
 
     def _call(self, method: str, *args: Any) -> list[Any]:
