@@ -22,6 +22,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.entrypoints.openai.launch import server_process
 from kvserve.tools.make_lora import make_lora
+from tests.processes import alive, spawned_children
 
 pytest.importorskip("ray")
 
@@ -213,6 +214,24 @@ def test_a_killed_replica_costs_only_its_own_requests(server: str) -> None:
     assert replicas(server)[0]["pid"] != victim["pid"]
     assert metric(server, "kvserve_kv_blocks_used", "1") == 0
     assert metric(server, "kvserve_kv_blocks_used", "all") == 0
+
+
+def test_a_replica_whose_engine_died_is_restarted(llama_dir: Path) -> None:
+    """A tensor-parallel rank killed inside a replica kills its engine: the replica's process
+    ends, Ray starts it again, and requests sent meanwhile are served by the other replica,
+    where before the replica stayed up and failed every request routed to it."""
+    flags = ["--data-parallel-size", "2", "--router", "round-robin", "--tensor-parallel-size",
+             "2", "--kv-cache-memory", "0.02"]
+    with server_process(str(llama_dir), flags, timeout=300) as url:
+        victim = replicas(url)[0]
+        rank = max(spawned_children(victim["pid"]))
+        os.kill(rank, signal.SIGKILL)
+        wait_for(lambda: not alive(rank), "the rank's end")
+        for i in range(4):  # round-robin: two of them to the dead replica
+            assert complete(url, f"def f{i}(x):")["choices"][0]["finish_reason"] == "length"
+        wait_for(lambda: all(r["healthy"] for r in replicas(url))
+                 and replicas(url)[0]["pid"] != victim["pid"], "the restart", 240)
+        assert complete(url, "def after(x):")["choices"][0]["finish_reason"] == "length"
 
 
 def test_replicas_serve_lora_adapters_loaded_at_start_and_at_run_time(llama_dir: Path,

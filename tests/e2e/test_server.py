@@ -22,6 +22,7 @@ from kvserve.entrypoints.async_llm import AsyncLLM
 from kvserve.entrypoints.openai.launch import server_process
 from kvserve.entrypoints.openai.server import ServerConfig, build_app
 from kvserve.errors import EngineDeadError, RequestFailedError
+from tests.processes import alive, spawned_children
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -588,41 +589,18 @@ def test_a_killed_tensor_parallel_rank_stops_the_server(llama_dir: Path,
         with server_process(str(llama_dir), ["--tensor-parallel-size", "2"], timeout=300,
                             log=log) as url:
             server_pid = httpx.get(f"{url}/replicas").json()[0]["pid"]
-            rank = max(_spawned_children(server_pid))
+            rank = max(spawned_children(server_pid))
             os.kill(rank, signal.SIGKILL)
-            while _alive(rank):
+            while alive(rank):
                 time.sleep(0.05)
             response = _post(url, COMPLETIONS, {"prompt": "x", "max_tokens": 4})
             _check_error(response, 500)
             assert re.search(r"tensor-parallel rank \d exited", response.text)
             deadline = time.monotonic() + 120
-            while _alive(server_pid):
+            while alive(server_pid):
                 assert time.monotonic() < deadline, "the server went on serving"
                 time.sleep(0.1)
         log.seek(0)
         output = log.read()
     assert re.match(r"kvserve: tensor-parallel rank \d exited", output.splitlines()[-1])
-
-
-def _spawned_children(pid: int) -> list[int]:
-    """The multiprocessing workers `pid` spawned (Linux's /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
-                found.append(int(entry.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    """Running still: neither gone nor a zombie (whose pipes are closed)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 

@@ -6,6 +6,7 @@ the traffic between front end and replica grows with steps, not with tokens time
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Any
 
@@ -18,6 +19,7 @@ from kvserve.entrypoints.async_llm import AsyncLLM
 from kvserve.outputs import EngineStats, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 ReplicaItem = tuple[str, RequestOutput | BaseException]
 
 
@@ -77,13 +79,21 @@ class ReplicaSink:
         self.outbox.hand_off(migrated)
 
 
+def _exit_for_a_restart() -> None:
+    """A replica whose engine died (a tensor-parallel rank killed, say) ends its process, as
+    if killed itself: Ray starts it again, and the front end re-runs the requests it had not
+    started and fails the others. Left alive, it failed every request routed to it."""
+    logger.error("the engine is dead; exiting for Ray to restart this replica")
+    os._exit(1)
+
+
 class EngineReplica:
     """The actor's class; `ClusterLLM` starts it with `ray.remote`. Every method but the
     constructor runs on the actor's event loop."""
 
     def __init__(self, model: str, num_threads: int, **engine_options: Any) -> None:
         torch.set_num_threads(num_threads)
-        self.llm = AsyncLLM(model, **engine_options)
+        self.llm = AsyncLLM(model, on_dead=_exit_for_a_restart, **engine_options)
         self._outbox: Outbox | None = None
 
     async def start(self) -> RequestLimits:

@@ -134,11 +134,15 @@ class AsyncLLM(StreamingLLM):
     """Takes `EngineConfig.create`'s options plus `max_waiting_requests` and `model_name`."""
 
     def __init__(self, model: str, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
-                 model_name: str | None = None, **engine_options: Any) -> None:
+                 model_name: str | None = None, on_dead: Callable[[], None] | None = None,
+                 **engine_options: Any) -> None:
+        """`on_dead` runs on the engine thread once the engine is dead and its requests
+        failed."""
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         super().__init__()
         self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
+        self._on_dead = on_dead
         self.inputs = self.engine.inputs
         self.max_waiting_requests = max_waiting_requests
         self.metrics = EngineMetrics(model_name or model)
@@ -294,6 +298,8 @@ class AsyncLLM(StreamingLLM):
                 f"the engine stopped: {e!r}")
             for request_id in list(self._sinks):
                 self._fail_dead(request_id)
+            if self._on_dead is not None:
+                self._on_dead()
 
     def _fail_dead(self, request_id: str) -> None:
         sink = self._sinks.pop(request_id, None)
