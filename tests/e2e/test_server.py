@@ -549,17 +549,20 @@ def test_a_stop_ends_the_requests_in_flight_then_the_server(
         assert noise not in output, output[output.index(noise) - 200:]
 
 
-def test_a_dead_engine_fails_its_requests_and_health_then_stops_serving(
+def test_a_dead_engine_fails_its_requests_then_answers_503_to_new_ones_and_health(
         llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Anything raised outside a step (here, while the engine thread looks for work) ends the
     engine: the request waiting on it fails where it used to wait forever, then new requests
     and /health answer 503, which a supervisor's probe sees."""
 
+    def lost_the_pool() -> bool:
+        raise RuntimeError("lost the pool")
+
     async def run() -> None:
         llm = AsyncLLM(str(llama_dir))
         app = build_app(llm, ServerConfig(model_name=MODEL))
-        monkeypatch.setattr(llm.engine, "has_unfinished_requests",
-                            lambda: (_ for _ in ()).throw(RuntimeError("lost the pool")))
+        monkeypatch.setattr(llm.engine, "has_unfinished_requests", lost_the_pool)
+
         async def consume() -> None:
             async for _ in llm.generate("x", SamplingParams(max_tokens=4)):
                 pass

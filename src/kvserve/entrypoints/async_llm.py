@@ -136,8 +136,9 @@ class AsyncLLM(StreamingLLM):
     def __init__(self, model: str, max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS,
                  model_name: str | None = None, on_dead: Callable[[], None] | None = None,
                  **engine_options: Any) -> None:
-        """`on_dead` runs on the engine thread once the engine is dead and its requests
-        failed."""
+        """`on_dead` runs on the engine thread once the engine is dead, before anything
+        shows it: a replica ends its process there, for its requests to be recovered
+        elsewhere rather than failed."""
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         super().__init__()
@@ -288,18 +289,18 @@ class AsyncLLM(StreamingLLM):
     def _loop(self) -> None:
         """Steps until shut down. A step that fails fails its requests, and the engine goes
         on; an engine that can step no more (EngineDeadError, or anything raised outside a
-        step) fails them too, then sets `dead` and ends the thread, where it used to leave
-        every request waiting."""
+        step) calls `on_dead`, then sets `dead`, fails its requests and ends the thread,
+        where it used to leave every request waiting."""
         try:
             self._step_until_shut_down()
         except Exception as e:  # noqa: BLE001 (reported through `dead` and each request)
             logger.exception("the engine stopped")
+            if self._on_dead is not None:
+                self._on_dead()
             self.dead = e if isinstance(e, EngineDeadError) else EngineDeadError(
                 f"the engine stopped: {e!r}")
             for request_id in list(self._sinks):
                 self._fail_dead(request_id)
-            if self._on_dead is not None:
-                self._on_dead()
 
     def _fail_dead(self, request_id: str) -> None:
         sink = self._sinks.pop(request_id, None)
