@@ -173,8 +173,9 @@ class StreamRecord:
     error: dict | None = None
 
 
-def read_stream(server: str, prompt: str, record: StreamRecord) -> None:
-    body = {"prompt": prompt, "max_tokens": LONG, "temperature": 0, "stream": True,
+def read_stream(server: str, prompt: str, record: StreamRecord, max_tokens: int = LONG
+                ) -> None:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "logprobs": 0}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=300) as response:
         for line in response.iter_lines():
@@ -214,6 +215,21 @@ def test_a_killed_replica_costs_only_its_own_requests(server: str) -> None:
     assert replicas(server)[0]["pid"] != victim["pid"]
     assert metric(server, "kvserve_kv_blocks_used", "1") == 0
     assert metric(server, "kvserve_kv_blocks_used", "all") == 0
+
+
+def test_sigterm_ends_the_streams_on_the_replicas_then_the_server(llama_dir: Path) -> None:
+    """A stop ends a stream still running on a replica with the shutdown error and [DONE]
+    (the front end fails its streams the way one engine does); the server then stops."""
+    flags = ["--data-parallel-size", "2", "--kv-cache-memory", "0.02", "--streaming-window",
+             "4", "--no-enable-prefix-caching"]  # a stream with no end of its own
+    record = StreamRecord()
+    with server_process(str(llama_dir), flags, timeout=300) as url:
+        thread = threading.Thread(target=read_stream, args=(url, "def f(x):", record),
+                                  kwargs={"max_tokens": 1_000_000})
+        thread.start()
+        assert record.started.wait(120), "the stream never started"
+    thread.join(120)
+    assert record.error is not None and record.error["code"] == "server_shutting_down"
 
 
 def test_a_replica_whose_engine_died_is_restarted(llama_dir: Path) -> None:
