@@ -4,6 +4,8 @@ policy that verifies every draft."""
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,15 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["llama"]
+
+
+def wait_for(condition: Callable[[], object], what: str, seconds: float = 120) -> None:
+    """Polls `condition` until it holds; fails naming `what` after `seconds` (a bound on a
+    hang, not a timing to pass)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
+        time.sleep(0.1)
 
 
 def random_prompts(lengths: list[int], vocab_size: int = 3000, seed: int = 0) -> list[list[int]]:

@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.entrypoints.openai.launch import server_process
 from kvserve.tools.make_lora import make_lora
+from tests.conftest import wait_for
 from tests.processes import alive, spawned_children
 
 pytest.importorskip("ray")
@@ -64,13 +64,6 @@ def metric_total(server: str, name: str) -> float:
 
 def replicas(server: str) -> list[dict]:
     return httpx.get(f"{server}/replicas").json()
-
-
-def wait_for(condition, what: str, seconds: float = 120) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {seconds} s"
-        time.sleep(0.1)
 
 
 def test_replicas_answer_as_one_engine(server: str, llama_dir: Path) -> None:

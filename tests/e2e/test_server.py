@@ -22,6 +22,7 @@ from kvserve.entrypoints.async_llm import AsyncLLM
 from kvserve.entrypoints.openai.launch import server_process
 from kvserve.entrypoints.openai.server import ServerConfig, build_app
 from kvserve.errors import EngineDeadError, RequestFailedError
+from tests.conftest import wait_for
 from tests.processes import alive, spawned_children
 
 API_KEY = "test-key"
@@ -531,10 +532,8 @@ def test_a_stop_ends_the_requests_in_flight_then_the_server(
                 into)) for stream, into in ((True, lines), (False, plain))]
             for reader in readers:
                 reader.start()
-            deadline = time.monotonic() + 120
-            while metric(url, "kvserve_num_requests_running") < 2:
-                assert time.monotonic() < deadline, "the requests never ran"
-                time.sleep(0.05)
+            wait_for(lambda: metric(url, "kvserve_num_requests_running") >= 2,
+                     "both requests' running")
         for reader in readers:
             reader.join()
         log.seek(0)
@@ -594,15 +593,11 @@ def test_a_killed_tensor_parallel_rank_stops_the_server(llama_dir: Path,
             server_pid = httpx.get(f"{url}/replicas").json()[0]["pid"]
             rank = max(spawned_children(server_pid))
             os.kill(rank, signal.SIGKILL)
-            while alive(rank):
-                time.sleep(0.05)
+            wait_for(lambda: not alive(rank), "the rank's end")
             response = _post(url, COMPLETIONS, {"prompt": "x", "max_tokens": 4})
             _check_error(response, 500)
             assert re.search(r"tensor-parallel rank \d exited", response.text)
-            deadline = time.monotonic() + 120
-            while alive(server_pid):
-                assert time.monotonic() < deadline, "the server went on serving"
-                time.sleep(0.1)
+            wait_for(lambda: not alive(server_pid), "the server's own stop")
         log.seek(0)
         output = log.read()
     assert re.match(r"kvserve: tensor-parallel rank \d exited", output.splitlines()[-1])
