@@ -14,6 +14,7 @@ import torch
 from kvserve.errors import CheckpointError
 from kvserve.models.registry import resolve_architecture
 from kvserve.quantization.hub_format import QuantConfig
+from kvserve.sampling_params import SamplingParams
 
 _DTYPES = {
     "float32": torch.float32,
@@ -32,6 +33,11 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 DEFAULT_MAX_WAITING_REQUESTS = 1024  # server: queued requests beyond this get 503
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # server: larger request bodies get 413
+GENERATION_CONFIGS = ("auto", "vllm")  # or a folder holding a generation_config.json
+# generation_config.json's sampling fields, each the default of a SamplingParams field
+GENERATION_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                              "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                              "max_new_tokens": "max_tokens"}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
 
@@ -291,21 +297,68 @@ def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def _read_generation_config(folder: Path) -> dict[str, Any]:
+    """A checkpoint folder's generation_config.json; {} where it has none."""
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"model: {file.name} in {str(folder)!r} is not valid JSON: "
+                              f"{e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"model: {file.name} in {str(folder)!r} must hold a JSON object, "
+                              f"got {type(raw).__name__}")
+    return raw
+
+
 def _eos_ids(raw: dict[str, Any], folder: Path) -> tuple[int, ...]:
     ids: list[int] = []
-    gen_file = folder / "generation_config.json"
-    sources = [raw]
-    if gen_file.is_file():
-        try:
-            sources.insert(0, json.loads(gen_file.read_text()))
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"model: generation_config.json is not valid JSON: {e}") from None
-    for src in sources:
+    for src in (_read_generation_config(folder), raw):
         eos = src.get("eos_token_id")
         for t in eos if isinstance(eos, list) else [eos]:
             if isinstance(t, int) and t not in ids:
                 ids.append(t)
     return tuple(ids)
+
+
+def sampling_defaults(model: str, generation_config: str = "auto",
+                      overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The values a request that leaves a sampling field out gets (vLLM's
+    `--generation-config`): the model author's, from the checkpoint's generation_config.json
+    ("auto"); those of another folder's file; or none ("vllm": SamplingParams' own). Then
+    `overrides`, in the file's names. Each is checked as a request's would be."""
+    raw: dict[str, Any] = {}
+    source = "generation_config"
+    if generation_config != "vllm":
+        folder = Path(model if generation_config == "auto" else generation_config)
+        if generation_config != "auto" and not (folder / "generation_config.json").is_file():
+            raise ValueError(f"generation_config must be auto, vllm or a folder holding a "
+                             f"generation_config.json, got {generation_config!r}")
+        raw, source = _read_generation_config(folder), str(folder / "generation_config.json")
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(GENERATION_SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(f"override_generation_config: {', '.join(unknown)} not among "
+                         f"{', '.join(GENERATION_SAMPLING_FIELDS)}")
+    raw.update(overrides)
+    defaults: dict[str, Any] = {}
+    for key, name in GENERATION_SAMPLING_FIELDS.items():
+        if raw.get(key) is None:
+            continue
+        where, error = (("override_generation_config", ValueError) if key in overrides
+                        else (source, CheckpointError))
+        value = raw[key]
+        kind = int if name in ("top_k", "max_tokens") else int | float
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise error(f"{where}: {key} must be {'an integer' if kind is int else 'a number'}, "
+                        f"got {value!r}")
+        try:
+            defaults[name] = getattr(SamplingParams(**{name: value}), name)
+        except ValueError as e:
+            raise error(f"{where}: {key}: {e}") from None
+    return defaults
 
 
 @dataclass
@@ -445,6 +498,8 @@ class EngineConfig:
     # Schedule step N+1 while the device runs step N (see EngineCore). None: on where it
     # pays and runs, a single CUDA device.
     async_scheduling: bool | None = None
+    # What requests that leave a sampling field out get (see `sampling_defaults`).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -524,7 +579,8 @@ class EngineConfig:
                prompt_lookup_min: int | None = None, prompt_lookup_max: int | None = None,
                lora_modules: dict[str, str] | None = None, max_loras: int = 8,
                blend_recompute_ratio: float = 0.15,
-               async_scheduling: bool | None = None) -> EngineConfig:
+               async_scheduling: bool | None = None, generation_config: str = "auto",
+               override_generation_config: dict[str, Any] | None = None) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
             model=ModelConfig.from_pretrained(model, dtype, device),
@@ -555,6 +611,8 @@ class EngineConfig:
             lora_modules=dict(lora_modules or {}),
             max_loras=max_loras,
             async_scheduling=async_scheduling,
+            sampling_defaults=sampling_defaults(model, generation_config,
+                                                override_generation_config),
         )
 
     @property

@@ -5,14 +5,26 @@ flags for a server a benchmark starts as a subprocess."""
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from kvserve.config import (
+    GENERATION_SAMPLING_FIELDS,
     PREEMPTION_MODES,
     SCHEDULER_POLICIES,
     SCHEDULING_POLICIES,
     GiB,
 )
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
 
 
 def _lora_module(value: str) -> tuple[str, str]:
@@ -108,6 +120,16 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                             help="PEFT LoRA adapters to load, each served as model NAME")),
     ("--max-loras", dict(type=int, default=8, help="most LoRA adapters loaded at once "
                                                    "(default 8)")),
+    ("--generation-config", dict(default="auto",
+                                 help="the sampling defaults of requests that leave a field "
+                                      "out: auto (default: the model's generation_config.json"
+                                      ", its " + ", ".join(GENERATION_SAMPLING_FIELDS) + "), "
+                                      "vllm (none: temperature 1, no top-p or top-k...) or a "
+                                      "folder holding another generation_config.json")),
+    ("--override-generation-config", dict(type=_json_object, default=None, metavar="JSON",
+                                          help="sampling defaults set over the generation "
+                                               "config's, as a JSON object in its names, e.g. "
+                                               "'{\"temperature\": 0.5}'")),
     ("--blend-recompute-ratio", dict(type=float, default=0.15,
                                      help="CacheBlend: for a prompt given as segments, the "
                                           "share of reused chunk tokens recomputed in context "
@@ -156,5 +178,5 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         elif flag == "--lora-modules":
             flags += [flag, *(f"{name}={path}" for name, path in value)] if value else []
         elif value is not None:
-            flags += [flag, str(value)]
+            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags

@@ -110,8 +110,10 @@ class SamplingParams:
         _check(0.0 <= self.temperature <= MAX_SCALE, "temperature",
                f"must be in [0, {MAX_SCALE:g}]", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
-        _check(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1",
-               self.top_k)
+        _check(self.top_k in (-1, 0) or self.top_k >= 1, "top_k",
+               "must be -1 or 0 (off) or >= 1", self.top_k)
+        if self.top_k == 0:  # vLLM's and Hugging Face's spelling of off
+            self.top_k = -1
         _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
         _check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_SCALE,
                "repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_SCALE:g}]",

@@ -15,7 +15,7 @@ VOCAB = 3000
 EDGES = {
     "temperature": [0.0, 1e-300, 9.9e-6, 1e-5, 1.0, 1e6],
     "top_p": [1e-300, 0.5, 1.0],
-    "top_k": [-1, 1, 2, 10**12],
+    "top_k": [-1, 0, 1, 2, 10**12],
     "min_p": [0.0, 1e-300, 1.0],
     "repetition_penalty": [1e-6, 1.0, 1e6],
     "presence_penalty": [-2.0, 2.0],

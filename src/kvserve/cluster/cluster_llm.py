@@ -127,7 +127,8 @@ class ClusterLLM(StreamingLLM):
         super().__init__()
         ray = import_ray()
         # Bad options fail here, not in every replica.
-        self.max_num_seqs = EngineConfig.create(model, **engine_options).scheduler.max_num_seqs
+        config = EngineConfig.create(model, **engine_options)
+        self.max_num_seqs = config.scheduler.max_num_seqs
         tokenizer = load_tokenizer(model)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
@@ -147,7 +148,7 @@ class ClusterLLM(StreamingLLM):
         for replica, pid in zip(self.replicas, ray.get([r.actor.pid.remote()
                                                         for r in self.replicas]), strict=True):
             replica.pid = pid
-        self.inputs = InputProcessor(tokenizer, limits)
+        self.inputs = InputProcessor(tokenizer, limits, config.sampling_defaults)
         self.router = make_router(router, len(self.layout.entry), limits.num_kv_blocks)
         self.max_waiting_requests = max_waiting_requests * data_parallel_size
         self.migration_threshold = migration_threshold

@@ -86,10 +86,17 @@ class ParentRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: RequestLimits) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, limits: RequestLimits,
+                 sampling_defaults: dict[str, Any] | None = None) -> None:
+        """`sampling_defaults`: what a request that leaves a sampling field out gets
+        (`EngineConfig.sampling_defaults`)."""
         self.tokenizer = tokenizer
         self.limits = limits
+        self.sampling_defaults = dict(sampling_defaults or {})
         self._ids = itertools.count()
+
+    def default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.sampling_defaults)
 
     @property
     def max_model_len(self) -> int:

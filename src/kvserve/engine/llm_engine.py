@@ -42,7 +42,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config.model.path)
         self.core = EngineCore(config)
-        self.inputs = InputProcessor(self.tokenizer, self.request_limits())
+        self.inputs = InputProcessor(self.tokenizer, self.request_limits(),
+                                     config.sampling_defaults)
         self.lora_names: set[str] = set()
         self._lora_loads: dict[str, int] = {}  # name -> times loaded, for the KV's hashes
         for name in config.lora_modules:  # the runner loaded them as it started

@@ -16,8 +16,12 @@ def _generate(args: argparse.Namespace) -> None:
     from kvserve import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.sampling_seed,
+    given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k",
+                                                    "max_tokens")
+             if getattr(args, name) is not None}
+    # Greedy, 64 tokens, where neither the flags nor the model's generation config say.
+    defaults = {"temperature": 0.0, "max_tokens": 64, **llm.engine.inputs.sampling_defaults}
+    params = SamplingParams(**{**defaults, **given}, seed=args.sampling_seed,
                             stop=args.stop or [], ignore_eos=args.ignore_eos)
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if args.chat:
@@ -109,10 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="repeat for several prompts")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    for flag, kind, fallback in (("--max-tokens", int, "64"), ("--temperature", float, "0"),
+                                 ("--top-p", float, "1"), ("--top-k", int, "-1: off")):
+        gen.add_argument(flag, type=kind, default=None,
+                         help=f"default: the generation config's (see --generation-config), "
+                              f"else {fallback}")
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--stop", action="append")
     gen.add_argument("--ignore-eos", action="store_true")

@@ -38,6 +38,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the model's
+        generation_config.json defaults (see the `generation_config` option), else
+        SamplingParams()."""
+        return self.engine.inputs.default_sampling_params()
+
     def get_stats(self) -> EngineStats:
         """Queues, KV blocks (in use and peak) and prefix-cache counters since start."""
         return self.engine.stats()
@@ -67,7 +73,7 @@ class LLM:
             prompts = [{**(p if isinstance(p, dict) else {"prompt": p}), "priority": level}
                        for p, level in zip(prompts, priority, strict=True)]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         if len(params) != len(prompts):

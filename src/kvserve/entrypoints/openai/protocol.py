@@ -90,23 +90,29 @@ class SamplingRequest(BaseModel):
                    "tenant": self.user, "lora_name": self._lora_name}
         return {**prompt, **{k: v for k, v in options.items() if v is not None}}
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None,
+    def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None,
+                        logprobs: int | None, prompt_logprobs: int | None = None,
                         structured_output: StructuredOutputParams | None = None
                         ) -> SamplingParams:
-        """`structured_output`: the output's format where the route sets it (a tool
-        choice), in place of the request's own."""
+        """`defaults`: the served model's values for the fields this request leaves out
+        (its generation_config.json's); `max_tokens` takes its default where it is None.
+        `structured_output`: the output's format where the route sets it (a tool choice), in
+        place of the request's own."""
         unsupported = [name for name, value in (
             ("bad_words", self.bad_words),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens),
             ("use_beam_search", self.use_beam_search)) if value not in (None, False)]
         if unsupported:
             raise ValueError(f"{unsupported[0]} is not supported by this server")
-        return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+        chosen = {name: value for name, value in defaults.items()
+                  if name != "max_tokens" and name not in self.model_fields_set}
+        return SamplingParams(**{
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "repetition_penalty": self.repetition_penalty, **chosen},
+            n=self.n, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed,
+            max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
+            min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import secrets
 import signal
@@ -316,6 +317,10 @@ def serve(llm: ServingBackend, config: ServerConfig, host: str, port: int) -> No
           f"try:  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
           f"-d '{{\"model\": \"{config.model_name}\", \"prompt\": \"def fibonacci(n):\", "
           f"\"max_tokens\": 32}}'", flush=True)
+    if llm.inputs.sampling_defaults:
+        logger.info("requests that leave these sampling fields out get the generation "
+                    "config's values: %s (--generation-config vllm: none)",
+                    json.dumps(llm.inputs.sampling_defaults))
     # Everything loaded so far (torch, transformers, the model) lives as long as the server:
     # keep it out of the collector, whose full passes over it would hold the GIL for
     # 100+ ms and stall the HTTP loop. Unfrozen at the end, so that the interpreter's last

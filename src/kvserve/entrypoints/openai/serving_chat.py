@@ -77,7 +77,8 @@ class ChatServer(Serving):
         max_tokens = (request.max_completion_tokens if request.max_completion_tokens is not None
                       else request.max_tokens)
         params = request.sampling_params(
-            max_tokens, (request.top_logprobs or 0) if request.logprobs else None,
+            self.llm.inputs.sampling_defaults, max_tokens,
+            (request.top_logprobs or 0) if request.logprobs else None,
             structured_output=plan.constraint)
         if plan.mode == AUTO and self.parser.keeps_special_tokens:
             params = dataclasses.replace(params, skip_special_tokens=False)

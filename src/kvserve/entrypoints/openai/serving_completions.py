@@ -95,7 +95,8 @@ class CompletionServer(Serving):
         prompt_logprobs = request.prompt_logprobs
         if request.echo and prompt_logprobs is None:
             prompt_logprobs = request.logprobs
-        params = request.sampling_params(1 if request.echo_only else request.max_tokens,
+        params = request.sampling_params(self.llm.inputs.sampling_defaults,
+                                         1 if request.echo_only else request.max_tokens,
                                          request.logprobs, prompt_logprobs)
         return params, self.llm.add_requests(prompts_of(request), params)
 
