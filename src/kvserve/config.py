@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import torch
 
 from kvserve.errors import CheckpointError
@@ -361,6 +362,26 @@ def sampling_defaults(model: str, generation_config: str = "auto",
     return defaults
 
 
+def resolve_chat_template(chat_template: str | None) -> str | None:
+    """vLLM's `--chat-template`: a Jinja template given inline (it holds a `{`), or the file
+    that holds one; checked for syntax here, at start-up, not at the first chat request."""
+    if chat_template is None:
+        return None
+    text = chat_template
+    if "{" not in chat_template:
+        try:
+            text = Path(chat_template).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat_template: neither a Jinja template nor a readable file: "
+                             f"{e}") from None
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: not a valid Jinja template (line {e.lineno}: "
+                         f"{e.message})") from None
+    return text
+
+
 @dataclass
 class CacheConfig:
     block_size: int = 16
@@ -500,6 +521,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # What requests that leave a sampling field out get (see `sampling_defaults`).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None  # in place of the tokenizer's own
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -580,7 +602,8 @@ class EngineConfig:
                lora_modules: dict[str, str] | None = None, max_loras: int = 8,
                blend_recompute_ratio: float = 0.15,
                async_scheduling: bool | None = None, generation_config: str = "auto",
-               override_generation_config: dict[str, Any] | None = None) -> EngineConfig:
+               override_generation_config: dict[str, Any] | None = None,
+               chat_template: str | None = None) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults."""
         return cls(
             model=ModelConfig.from_pretrained(model, dtype, device),
@@ -613,6 +636,7 @@ class EngineConfig:
             async_scheduling=async_scheduling,
             sampling_defaults=sampling_defaults(model, generation_config,
                                                 override_generation_config),
+            chat_template=resolve_chat_template(chat_template),
         )
 
     @property

@@ -130,6 +130,10 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                           help="sampling defaults set over the generation "
                                                "config's, as a JSON object in its names, e.g. "
                                                "'{\"temperature\": 0.5}'")),
+    ("--chat-template", dict(default=None,
+                             help="a Jinja chat template, or the file that holds one, in place "
+                                  "of the tokenizer's own (for a model that has none, or a "
+                                  "fixed one)")),
     ("--blend-recompute-ratio", dict(type=float, default=0.15,
                                      help="CacheBlend: for a prompt given as segments, the "
                                           "share of reused chunk tokens recomputed in context "

@@ -128,8 +128,10 @@ class ClusterLLM(StreamingLLM):
         ray = import_ray()
         # Bad options fail here, not in every replica.
         config = EngineConfig.create(model, **engine_options)
+        # The template itself, not a file that another node of the cluster may not have.
+        engine_options["chat_template"] = config.chat_template
         self.max_num_seqs = config.scheduler.max_num_seqs
-        tokenizer = load_tokenizer(model)
+        tokenizer = load_tokenizer(model, config.chat_template)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=True,

@@ -40,7 +40,7 @@ class MigratedRequest:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.path)
+        self.tokenizer = load_tokenizer(config.model.path, config.chat_template)
         self.core = EngineCore(config)
         self.inputs = InputProcessor(self.tokenizer, self.request_limits(),
                                      config.sampling_defaults)

@@ -1,6 +1,7 @@
-"""A checkpoint's generation_config.json sets the sampling defaults of requests that leave a
-field out (vLLM's `--generation-config auto`), offline and through the server; a field the
-request sets wins, and `vllm` turns the file off."""
+"""What a checkpoint's files set for requests, and the options that replace them: its
+generation_config.json sets the sampling defaults of requests that leave a field out (vLLM's
+`--generation-config auto`; a field the request sets wins, and `vllm` turns the file off), and
+`--chat-template` stands in for its tokenizer's chat template."""
 
 from __future__ import annotations
 
@@ -23,14 +24,19 @@ PROMPT = "def fibonacci(n):"
 AUTHORS = {"temperature": 0.0, "top_k": 0, "repetition_penalty": 1.5, "max_new_tokens": 5}
 
 
-def with_generation_config(model: Path, folder: Path, fields: dict) -> Path:
-    """The model's files, with a generation_config.json of `fields` (and its EOS id)."""
+def with_file(model: Path, folder: Path, name: str, content: dict) -> Path:
+    """The model's files, with `name` written anew as `content`."""
     folder.mkdir()
     for file in model.iterdir():
         (folder / file.name).symlink_to(file)
-    (folder / "generation_config.json").unlink()
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **fields}))
+    (folder / name).unlink()
+    (folder / name).write_text(json.dumps(content))
     return folder
+
+
+def with_generation_config(model: Path, folder: Path, fields: dict) -> Path:
+    """The model's files, with a generation_config.json of `fields` (and its EOS id)."""
+    return with_file(model, folder, "generation_config.json", {"eos_token_id": 2, **fields})
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +129,28 @@ def test_the_flags_reach_the_engine_and_survive_a_round_trip():
     assert kwargs["override_generation_config"] == {"temperature": 0.5, "top_p": 0.9}
     with pytest.raises(SystemExit):
         parse("--model", "m", "--override-generation-config", "[1]")
+
+
+ROLES = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+
+
+def test_a_chat_template_given_stands_in_for_the_tokenizers_own(llama_dir: Path,
+                                                               tmp_path: Path):
+    own = json.loads((llama_dir / "tokenizer_config.json").read_text())
+    del own["chat_template"]
+    bare = with_file(llama_dir, tmp_path / "bare", "tokenizer_config.json", own)
+    hello = [{"role": "user", "content": "hello"}]
+    with pytest.raises(ValueError, match="the model has no chat template"):
+        LLM(str(bare)).chat(hello)
+    (tmp_path / "roles.jinja").write_text(ROLES)
+    for given in (ROLES, str(tmp_path / "roles.jinja")):  # inline, or its file
+        llm = LLM(str(bare), chat_template=given)
+        want = llm.get_tokenizer().encode("[user] hello\n")
+        out = llm.chat(hello, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+        assert out.prompt_token_ids == want
+    with pytest.raises(ValueError, match="chat_template: neither a Jinja template nor a "
+                                         "readable file"):
+        LLM(str(bare), chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="chat_template: not a valid Jinja template "
+                                         r"\(line 1: "):
+        LLM(str(bare), chat_template="{% for m in messages %}")
