@@ -602,3 +602,58 @@ def test_a_killed_tensor_parallel_rank_stops_the_server(llama_dir: Path,
         output = log.read()
     assert re.match(r"kvserve: tensor-parallel rank \d exited", output.splitlines()[-1])
 
+
+
+def test_browser_pages_of_allowed_origins_may_call_the_api(llama_dir: Path) -> None:
+    """CORS, as vLLM's server answers it: a preflight passes before the key check (a browser
+    sends it without the key), and every response, an error too, names the origin allowed;
+    a page of another origin is refused."""
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+
+    async def run() -> None:
+        llm = AsyncLLM(str(llama_dir))
+        try:
+            for origins, page, allowed in ((("*",), "http://any.example", "*"),
+                                           (("http://ui.example",), "http://ui.example",
+                                            "http://ui.example")):
+                app = build_app(llm, ServerConfig(model_name=MODEL, api_key="k",
+                                                  allowed_origins=origins))
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://t",
+                                             headers={"Origin": page}) as client:
+                    answer = await client.options(COMPLETIONS, headers=preflight)
+                    assert answer.status_code == 200
+                    assert answer.headers["access-control-allow-origin"] == allowed
+                    assert "authorization" in answer.headers["access-control-allow-headers"]
+                    keyless = await client.post(COMPLETIONS, json={"prompt": "x"})
+                    assert keyless.status_code == 401
+                    assert keyless.headers["access-control-allow-origin"] == allowed
+                    done = await client.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2},
+                                             headers={"Authorization": "Bearer k"})
+                    assert done.status_code == 200
+                    assert done.headers["access-control-allow-origin"] == allowed
+                    other = await client.options(COMPLETIONS, headers={
+                        **preflight, "Origin": "http://elsewhere.example"})
+                    assert other.status_code == (200 if allowed == "*" else 400)
+            closed = build_app(llm, ServerConfig(model_name=MODEL, allowed_origins=()))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=closed),
+                                         base_url="http://t") as client:
+                answer = await client.options(COMPLETIONS, headers={
+                    **preflight, "Origin": "http://any.example"})
+                assert answer.status_code == 405
+                assert "access-control-allow-origin" not in answer.headers
+        finally:
+            llm.shutdown()
+
+    asyncio.run(run())
+
+
+def test_allowed_origins_take_vllms_json_list_too() -> None:
+    from kvserve.entrypoints.cli import _origins
+
+    assert _origins(["*"]) == ("*",)
+    assert _origins(["http://a", "http://b"]) == ("http://a", "http://b")
+    assert _origins(['["http://a"]']) == ("http://a",) and _origins(["[]"]) == ()
+    with pytest.raises(ValueError, match="--allowed-origins: not a JSON list"):
+        _origins(["[http://a"])

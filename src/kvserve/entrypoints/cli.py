@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -64,8 +65,22 @@ def _serve(args: argparse.Namespace) -> None:
                           tool_call_parser=args.tool_call_parser
                           if args.enable_auto_tool_choice else None,
                           reasoning_parser=args.reasoning_parser,
-                          shutdown_timeout=args.shutdown_timeout)
+                          shutdown_timeout=args.shutdown_timeout,
+                          allowed_origins=_origins(args.allowed_origins))
     serve(llm, config, args.host, args.port)
+
+
+def _origins(values: list[str]) -> tuple[str, ...]:
+    """`--allowed-origins` as origins, or as vLLM's JSON list (`'[]'`: none)."""
+    if len(values) != 1 or not values[0].startswith("["):
+        return tuple(values)
+    try:
+        origins = json.loads(values[0])
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--allowed-origins: not a JSON list of origins ({e})") from None
+    if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+        raise ValueError(f"--allowed-origins: expected a JSON list of origins, got {values[0]}")
+    return tuple(origins)
 
 
 def _make_model(args: argparse.Namespace) -> None:
@@ -140,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="on SIGTERM or Ctrl+C, stop taking connections and give the "
                           "requests in flight this many seconds to finish before aborting "
                           "them (default 0: abort them at once)")
+    srv.add_argument("--allowed-origins", nargs="+", default=["*"], metavar="ORIGIN",
+                     help="the origins whose browser pages may call the API (CORS; default "
+                          "*: any, as vLLM's and llama.cpp's servers allow), such as "
+                          "http://localhost:3000; vLLM's JSON list form too ('[]': none)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help='let the model decide whether to call a tool (tool_choice "auto", '
                           "the default with tools): needs --tool-call-parser")

@@ -21,6 +21,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -63,6 +64,8 @@ class ServerConfig:
     tool_call_parser: str | None = None  # set: tool_choice "auto" finds calls with it
     reasoning_parser: str | None = None  # set: the thinking comes as reasoning_content
     shutdown_timeout: float = 0.0  # seconds requests in flight get to finish on SIGTERM/Ctrl+C
+    # CORS: the origins whose browser pages may call the API ("*": any, as vLLM's default)
+    allowed_origins: tuple[str, ...] = ("*",)
 
 
 class APIError(Exception):
@@ -225,6 +228,12 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
                 return APIError(401, "a valid API key is required (Authorization: Bearer ...)",
                                 "authentication_error", code="invalid_api_key").response()
         return await call_next(request)
+
+    if config.allowed_origins:
+        # Outermost: a browser's preflight is answered before the key check (it carries no
+        # key), and every response, a 401 too, carries the headers that let the page read it.
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
 
     def check_model(name: str | None) -> None:
         if name is not None and name != config.model_name and name not in llm.lora_names:
