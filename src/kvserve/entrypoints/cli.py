@@ -66,7 +66,9 @@ def _serve(args: argparse.Namespace) -> None:
                           if args.enable_auto_tool_choice else None,
                           reasoning_parser=args.reasoning_parser,
                           shutdown_timeout=args.shutdown_timeout,
-                          allowed_origins=_origins(args.allowed_origins))
+                          allowed_origins=_origins(args.allowed_origins),
+                          access_log=not args.disable_uvicorn_access_log,
+                          timeout_keep_alive=args.timeout_keep_alive)
     serve(llm, config, args.host, args.port)
 
 
@@ -159,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the origins whose browser pages may call the API (CORS; default "
                           "*: any, as vLLM's and llama.cpp's servers allow), such as "
                           "http://localhost:3000; vLLM's JSON list form too ('[]': none)")
+    srv.add_argument("--timeout-keep-alive", type=positive_int, default=65,
+                     help="seconds an idle keep-alive connection stays open (default 65: "
+                          "longer than clients and load balancers keep theirs, so that a "
+                          "connection a client reuses is never closed under it)")
+    srv.add_argument("--disable-uvicorn-access-log", action="store_true",
+                     help="no log line per HTTP request")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help='let the model decide whether to call a tool (tool_choice "auto", '
                           "the default with tools): needs --tool-call-parser")

@@ -66,6 +66,12 @@ class ServerConfig:
     shutdown_timeout: float = 0.0  # seconds requests in flight get to finish on SIGTERM/Ctrl+C
     # CORS: the origins whose browser pages may call the API ("*": any, as vLLM's default)
     allowed_origins: tuple[str, ...] = ("*",)
+    access_log: bool = True  # a log line per HTTP request
+    # Seconds an idle keep-alive connection stays open: longer than clients keep theirs
+    # (httpx and the OpenAI SDK 5, aiohttp 15, a cloud load balancer's 60), so that the client
+    # always closes first. At uvicorn's default, 5, the server closed connections that a client
+    # was reusing at that moment, and the request on it failed with a connection reset.
+    timeout_keep_alive: int = 65
 
 
 class APIError(Exception):
@@ -341,8 +347,8 @@ def serve(llm: ServingBackend, config: ServerConfig, host: str, port: int) -> No
     # through the handler it found: with the default one the process died there, before the
     # engine's shutdown, and tensor-parallel workers printed tracebacks as their pipes closed.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    server = _DrainingServer(uvicorn.Config(build_app(llm, config), host=host, port=port,
-                                            log_level="info"), llm, config.shutdown_timeout)
+    server = _DrainingServer(uvicorn_config(build_app(llm, config), config, host, port), llm,
+                             config.shutdown_timeout)
     try:
         server.run()
     except KeyboardInterrupt:  # Ctrl+C, raised again once the server has stopped
@@ -352,6 +358,12 @@ def serve(llm: ServingBackend, config: ServerConfig, host: str, port: int) -> No
         gc.unfreeze()
     if llm.dead is not None:  # a failure, for the supervisor to restart the server
         raise SystemExit(f"kvserve: {llm.dead}")
+
+
+def uvicorn_config(app: FastAPI, config: ServerConfig, host: str, port: int) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level="info",
+                          access_log=config.access_log,
+                          timeout_keep_alive=config.timeout_keep_alive)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
