@@ -34,7 +34,6 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 DEFAULT_MAX_WAITING_REQUESTS = 1024  # server: queued requests beyond this get 503
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # server: larger request bodies get 413
-GENERATION_CONFIGS = ("auto", "vllm")  # or a folder holding a generation_config.json
 # generation_config.json's sampling fields, each the default of a SamplingParams field
 GENERATION_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                               "min_p": "min_p", "repetition_penalty": "repetition_penalty",
