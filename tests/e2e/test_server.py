@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import signal
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import trustme
 import uvicorn
 
 from kvserve import LLM, SamplingParams
@@ -665,34 +668,63 @@ def test_allowed_origins_take_vllms_json_list_too() -> None:
         _origins(["[http://a"])
 
 
-def test_an_idle_keep_alive_connection_stays_open_longer_than_clients_keep_theirs() -> None:
-    """The server closes an idle connection after --timeout-keep-alive seconds: by default
-    longer than clients keep one (httpx 5, aiohttp 15), so that the client closes first. At
-    uvicorn's 5, the server closed connections that clients were reusing at that moment (91
-    in 3,000 requests, some reset mid-request). Here the value reaches uvicorn, and with 1 s
-    the connection serves two requests, then the server closes it."""
-    from kvserve.entrypoints.cli import build_parser
+class _Idle:  # what the routes these tests call (/health) ask of the engine
+    dead = None
+
+
+@contextlib.contextmanager
+def _uvicorn_in_thread(config: ServerConfig) -> Iterator[int]:
+    """A server as `serve` configures it, on a free port of its own thread, without an
+    engine; yields the port."""
     from kvserve.entrypoints.openai.server import uvicorn_config
 
-    assert build_parser().parse_args(["serve", "m"]).timeout_keep_alive > 15
-
-    class Idle:  # /health is all this test asks of the engine
-        dead = None
-
-    config = ServerConfig(model_name=MODEL, timeout_keep_alive=1)
     port = free_port()
-    settings = uvicorn_config(build_app(Idle(), config), config, "127.0.0.1", port)
-    assert settings.timeout_keep_alive == 1
-    server = uvicorn.Server(settings)
+    server = uvicorn.Server(uvicorn_config(build_app(_Idle(), config), config, "127.0.0.1",
+                                           port))
     thread = threading.Thread(target=server.run)
     thread.start()
     try:
         wait_for(lambda: server.started, "the server's start")
-        with socket.create_connection(("127.0.0.1", port), timeout=60) as connection:
-            for _ in range(2):  # kept alive between requests
-                connection.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
-                assert connection.recv(4096).startswith(b"HTTP/1.1 200")
-            assert connection.recv(1) == b""  # then closed by the server, once idle
+        yield port
     finally:
         server.should_exit = True
         thread.join()
+
+
+def test_an_idle_keep_alive_connection_stays_open_longer_than_clients_keep_theirs() -> None:
+    """The server closes an idle connection after --timeout-keep-alive seconds: by default
+    longer than clients keep one (httpx 5, aiohttp 15), so that the client closes first. At
+    uvicorn's 5, the server closed connections that clients were reusing at that moment (91
+    in 3,000 requests, some reset mid-request). Here, with 1 s, the connection serves two
+    requests, then the server closes it."""
+    from kvserve.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "m"]).timeout_keep_alive > 15
+    config = ServerConfig(model_name=MODEL, timeout_keep_alive=1)
+    with (_uvicorn_in_thread(config) as port,
+          socket.create_connection(("127.0.0.1", port), timeout=60) as connection):
+        for _ in range(2):  # kept alive between requests
+            connection.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert connection.recv(4096).startswith(b"HTTP/1.1 200")
+        assert connection.recv(1) == b""  # then closed by the server, once idle
+
+
+def test_https_with_a_key_and_certificate(tmp_path: Path) -> None:
+    """--ssl-keyfile and --ssl-certfile serve HTTPS; a key without its certificate, or
+    files that do not load, are refused before any model would load."""
+    authority = trustme.CA()
+    issued = authority.issue_cert("127.0.0.1")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    issued.private_key_pem.write_to_path(str(key))
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    config = ServerConfig(model_name=MODEL, ssl_keyfile=str(key), ssl_certfile=str(cert))
+    with _uvicorn_in_thread(config) as port:
+        trusting = ssl.create_default_context()
+        authority.configure_trust(trusting)
+        assert httpx.get(f"https://127.0.0.1:{port}/health", verify=trusting).status_code == 200
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/health")  # plain HTTP is not served there
+    with pytest.raises(ValueError, match="give both"):
+        ServerConfig(model_name=MODEL, ssl_keyfile=str(key))
+    with pytest.raises(ValueError, match="cannot load them as a certificate and its key"):
+        ServerConfig(model_name=MODEL, ssl_keyfile=str(cert), ssl_certfile=str(cert))

@@ -42,6 +42,17 @@ def _serve(args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     name = args.served_model_name or args.model
+    # The server's options fail here, before the model loads.
+    config = ServerConfig(model_name=name, api_key=args.api_key or None,
+                          max_request_bytes=args.max_request_bytes,
+                          tool_call_parser=args.tool_call_parser
+                          if args.enable_auto_tool_choice else None,
+                          reasoning_parser=args.reasoning_parser,
+                          shutdown_timeout=args.shutdown_timeout,
+                          allowed_origins=_origins(args.allowed_origins),
+                          access_log=not args.disable_uvicorn_access_log,
+                          timeout_keep_alive=args.timeout_keep_alive,
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     options = dict(engine_kwargs(args), model_name=name,
                    max_waiting_requests=args.max_waiting_requests)
     disaggregated = args.prefill_replicas or args.decode_replicas
@@ -60,15 +71,6 @@ def _serve(args: argparse.Namespace) -> None:
         from kvserve.entrypoints.async_llm import AsyncLLM
 
         llm = AsyncLLM(**options)
-    config = ServerConfig(model_name=name, api_key=args.api_key or None,
-                          max_request_bytes=args.max_request_bytes,
-                          tool_call_parser=args.tool_call_parser
-                          if args.enable_auto_tool_choice else None,
-                          reasoning_parser=args.reasoning_parser,
-                          shutdown_timeout=args.shutdown_timeout,
-                          allowed_origins=_origins(args.allowed_origins),
-                          access_log=not args.disable_uvicorn_access_log,
-                          timeout_keep_alive=args.timeout_keep_alive)
     serve(llm, config, args.host, args.port)
 
 
@@ -165,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds an idle keep-alive connection stays open (default 65: "
                           "longer than clients and load balancers keep theirs, so that a "
                           "connection a client reuses is never closed under it)")
+    srv.add_argument("--ssl-keyfile", default=None,
+                     help="serve HTTPS: the PEM file of the server's private key (with "
+                          "--ssl-certfile)")
+    srv.add_argument("--ssl-certfile", default=None,
+                     help="serve HTTPS: the PEM file of the server's certificate (chain)")
     srv.add_argument("--disable-uvicorn-access-log", action="store_true",
                      help="no log line per HTTP request")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",

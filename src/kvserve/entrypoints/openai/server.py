@@ -14,6 +14,7 @@ import logging
 import secrets
 import signal
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,22 @@ class ServerConfig:
     # always closes first. At uvicorn's default, 5, the server closed connections that a client
     # was reusing at that moment, and the request on it failed with a connection reset.
     timeout_keep_alive: int = 65
+    # HTTPS: the PEM files of the server's private key and certificate (both, or neither)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+
+    def __post_init__(self) -> None:
+        """Checks the key and certificate load together, before a model does."""
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile: give both (the key and its "
+                             "certificate) or neither")
+        if self.ssl_certfile is not None:
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                    self.ssl_certfile, self.ssl_keyfile)
+            except (OSError, ssl.SSLError) as e:
+                raise ValueError(f"ssl_certfile and ssl_keyfile: cannot load them as a "
+                                 f"certificate and its key: {e}") from None
 
 
 class APIError(Exception):
@@ -326,7 +343,7 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
 
 
 def serve(llm: ServingBackend, config: ServerConfig, host: str, port: int) -> None:
-    url = f"http://{host}:{port}"
+    url = f"{'https' if config.ssl_certfile else 'http'}://{host}:{port}"
     auth = ' -H "Authorization: Bearer $KVSERVE_API_KEY"' if config.api_key else ""
     print(f"kvserve: serving {config.model_name!r} at {url}/v1\n"
           f"try:  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
@@ -363,7 +380,8 @@ def serve(llm: ServingBackend, config: ServerConfig, host: str, port: int) -> No
 def uvicorn_config(app: FastAPI, config: ServerConfig, host: str, port: int) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, log_level="info",
                           access_log=config.access_log,
-                          timeout_keep_alive=config.timeout_keep_alive)
+                          timeout_keep_alive=config.timeout_keep_alive,
+                          ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
