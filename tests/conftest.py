@@ -3,7 +3,9 @@ policy that verifies every draft."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +53,28 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["llama"]
+
+
+# Rotary embeddings beyond the plain one: YaRN on two of the tiny checkpoints (a 256-token
+# original context stretched 8x, so the limit grows past max_position_embeddings), and a
+# Phi-3 checkpoint (fused q/k/v and gate/up, 3/4 of each head rotated, LongRoPE from 256
+# positions, a sliding window).
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256}
+PHI3_ORIGINAL_CONTEXT = 256
+
+
+@pytest.fixture(scope="session")
+def rope_dirs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+              ) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("rope")
+    dirs = {"phi3": make_model("tiny", root / "phi3", arch="phi3",
+                               sliding_window=SLIDING_WINDOW)}
+    for arch in ("llama", "qwen3"):
+        dirs[f"{arch}-yarn"] = path = root / f"{arch}-yarn"
+        shutil.copytree(model_dirs[arch], path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(config | {"rope_scaling": YARN}))
+    return dirs
 
 
 def wait_for(condition: Callable[[], object], what: str, seconds: float = 120) -> None:

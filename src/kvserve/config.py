@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -13,6 +14,7 @@ import jinja2
 import torch
 
 from kvserve.errors import CheckpointError
+from kvserve.layers.rotary import ROPE_TYPES
 from kvserve.models.registry import resolve_architecture
 from kvserve.quantization.hub_format import QuantConfig
 from kvserve.sampling_params import SamplingParams
@@ -110,6 +112,7 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
+    # The frequency scaling's parameters, resolved (see `_rope_parameters`); None if unscaled.
     rope_scaling: dict[str, Any] | None
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -117,6 +120,7 @@ class ModelConfig:
     sliding_window: int | None
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = ()
+    rotary_dim: int = 0  # the leading dimensions of a head that rotate; 0 = all of them
     quantization: QuantConfig | None = None  # a quantized checkpoint's format
     moe: MoEConfig | None = None  # a mixture-of-experts model's experts
 
@@ -144,7 +148,11 @@ class ModelConfig:
             raise CheckpointError(
                 f"model: num_attention_heads ({num_heads}) must be a multiple of "
                 f"num_key_value_heads ({num_kv_heads})")
-        rope = _rope_parameters(raw)
+        _check_activation(raw)
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        max_positions = int(raw.get("max_position_embeddings", 2048))
+        rope = _rope_parameters(raw, dict(arch.rope_aliases), head_dim, max_positions)
+        rotary_dim = rope.pop("rotary_dim")
         sliding_window = raw.get("sliding_window") if arch.uses_sliding_window(raw) else None
         num_layers = int(raw["num_hidden_layers"])
         moe = MoEConfig.from_hf(raw, arch.moe, num_layers) if arch.moe else None
@@ -159,8 +167,8 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=int(raw.get("head_dim") or hidden // num_heads),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            head_dim=head_dim,
+            max_position_embeddings=max_positions,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.pop("rope_theta", 10000.0)),
             rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
@@ -170,6 +178,7 @@ class ModelConfig:
             sliding_window=int(sliding_window) if sliding_window else None,
             dtype=resolve_dtype(dtype, raw, device),
             eos_token_ids=_eos_ids(raw, folder),
+            rotary_dim=rotary_dim,
             quantization=quantization,
             moe=moe,
         )
@@ -197,6 +206,20 @@ class ModelConfig:
         sparse = len(moe.sparse_layers)
         return ((self.num_layers - sparse) * self.intermediate_size + sparse * (
             moe.top_k * moe.intermediate_size + moe.shared_expert_intermediate_size))
+
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the model takes: max_position_embeddings, stretched by a
+        linear or YaRN scaling's factor (as vLLM reads them; llama3's and LongRoPE's
+        max_position_embeddings already count theirs)."""
+        scaling = self.rope_scaling or {}
+        kind = scaling.get("rope_type")
+        if kind == "linear":
+            return int(self.max_position_embeddings * scaling["factor"])
+        if kind == "yarn":
+            return max(self.max_position_embeddings,
+                       int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+        return self.max_position_embeddings
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -283,18 +306,69 @@ def cpu_flags() -> set[str]:
                  if line.startswith("flags")), set())
 
 
-def _rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
-    """Merge the pre-5.0 (`rope_theta` + `rope_scaling`) and 5.0 (`rope_parameters`) spellings."""
+def _check_activation(raw: dict[str, Any]) -> None:
+    act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        raise CheckpointError(f"model: config.json hidden_act {act!r} is not supported "
+                              "(supported: silu)")
+
+
+def _rope_parameters(raw: dict[str, Any], aliases: dict[str, str], head_dim: int,
+                     max_positions: int) -> dict[str, Any]:
+    """The rotary embedding's parameters as transformers resolves them: the pre-5.0
+    (`rope_theta` + `rope_scaling`) and 5.0 (`rope_parameters`) spellings merged, the
+    original context and the attention factor filled in, and `rotary_dim` from
+    `partial_rotary_factor`."""
     params = dict(raw.get("rope_parameters") or {})
     params.update(raw.get("rope_scaling") or {})
     params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.pop("type", None)
-    params.setdefault("rope_type", rope_type or "default")
-    if params["rope_type"] not in ("default", "linear", "llama3"):
-        raise CheckpointError(
-            f"model: rope_scaling type {params['rope_type']!r} is not supported "
-            "(supported: default, linear, llama3)")
+    kind = params.pop("type", None)
+    kind = params.setdefault("rope_type", kind or "default")
+    kind = params["rope_type"] = aliases.get(kind, kind)
+    if kind not in ROPE_TYPES:
+        raise CheckpointError(f"model: rope_scaling type {kind!r} is not supported "
+                              f"(supported: {', '.join(ROPE_TYPES)})")
+    partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * partial)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise CheckpointError(f"model: partial_rotary_factor {partial!r} of head_dim "
+                              f"{head_dim} must give an even number of rotated dimensions")
+    params["rotary_dim"] = rotary_dim
+    if kind in ("default", "linear"):
+        return params
+    # Phi-3 keeps its pretraining context beside max_position_embeddings; that one counts.
+    original = int(raw.get("original_max_position_embeddings")
+                   or params.get("original_max_position_embeddings") or max_positions)
+    params["original_max_position_embeddings"] = original
+    if kind in ("yarn", "longrope"):
+        factor = params.get("factor") or max_positions / original
+        if not isinstance(factor, int | float) or factor <= 0:
+            raise CheckpointError(f"model: rope_scaling factor must be a positive number, "
+                                  f"got {factor!r}")
+        params["factor"] = float(factor)
+        if params.get("attention_factor") is None:
+            params["attention_factor"] = _attention_factor(kind, params, factor, original)
+    if kind == "longrope":
+        for name in ("short_factor", "long_factor"):
+            factors = params.get(name)
+            if not isinstance(factors, list) or len(factors) != rotary_dim // 2:
+                raise CheckpointError(f"model: rope_scaling {name} must be a list of "
+                                      f"{rotary_dim // 2} numbers (one a rotated pair)")
     return params
+
+
+def _attention_factor(kind: str, params: dict[str, Any], factor: float, original: int
+                      ) -> float:
+    """How much YaRN and LongRoPE scale cos and sin, where the config does not say."""
+    if kind == "longrope":
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+    return mscale(factor)
 
 
 def _read_generation_config(folder: Path) -> dict[str, Any]:
@@ -534,11 +608,12 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
         self.model.shard(self.tensor_parallel_size)  # raises if the heads do not divide
-        limit = self.model.max_position_embeddings
+        limit = self.model.max_positions
         if self.scheduler.max_model_len == 0 or self.scheduler.max_model_len > limit:
             if self.scheduler.max_model_len > limit:
-                raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
-                                 f"({limit}), got {self.scheduler.max_model_len}")
+                raise ValueError(f"max_model_len must be <= the model's context ({limit}: "
+                                 f"max_position_embeddings, times a linear or YaRN rope "
+                                 f"scaling's factor), got {self.scheduler.max_model_len}")
             self.scheduler.max_model_len = limit
         cache_len = (self.sink_blocks + self.cache.streaming_window) * self.cache.block_size
         if cache_len > self.scheduler.max_model_len:
@@ -576,9 +651,9 @@ class EngineConfig:
             raise ValueError(f"speculative_model: the draft's sliding_window "
                              f"({draft.sliding_window}) must equal the model's "
                              f"({self.model.sliding_window})")
-        if draft.max_position_embeddings < self.scheduler.max_model_len:
-            raise ValueError(f"speculative_model: the draft's max_position_embeddings "
-                             f"({draft.max_position_embeddings}) must be >= max_model_len "
+        if draft.max_positions < self.scheduler.max_model_len:
+            raise ValueError(f"speculative_model: the draft's context "
+                             f"({draft.max_positions} positions) must be >= max_model_len "
                              f"({self.scheduler.max_model_len})")
         self.scheduler.draft_lookahead = spec.num_speculative_tokens
 

@@ -186,8 +186,8 @@ def test_request_larger_than_the_kv_pool(llama_dir, caplog):
     ({"block_size": 3}, "block_size must be a power of two in"),
     ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0"),
-    ({"max_model_len": 5000}, r"max_model_len must be <= the model's max_position_embeddings "
-                              r"\(1024\), got 5000"),
+    ({"max_model_len": 5000}, r"max_model_len must be <= the model's context \(1024: "
+                              r"max_position_embeddings, .*\), got 5000"),
     ({"kv_cache_memory": 100}, r"kv_cache_memory \(100 bytes\) must hold at least one block"),
     ({"scheduling_policy": "lottery"},
      "scheduling_policy must be one of fcfs, priority, fair, got 'lottery'"),
@@ -216,6 +216,25 @@ def test_unknown_architecture(broken_dir):
     edit_config(broken_dir, architectures=["GPT2LMHeadModel"])
     with pytest.raises(CheckpointError, match=r"architecture \['GPT2LMHeadModel'\] is not "
                                               r"supported \(supported: LlamaForCausalLM"):
+        LLM(str(broken_dir))
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(supported: silu\)"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+     r"rope_scaling type 'dynamic' is not supported \(supported: default, linear, llama3, "
+     r"yarn, longrope\)"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": -2}},
+     "rope_scaling factor must be a positive number, got -2"),
+    ({"partial_rotary_factor": 0.2}, "partial_rotary_factor 0.2 of head_dim 16 must give an "
+                                     "even number of rotated dimensions"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                       "long_factor": [1.0] * 7}},
+     r"rope_scaling long_factor must be a list of 8 numbers \(one a rotated pair\)"),
+])
+def test_config_fields_the_model_cannot_run_are_named(broken_dir, changes, message):
+    edit_config(broken_dir, **changes)
+    with pytest.raises(CheckpointError, match=message):
         LLM(str(broken_dir))
 
 

@@ -4,6 +4,8 @@ not depend on the step budget, on the prompts beside them or on swapping."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,7 +24,11 @@ STREAM = dict(enable_prefix_caching=False, streaming_window=4, attention_sinks=4
 
 
 def test_shifted_keys_equal_keys_rotated_at_the_lower_position(llama_dir):
-    llm = LLM(str(llama_dir), **STREAM)
+    assert_shifts_keys_exactly(llama_dir)
+
+
+def assert_shifts_keys_exactly(path: Path) -> None:
+    llm = LLM(str(path), **STREAM)
     runner = llm.engine.core.runner
     cache = runner.kv_cache  # [layers, K/V, kv heads, blocks, block_size, head_dim]
     layers, _, heads, _, size, dim = cache.shape

@@ -101,7 +101,7 @@ def _make_lora(args: argparse.Namespace) -> None:
     from kvserve.tools.make_lora import make_lora
 
     make_lora(args.model, args.output, rank=args.rank, alpha=args.alpha,
-              targets=tuple(args.targets), seed=args.seed)
+              targets=tuple(args.targets or ()), seed=args.seed)
     print(f"wrote {args.output}")
 
 
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.entrypoints.openai.reasoning import REASONING_PARSERS
     from kvserve.entrypoints.openai.tool_calling import TOOL_CALL_PARSERS
     from kvserve.evals import perplexity, streaming
-    from kvserve.tools.make_lora import TARGETS
+    from kvserve.tools.make_lora import FUSED_TARGETS, TARGETS
     from kvserve.tools.make_model import ARCHES, PRESETS
 
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
@@ -232,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     ml.add_argument("--output", required=True)
     ml.add_argument("--rank", type=positive_int, default=16)
     ml.add_argument("--alpha", type=float, default=32.0)
-    ml.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
+    ml.add_argument("--targets", nargs="+", choices=sorted(set(TARGETS + FUSED_TARGETS)),
+                    help="default: every projection the checkpoint names")
     ml.add_argument("--seed", type=int, default=0)
     ml.set_defaults(func=_make_lora)
 

@@ -1,7 +1,8 @@
 """LoRA adapters as the `peft` library saves them: `adapter_config.json` and
 `adapter_model.safetensors`, with `lora_A` ([r, in]) and `lora_B` ([out, r]) per targeted
 projection. Loading maps each pair onto the engine's linear layers, fused ones included (a
-QKV layer whose q, k and v are targeted gets A = [A_q A_k A_v] and a block-diagonal B), with
+QKV layer whose q, k and v are targeted gets A = [A_q A_k A_v] and a block-diagonal B; one
+whose fused checkpoint layer is targeted, as Phi-3's, gets its A once a part), with
 the scale `lora_alpha / r` (or `/ sqrt(r)` for rsLoRA) folded into B. Among tensor-parallel
 ranks, each keeps the part its layer shard needs: B's outputs of a column-parallel layer, A's
 inputs of a row-parallel one (whose partial products the ranks' sum adds up).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from safetensors.torch import load_file
 from kvserve.errors import CheckpointError
 from kvserve.layers.linear import Linear
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import checkpoint_target
+from kvserve.models.loader import checkpoint_target, fused_parts
 from kvserve.models.moe import SparseMoeBlock
 from kvserve.worker.tensor_parallel import rank_slice
 
@@ -75,11 +77,7 @@ def load_adapter(name: str, path: str | Path, model: LlamaForCausalLM) -> LoRAAd
     routed = {f"{block}.{sub}" for block, module in modules.items()
               if isinstance(module, SparseMoeBlock) for sub, _ in module.named_modules() if sub}
     shards: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-    for key, a in tensors.items():
-        if ".lora_A." not in key:
-            continue
-        hf_name = key.removeprefix(_PREFIX).replace(".lora_A", "")
-        b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+    for key, hf_name, a, b in _lora_pairs(tensors, model):
         target = checkpoint_target(hf_name, model)
         if b is None or target is None or not isinstance(modules.get(target[0]), Linear):
             raise CheckpointError(f"lora {name!r}: tensor {key!r} has no lora_B or targets "
@@ -118,6 +116,23 @@ def load_adapter(name: str, path: str | Path, model: LlamaForCausalLM) -> LoRAAd
     if not weights:
         raise CheckpointError(f"lora {name!r}: adapter_model.safetensors has no lora_A tensor")
     return LoRAAdapter(name, rank, weights)
+
+
+def _lora_pairs(tensors: dict[str, torch.Tensor], model: LlamaForCausalLM
+                ) -> Iterator[tuple[str, str, torch.Tensor, torch.Tensor | None]]:
+    """Each lora_A's key, the weight it adapts, A and B (None if missing); a fused target's
+    (Phi-3's qkv_proj, gate_up_proj) once a part, with B's rows for that part and all of A."""
+    for key, a in tensors.items():
+        if ".lora_A." not in key:
+            continue
+        hf_name = key.removeprefix(_PREFIX).replace(".lora_A", "")
+        b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+        parts = None if b is None else fused_parts(hf_name, model)
+        if b is None or parts is None or b.shape[0] != parts[-1][1].stop:
+            yield key, hf_name, a, b
+            continue
+        for part, rows in parts:
+            yield key, part, a, b[rows]
 
 
 def _is_number(value: object) -> bool:

@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts Mixtral,
-Qwen2-MoE and Qwen3-MoE): pure math over flat token batches. Built from one tensor-parallel
+"""The Llama-family decoder (Llama, Mistral, Phi-3, Qwen2, Qwen3, and the mixture-of-experts
+Mixtral, Qwen2-MoE and Qwen3-MoE): pure math over flat token batches. Built from one tensor-parallel
 rank's `ModelConfig.shard`, it holds that rank's heads and MLP (or experts') columns;
 embedding, norms, routers and LM head are whole on every rank.
 
@@ -96,8 +96,15 @@ class LlamaForCausalLM(nn.Module):
     }
     # Checkpoint module names that are another module's here (Mixtral's MoE block).
     renamed_modules = {"block_sparse_moe": "mlp"}
+    # Checkpoint tensors that hold several of the above at once (Phi-3's), in shard order:
+    # the loader splits them into those.
+    fused_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                     "gate_up_proj": ("gate_proj", "up_proj")}
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 max_model_len: int | None = None) -> None:
+        """`max_model_len`: the longest sequence served (LongRoPE picks its factors by it);
+        the model's whole context where not given."""
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Parameter(
@@ -106,8 +113,8 @@ class LlamaForCausalLM(nn.Module):
                                     for index in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, cfg.dtype)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope_theta,
+                                      cfg.rope_scaling, cfg.rotary_dim, max_model_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [N, hidden] for a flat batch of tokens; with blended prompts, of the
@@ -126,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         """Puts q/k rows in the interleaved order the rotary embedding expects (a tensor of the
         wrong shape passes unchanged, for the loader to report)."""
         if _ROTATED.search(name) and tensor.shape[0] % self.cfg.head_dim == 0:
-            return to_interleaved(tensor, self.cfg.head_dim)
+            return to_interleaved(tensor, self.cfg.head_dim, self.cfg.rotary_dim)
         return tensor
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

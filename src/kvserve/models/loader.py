@@ -20,14 +20,15 @@ from kvserve.models.llama import LlamaForCausalLM
 from kvserve.quantization.gptq import QuantizedWeight
 from kvserve.quantization.hub_format import dequantize_checkpoint
 from kvserve.quantization.squeezellm import LutWeight
+from kvserve.worker.tensor_parallel import tp_group
 
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
-               ) -> LlamaForCausalLM:
+def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu",
+               max_model_len: int | None = None) -> LlamaForCausalLM:
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, backend)
+        model = LlamaForCausalLM(cfg, backend, max_model_len)
     modules = dict(model.named_modules())
     missing = {(name, kind, shard) for name, module in modules.items()
                if isinstance(module, Linear) for kind, shard in module.checkpoint_parts()}
@@ -42,7 +43,7 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu"
     embedding: torch.Tensor | None = None
     tensors = dequantize_checkpoint(iter_checkpoint(Path(cfg.path)), cfg.quantization,
                                     keep_integers=True)
-    for hf_name, tensor in tensors:
+    for hf_name, tensor in _split_fused(tensors, model):
         if _IGNORED.match(hf_name):
             continue
         target = checkpoint_target(hf_name, model)
@@ -140,6 +141,42 @@ def checkpoint_target(hf_name: str, model: LlamaForCausalLM) -> tuple[str, str, 
     if module in known and module:
         return module, kind, 0
     return None
+
+
+def fused_parts(hf_name: str, model: LlamaForCausalLM) -> list[tuple[str, slice]] | None:
+    """Where `hf_name` is a fused tensor (Phi-3's qkv_proj, gate_up_proj), the tensor names
+    of its parts and their rows in it; None otherwise."""
+    module, _, kind = hf_name.rpartition(".")
+    leaf = module.rpartition(".")[2]
+    target = checkpoint_target(hf_name, model)
+    if leaf not in model.fused_modules or target is None:
+        return None
+    linear = dict(model.named_modules())[target[0]]
+    ranks = tp_group().size if linear.parallel == "column" else 1
+    parts, start = [], 0
+    for part, size in zip(model.fused_modules[leaf], linear.output_sizes, strict=True):
+        parts.append((f"{module.removesuffix(leaf)}{part}.{kind}",
+                      slice(start, start + size * ranks)))
+        start += size * ranks
+    return parts
+
+
+def _split_fused(tensors: Iterator[tuple[str, torch.Tensor | QuantizedWeight | LutWeight]],
+                 model: LlamaForCausalLM
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight | LutWeight]]:
+    """The checkpoint's tensors with each fused one given as its parts, as the other
+    checkpoints hold them (a fused tensor of the wrong size passes whole, for the layer to
+    report)."""
+    for hf_name, tensor in tensors:
+        parts = fused_parts(hf_name, model)
+        if parts is None or tensor.shape[0] != parts[-1][1].stop:
+            yield hf_name, tensor
+            continue
+        for name, rows in parts:
+            if isinstance(tensor, QuantizedWeight | LutWeight):
+                yield name, tensor.map_rows(lambda t, rows=rows: t[rows])
+            else:
+                yield name, tensor[rows]
 
 
 def _copy_exact(param: torch.Tensor, tensor: torch.Tensor) -> None:

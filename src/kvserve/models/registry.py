@@ -1,6 +1,7 @@
 """The architectures kvserve can run, keyed by the `architectures` field of `config.json`.
 
-All are the same pre-norm decoder; they differ in a few switches. The mixture-of-experts
+All are the same pre-norm decoder; they differ in a few switches (Phi-3's checkpoints hold
+q/k/v and gate/up fused, which the loader splits). The mixture-of-experts
 ones (`moe`) route each token's MLP through its top-k experts (see models/moe.py), with the
 router and expert sizes spelled Mixtral's way or Qwen's way in `config.json`.
 """
@@ -21,6 +22,8 @@ class ArchSpec:
     qk_norm: bool = False
     moe: str | None = None  # None: a dense MLP; "mixtral" or "qwen": whose config fields
     sliding_window_when: Callable[[dict[str, Any]], bool] = lambda raw: False
+    # rope_scaling types that name another here (Phi-3's older "su" and "yarn" are LongRoPE)
+    rope_aliases: tuple[tuple[str, str], ...] = ()
 
     def uses_sliding_window(self, raw: dict[str, Any]) -> bool:
         return bool(raw.get("sliding_window")) and self.sliding_window_when(raw)
@@ -42,6 +45,8 @@ ARCHITECTURES = {
         ArchSpec("MixtralForCausalLM", moe="mixtral", sliding_window_when=lambda raw: True),
         ArchSpec("Qwen2MoeForCausalLM", qkv_bias=True, moe="qwen",
                  sliding_window_when=_qwen_window),
+        ArchSpec("Phi3ForCausalLM", sliding_window_when=lambda raw: True,
+                 rope_aliases=(("su", "longrope"), ("yarn", "longrope"))),
         ArchSpec("Qwen3MoeForCausalLM", qk_norm=True, moe="qwen",
                  sliding_window_when=_qwen_window),
     )

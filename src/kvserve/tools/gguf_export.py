@@ -139,6 +139,9 @@ def export_gguf(model: str | Path, dtype: torch.dtype, out: Path) -> None:
         raise ValueError(f"model: GGUF export supports {', '.join(_GRAPHS)} checkpoints, not "
                          f"{cfg.architecture}")
     graph = _GRAPHS[cfg.architecture]
+    rope_type = (cfg.rope_scaling or {}).get("rope_type")
+    if rope_type in ("yarn", "longrope"):
+        raise ValueError(f"model: GGUF export does not write {rope_type} rope scaling")
     if cfg.sliding_window:
         raise ValueError(f"model: llama.cpp's {graph} graph attends without a window; this "
                          f"checkpoint's sliding_window is {cfg.sliding_window}")

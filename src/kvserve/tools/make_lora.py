@@ -13,27 +13,34 @@ from safetensors.torch import save_file
 from kvserve.config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections of checkpoints that fuse q/k/v and gate/up (Phi-3's)
+FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 
 
 def make_lora(model: str | Path, output: str | Path, rank: int = 16, alpha: float = 32.0,
-              targets: tuple[str, ...] = TARGETS, seed: int = 0, std: float = 0.02
+              targets: tuple[str, ...] | None = None, seed: int = 0, std: float = 0.02
               ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Writes the adapter folder; returns {HF module name: (A [r, in], B [out, r])}."""
+    """Writes the adapter folder; returns {HF module name: (A [r, in], B [out, r])}.
+    `targets` defaults to every projection the checkpoint names."""
     cfg = ModelConfig.from_pretrained(model, "float32")  # shapes only
+    fused = cfg.architecture == "Phi3ForCausalLM"
+    targets = targets or (FUSED_TARGETS if fused else TARGETS)
+    h, mlp = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"q_proj": (cfg.hidden_size, q), "k_proj": (cfg.hidden_size, kv),
-              "v_proj": (cfg.hidden_size, kv), "o_proj": (q, cfg.hidden_size),
-              "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
-              "up_proj": (cfg.hidden_size, cfg.intermediate_size),
-              "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+    shapes = {"o_proj": (q, h), "down_proj": (mlp, h)} | (
+        {"qkv_proj": (h, q + 2 * kv), "gate_up_proj": (h, 2 * mlp)} if fused else
+        {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "gate_proj": (h, mlp),
+         "up_proj": (h, mlp)})
     unknown = set(targets) - set(shapes)
     if unknown:
-        raise ValueError(f"targets must be among {', '.join(TARGETS)}, got {sorted(unknown)}")
+        raise ValueError(f"targets must be among {', '.join(shapes)} for this checkpoint, "
+                         f"got {sorted(unknown)}")
     gen = torch.Generator().manual_seed(seed)
     pairs, tensors = {}, {}
     for layer in range(cfg.num_layers):
         for target in targets:
-            block = "self_attn" if target in TARGETS[:4] else "mlp"
+            block = "self_attn" if target in _ATTENTION else "mlp"
             name = f"model.layers.{layer}.{block}.{target}"
             fan_in, fan_out = shapes[target]
             a = torch.randn(rank, fan_in, generator=gen) * std

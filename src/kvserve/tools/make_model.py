@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.registry import ARCHITECTURES
 from kvserve.tools.checkpoint_files import write_json, write_weights
 from kvserve.tools.tokenizer import tokenizer_config, train_tokenizer
@@ -42,6 +43,9 @@ class Preset:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # Phi-3's: the rotated share of each head, and LongRoPE's pretraining context (0: none).
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int = 0
 
 
 PRESETS = {
@@ -68,6 +72,10 @@ PRESETS = {
                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                       "original_max_position_embeddings": 8192},
                         tie_word_embeddings=False, dtype="bfloat16"),
+    # Phi-4-mini's shapes: three quarters of each head rotated, LongRoPE from 4k to 128k.
+    "phi4-mini": Preset("phi3", 3072, 8192, 32, 24, 8, 200064, 131072, rope_theta=10000.0,
+                        partial_rotary_factor=0.75, original_max_position_embeddings=4096,
+                        dtype="bfloat16"),
     # Qwen3-30B-A3B's shapes: 128 experts, 8 a token, 3.3B of 30.5B weights active; the
     # mixture-of-experts model people run on laptops (61 GB in bfloat16).
     "qwen3-30b-a3b": Preset("qwen3_moe", 2048, 6144, 48, 32, 4, 151936, 40960, rope_theta=1e6,
@@ -88,6 +96,7 @@ ARCHES = {
     "mixtral": ("MixtralForCausalLM", "mixtral"),
     "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
 }
 MOE_ARCHES = tuple(arch for arch, (name, _) in ARCHES.items() if ARCHITECTURES[name].moe)
 
@@ -127,8 +136,10 @@ def make_model(preset: str, output: str | Path, arch: str | None = None, seed: i
         spec = _with_experts(spec)
     if spec.arch == "mistral":
         spec = replace(spec, sliding_window=sliding_window or spec.max_position_embeddings // 8)
-    elif spec.arch == "mixtral":  # Mixtral-8x7B attends without a window, unless given one
+    elif spec.arch in ("mixtral", "phi3"):  # these attend without a window, unless given one
         spec = replace(spec, sliding_window=sliding_window)
+    if spec.arch == "phi3":
+        spec = _with_longrope(spec)
     if dtype is not None:
         spec = replace(spec, dtype=dtype)
     out = Path(output)
@@ -166,6 +177,22 @@ def _with_experts(spec: Preset) -> Preset:
     return spec
 
 
+def _with_longrope(spec: Preset) -> Preset:
+    """Phi-3.5's and Phi-4-mini's rotary embedding on a preset: three quarters of each head
+    rotated (unless the preset says), LongRoPE from a quarter of the context (unless the
+    preset says), with made-up factors that grow with the frequencies' wavelengths."""
+    head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
+    partial = spec.partial_rotary_factor if spec.partial_rotary_factor < 1 else 0.75
+    original = spec.original_max_position_embeddings or spec.max_position_embeddings // 4
+    pairs = int(head_dim * partial) // 2
+    stretch = spec.max_position_embeddings / original
+    ramp = [i / max(pairs - 1, 1) for i in range(pairs)]
+    return replace(spec, partial_rotary_factor=partial, original_max_position_embeddings=original,
+                   rope_scaling={"rope_type": "longrope",
+                                 "short_factor": [1.0 + 0.5 * r for r in ramp],
+                                 "long_factor": [1.0 + (stretch - 1) * r * r for r in ramp]})
+
+
 def hf_config(spec: Preset) -> dict[str, Any]:
     architecture, model_type = ARCHES[spec.arch]
     config: dict[str, Any] = {
@@ -195,8 +222,11 @@ def hf_config(spec: Preset) -> dict[str, Any]:
         config.update(attention_bias=False, mlp_bias=False)
     if spec.head_dim is not None:
         config["head_dim"] = spec.head_dim
-    if spec.arch in ("mistral", "mixtral"):
+    if spec.arch in ("mistral", "mixtral", "phi3"):
         config["sliding_window"] = spec.sliding_window
+    if spec.arch == "phi3":
+        config.update(partial_rotary_factor=spec.partial_rotary_factor,
+                      original_max_position_embeddings=spec.original_max_position_embeddings)
     if spec.arch in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=0)
     if spec.arch == "mixtral":
@@ -214,6 +244,28 @@ def hf_config(spec: Preset) -> dict[str, Any]:
 
 
 def _tensors(spec: Preset, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors in a fixed order, drawn from one seeded generator; Phi-3's with each
+    layer's q/k/v and gate/up in one tensor each, as its hub files hold them."""
+    tensors = _separate_tensors(spec, seed)
+    if spec.arch != "phi3":
+        yield from tensors
+        return
+    fused_of = {part: fused for fused, parts in LlamaForCausalLM.fused_modules.items()
+                for part in parts}
+    held: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in tensors:
+        module, _, kind = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        if leaf not in fused_of:
+            yield name, tensor
+            continue
+        fused = f"{parent}.{fused_of[leaf]}.{kind}"
+        held.setdefault(fused, []).append(tensor)
+        if len(held[fused]) == len(LlamaForCausalLM.fused_modules[fused_of[leaf]]):
+            yield fused, torch.cat(held.pop(fused))
+
+
+def _separate_tensors(spec: Preset, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors in a fixed order, drawn from one seeded generator."""
     gen = torch.Generator().manual_seed(seed)
     arch = ARCHITECTURES[ARCHES[spec.arch][0]]

@@ -52,7 +52,7 @@ class ModelRunner:
         if self.device == "cpu":
             retain_freed_memory()
         self.model = load_model(mc, get_attention_backend(config.device, mc.head_dim),
-                                config.device)
+                                config.device, config.scheduler.max_model_len)
         spec = config.speculative
         draft_weights = (load_draft_model(config)
                          if spec is not None and spec.draft is not None else None)
@@ -283,7 +283,7 @@ class ModelRunner:
         (up to rounding, which float32 keeps negligible over a window's shifts)."""
         ids = torch.tensor(block_ids, device=self.kv_cache.device)
         keys = self.kv_cache[:, 0]  # [layers, kv heads, blocks, block_size, head_dim]
-        rotation = self.model.rotary.freqs_cis[num_positions].conj()
+        rotation = self.model.rotary.turn(-num_positions)
         keys.index_copy_(2, ids, apply_rotary(keys.index_select(2, ids), rotation))
 
     def _copy_chunk(self, copy: ChunkCopy) -> None:
@@ -300,7 +300,7 @@ class ModelRunner:
         dst_t = torch.from_numpy(dst_slots).to(device)
         layers, _, heads, _, _, head_dim = self.kv_cache.shape
         flat = self.kv_cache.view(layers, 2, heads, -1, head_dim)
-        rotation = self.model.rotary.freqs_cis[copy.position]
+        rotation = self.model.rotary.turn(copy.position)
         flat[:, 0].index_copy_(2, dst_t, apply_rotary(flat[:, 0].index_select(2, src_t),
                                                       rotation))
         flat[:, 1].index_copy_(2, dst_t, flat[:, 1].index_select(2, src_t))
