@@ -15,6 +15,7 @@ import torch
 
 from kvserve.errors import CheckpointError
 from kvserve.layers.rotary import ROPE_TYPES
+from kvserve.models.hub import resolve_model
 from kvserve.models.registry import resolve_architecture
 from kvserve.quantization.hub_format import QuantConfig
 from kvserve.sampling_params import SamplingParams
@@ -245,8 +246,8 @@ def _speculative_config(model: str | None, num_speculative_tokens: int | None,
                              f"speculative_model ('ngram' or a draft model's folder) too")
         return None
     if model != "ngram" and not Path(model).is_dir():
-        raise ValueError(f"speculative_model must be 'ngram' or a draft model's checkpoint "
-                         f"folder, got {model!r}")
+        raise ValueError(f"speculative_model must be 'ngram', a draft model's checkpoint "
+                         f"folder or its Hugging Face Hub id, got {model!r}")
     draft = None if model == "ngram" else ModelConfig.from_pretrained(model, dtype, device)
     return SpeculativeConfig(**tuning, draft=draft)
 
@@ -677,8 +678,15 @@ class EngineConfig:
                blend_recompute_ratio: float = 0.15,
                async_scheduling: bool | None = None, generation_config: str = "auto",
                override_generation_config: dict[str, Any] | None = None,
-               chat_template: str | None = None) -> EngineConfig:
-        """The engine options of the offline and server APIs, with their defaults."""
+               chat_template: str | None = None, revision: str | None = None,
+               download_dir: str | None = None) -> EngineConfig:
+        """The engine options of the offline and server APIs, with their defaults. `model`
+        (and `speculative_model`) is a checkpoint folder or a Hugging Face Hub model id, at
+        `revision`, downloaded to `download_dir` (default: the Hub's cache)."""
+        model = resolve_model(model, revision, download_dir)
+        if speculative_model not in (None, "ngram"):
+            speculative_model = resolve_model(speculative_model, None, download_dir,
+                                              "speculative_model")
         return cls(
             model=ModelConfig.from_pretrained(model, dtype, device),
             cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,

@@ -34,6 +34,7 @@ def _lora_module(value: str) -> tuple[str, str]:
     return name, path
 
 
+MODEL_HELP = "HF checkpoint folder, or a Hugging Face Hub model id (org/name)"
 # (flag, argparse options); each flag's dest is an `EngineConfig.create` keyword.
 ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -134,6 +135,12 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                              help="a Jinja chat template, or the file that holds one, in place "
                                   "of the tokenizer's own (for a model that has none, or a "
                                   "fixed one)")),
+    ("--revision", dict(default=None,
+                        help="the Hugging Face Hub model's branch, tag or commit (default "
+                             "main)")),
+    ("--download-dir", dict(default=None,
+                            help="where Hub models are downloaded (default: the Hub's cache, "
+                                 "~/.cache/huggingface/hub)")),
     ("--blend-recompute-ratio", dict(type=float, default=0.15,
                                      help="CacheBlend: for a prompt given as segments, the "
                                           "share of reused chunk tokens recomputed in context "
@@ -149,10 +156,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model: str = "required") ->
     """Adds the engine options; the checkpoint is a positional argument (`model="positional"`),
     a required `--model` ("required") or an optional one ("optional")."""
     if model == "positional":
-        parser.add_argument("model", help="HF checkpoint folder")
+        parser.add_argument("model", help=MODEL_HELP)
     else:
         parser.add_argument("--model", required=model == "required", default=None,
-                            help="HF checkpoint folder")
+                            help=MODEL_HELP)
     for flag, options in ENGINE_ARGS:
         parser.add_argument(flag, **options)
 

@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require 'Authorization: Bearer KEY' on /v1 routes "
                           "(default: $KVSERVE_API_KEY)")
     srv.add_argument("--served-model-name", default=None,
-                     help="the model name clients use (default: the model path)")
+                     help="the model name clients use (default: the model argument, "
+                          "folder or Hub id)")
     srv.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                      help="beyond this many queued requests, answer 503 with Retry-After")
     srv.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -228,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ml = sub.add_parser("make-lora", help="write a random LoRA adapter for a checkpoint, in "
                                           "PEFT's format")
-    ml.add_argument("model", help="HF checkpoint folder of the base model")
+    ml.add_argument("model", help="the base model: HF checkpoint folder or Hub id")
     ml.add_argument("--output", required=True)
     ml.add_argument("--rank", type=positive_int, default=16)
     ml.add_argument("--alpha", type=float, default=32.0)
@@ -238,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     ml.set_defaults(func=_make_lora)
 
     qt = sub.add_parser("quantize", help="quantize a checkpoint's linear layers")
-    qt.add_argument("model", help="HF checkpoint folder (full precision)")
+    qt.add_argument("model", help="HF checkpoint folder or Hub id (full precision)")
     qt.add_argument("--output", required=True)
     qt.add_argument("--method", choices=["rtn", "gptq", "squeezellm"], default="gptq")
     qt.add_argument("--bits", type=int, choices=[2, 3, 4, 8], default=4)
@@ -271,11 +272,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _resolve_model_arg(args: argparse.Namespace) -> None:
+    """A Hugging Face Hub id as the model becomes its folder (downloaded, or found in the
+    cache) before any command reads it; the server still serves it under the id."""
+    from kvserve.models.hub import resolve_model
+
+    model = getattr(args, "model", None)
+    if not isinstance(model, str):
+        return
+    if hasattr(args, "served_model_name") and args.served_model_name is None:
+        args.served_model_name = model
+    args.model = resolve_model(model, getattr(args, "revision", None),
+                               getattr(args, "download_dir", None))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("kvserve").setLevel(logging.INFO)
     try:
+        _resolve_model_arg(args)
         args.func(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
