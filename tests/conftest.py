@@ -55,20 +55,20 @@ def llama_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["llama"]
 
 
-# Rotary embeddings beyond the plain one: YaRN on two of the tiny checkpoints (a 256-token
-# original context stretched 8x, so the limit grows past max_position_embeddings), and a
-# Phi-3 checkpoint (fused q/k/v and gate/up, 3/4 of each head rotated, LongRoPE from 256
-# positions, a sliding window).
+# Beyond the plain Llama layout: YaRN on two of the tiny checkpoints (a 256-token original
+# context stretched 8x, so the limit grows past max_position_embeddings); a Phi-3 checkpoint
+# (fused q/k/v and gate/up, 3/4 of each head rotated, LongRoPE from 256 positions, a sliding
+# window); a Gemma 3 checkpoint (a local layer with the window, then a global one).
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256}
 PHI3_ORIGINAL_CONTEXT = 256
 
 
 @pytest.fixture(scope="session")
-def rope_dirs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+def variant_dirs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
               ) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("rope")
-    dirs = {"phi3": make_model("tiny", root / "phi3", arch="phi3",
-                               sliding_window=SLIDING_WINDOW)}
+    dirs = {arch: make_model("tiny", root / arch, arch=arch, sliding_window=SLIDING_WINDOW)
+            for arch in ("phi3", "gemma3")}
     for arch in ("llama", "qwen3"):
         dirs[f"{arch}-yarn"] = path = root / f"{arch}-yarn"
         shutil.copytree(model_dirs[arch], path)

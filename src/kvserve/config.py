@@ -122,6 +122,17 @@ class ModelConfig:
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = ()
     rotary_dim: int = 0  # the leading dimensions of a head that rotate; 0 = all of them
+    # Gemma's departures from Llama (the defaults are Llama's):
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_pytorch_tanh
+    norm_offset: float = 0.0  # the files hold RMSNorm weights less this (Gemma: 1)
+    embedding_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    sandwich_norms: bool = False  # attention's and the MLP's outputs are normed too
+    attention_scale: float | None = None  # of q.k; None: head_dim ** -0.5
+    # With a sliding window, the layers that attend without it; the others use
+    # `local_rope_theta` where it is given (Gemma 3's local layers).
+    full_attention_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     quantization: QuantConfig | None = None  # a quantized checkpoint's format
     moe: MoEConfig | None = None  # a mixture-of-experts model's experts
 
@@ -149,13 +160,15 @@ class ModelConfig:
             raise CheckpointError(
                 f"model: num_attention_heads ({num_heads}) must be a multiple of "
                 f"num_key_value_heads ({num_kv_heads})")
-        _check_activation(raw)
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
         max_positions = int(raw.get("max_position_embeddings", 2048))
-        rope = _rope_parameters(raw, dict(arch.rope_aliases), head_dim, max_positions)
+        num_layers = int(raw["num_hidden_layers"])
+        gemma = _gemma_fields(raw, hidden, num_layers) if arch.gemma else {}
+        hidden_act = _activation(raw, arch.gemma, arch.moe is not None)
+        rope = _rope_parameters(gemma.pop("rope", raw), dict(arch.rope_aliases), head_dim,
+                                max_positions)
         rotary_dim = rope.pop("rotary_dim")
         sliding_window = raw.get("sliding_window") if arch.uses_sliding_window(raw) else None
-        num_layers = int(raw["num_hidden_layers"])
         moe = MoEConfig.from_hf(raw, arch.moe, num_layers) if arch.moe else None
         quantization = (QuantConfig.from_hf(raw["quantization_config"])
                         if raw.get("quantization_config") else None)
@@ -180,8 +193,10 @@ class ModelConfig:
             dtype=resolve_dtype(dtype, raw, device),
             eos_token_ids=_eos_ids(raw, folder),
             rotary_dim=rotary_dim,
+            hidden_act=hidden_act,
             quantization=quantization,
             moe=moe,
+            **gemma,
         )
 
     def shard(self, num_ranks: int) -> ModelConfig:
@@ -307,11 +322,48 @@ def cpu_flags() -> set[str]:
                  if line.startswith("flags")), set())
 
 
-def _check_activation(raw: dict[str, Any]) -> None:
-    act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
-    if act not in ("silu", "swish"):
+def _activation(raw: dict[str, Any], gemma: bool, moe: bool) -> str:
+    """The MLP's activation: SiLU, or (dense MLPs only) the tanh GELU Gemma uses."""
+    act = raw.get("hidden_activation" if gemma else "hidden_act") or (
+        "gelu_pytorch_tanh" if gemma else "silu")
+    act = {"swish": "silu", "gelu_new": "gelu_pytorch_tanh"}.get(act, act)
+    supported = ("silu",) if moe else ("silu", "gelu_pytorch_tanh")
+    if act not in supported:
         raise CheckpointError(f"model: config.json hidden_act {act!r} is not supported "
-                              "(supported: silu)")
+                              f"(supported: {', '.join(supported)})")
+    return act
+
+
+def _gemma_fields(raw: dict[str, Any], hidden: int, num_layers: int) -> dict[str, Any]:
+    """Gemma 3's ModelConfig fields, and under "rope" the config with its full-attention
+    layers' rotary parameters where a Llama config has them."""
+    if raw.get("attn_logit_softcapping"):
+        raise CheckpointError("model: attn_logit_softcapping is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise CheckpointError("model: use_bidirectional_attention is not supported")
+    layer_types = raw.get("layer_types") or [
+        "full_attention" if (i + 1) % raw.get("sliding_window_pattern", 6) == 0
+        else "sliding_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention",
+                                                                  "sliding_attention"}:
+        raise CheckpointError(f"model: layer_types must give each of the {num_layers} layers "
+                              "full_attention or sliding_attention")
+    params = raw.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {})
+    local = dict(params.get("sliding_attention") or {})
+    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+    if local.get("rope_type", "default") != "default":
+        raise CheckpointError("model: the sliding layers' rope_type must be default")
+    rope = {key: value for key, value in raw.items() if key != "rope_parameters"}
+    rope["rope_scaling"] = full | (raw.get("rope_scaling") or {})
+    cap = raw.get("final_logit_softcapping")
+    return {"norm_offset": 1.0, "embedding_scale": hidden ** 0.5, "sandwich_norms": True,
+            "attention_scale": float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "full_attention_layers": tuple(i for i, kind in enumerate(layer_types)
+                                           if kind == "full_attention"),
+            "local_rope_theta": float(local.get("rope_theta",
+                                                raw.get("rope_local_base_freq", 10_000.0))),
+            "final_logit_softcapping": float(cap) if cap else None, "rope": rope}
 
 
 def _rope_parameters(raw: dict[str, Any], aliases: dict[str, str], head_dim: int,
@@ -616,6 +668,9 @@ class EngineConfig:
                                  f"max_position_embeddings, times a linear or YaRN rope "
                                  f"scaling's factor), got {self.scheduler.max_model_len}")
             self.scheduler.max_model_len = limit
+        if self.cache.streaming_window and self.model.local_rope_theta is not None:
+            raise ValueError("streaming_window is not supported for models whose local and "
+                             "global layers have rotary embeddings of their own (Gemma 3)")
         cache_len = (self.sink_blocks + self.cache.streaming_window) * self.cache.block_size
         if cache_len > self.scheduler.max_model_len:
             raise ValueError(f"attention sinks and streaming_window keep up to {cache_len} "

@@ -215,12 +215,14 @@ def edit_config(folder, **changes):
 def test_unknown_architecture(broken_dir):
     edit_config(broken_dir, architectures=["GPT2LMHeadModel"])
     with pytest.raises(CheckpointError, match=r"architecture \['GPT2LMHeadModel'\] is not "
-                                              r"supported \(supported: LlamaForCausalLM"):
+                                              r"supported \(supported: Gemma3ForCausalLM, "
+                                              r"LlamaForCausalLM"):
         LLM(str(broken_dir))
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(supported: silu\)"),
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(supported: silu, "
+                             r"gelu_pytorch_tanh\)"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
      r"rope_scaling type 'dynamic' is not supported \(supported: default, linear, llama3, "
      r"yarn, longrope\)"),

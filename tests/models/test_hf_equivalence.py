@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, RequestOutput, SamplingParams
 from kvserve.config import ModelConfig
 from kvserve.tools.make_model import make_model
 from tests.conftest import ARCHES, SLIDING_WINDOW, random_prompts
@@ -45,6 +45,26 @@ def assert_like_hf_greedy(path: Path, prompt: list[int], tokens: list[int]) -> N
         assert top - logits[i, token] <= 1e-5 * max(1.0, top.abs().item()), \
             f"prompt of {len(prompt)}: token {i} is {token}, transformers' top is " \
             f"{logits[i].argmax().item()} by {(top - logits[i, token]).item():.3g}"
+
+
+def assert_prompt_logprobs_like_hf(path: Path, prompts: list[list[int]],
+                                   outputs: list[RequestOutput]) -> None:
+    """Every prompt token's logprob (within 1e-4), rank and top-3 (of SamplingParams'
+    prompt_logprobs=3) are transformers' log-softmax's, up to ties within rounding."""
+    for prompt, out in zip(prompts, outputs, strict=True):
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_model(path)(torch.tensor([prompt])).logits[0].float(), -1)
+        scored = out.prompt_logprobs
+        assert scored is not None and len(scored) == len(prompt) and scored[0] is None
+        for position in range(1, len(prompt)):
+            entry, row, token = scored[position], ref[position - 1], prompt[position]
+            assert abs(entry[token].logprob - row[token].item()) < 1e-4
+            # Its rank among transformers' logprobs, up to those within rounding of it.
+            above, near = (int((row > row[token] + sign * 1e-5).sum()) for sign in (1, -1))
+            assert above + 1 <= entry[token].rank <= near + 1
+            # Its top 3 are transformers' top 3 (or, at a tie, tokens of the same logprob).
+            torch.testing.assert_close(row[list(entry)[:3]], torch.topk(row, 3).values,
+                                       rtol=0, atol=1e-5)
 
 
 def kv_bytes_for_blocks(path: Path, num_blocks: int, block_size: int = 16) -> int:
@@ -224,16 +244,7 @@ def test_prompt_logprobs_match_transformers_log_softmax(model_dirs, setting):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=3)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert llm.get_stats().prefix_cache_hits == 0
-    for prompt, out in zip(prompts, outputs, strict=True):
-        with torch.inference_mode():
-            ref = torch.log_softmax(hf_model(path)(torch.tensor([prompt])).logits[0].float(), -1)
-        scored = out.prompt_logprobs
-        assert scored is not None and len(scored) == len(prompt) and scored[0] is None
-        for position in range(1, len(prompt)):
-            entry, row, token = scored[position], ref[position - 1], prompt[position]
-            assert abs(entry[token].logprob - row[token].item()) < 1e-4
-            assert entry[token].rank == int((row > row[token]).sum()) + 1
-            assert list(entry)[:3] == torch.topk(row, 3).indices.tolist()
+    assert_prompt_logprobs_like_hf(path, prompts, outputs)
     llm.engine.core.kv_cache.check_integrity()
     if setting.startswith("preemption"):
         assert llm.engine.core.scheduler.num_preemptions > 0

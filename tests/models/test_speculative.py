@@ -199,5 +199,5 @@ def test_a_draft_model_must_fit_the_target(model_dirs, tmp_path):
     (other / "config.json").write_text(json.dumps({**config, "vocab_size": 2999}))
     with pytest.raises(ValueError, match="vocab_size"):
         LLM(str(path), speculative_model=str(other))
-    with pytest.raises(ValueError, match="'ngram' or a draft model's checkpoint folder"):
+    with pytest.raises(ValueError, match="'ngram', a draft model's checkpoint folder"):
         LLM(str(path), speculative_model=str(tmp_path / "missing"))

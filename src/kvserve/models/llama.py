@@ -1,7 +1,7 @@
-"""The Llama-family decoder (Llama, Mistral, Phi-3, Qwen2, Qwen3, and the mixture-of-experts
-Mixtral, Qwen2-MoE and Qwen3-MoE): pure math over flat token batches. Built from one tensor-parallel
-rank's `ModelConfig.shard`, it holds that rank's heads and MLP (or experts') columns;
-embedding, norms, routers and LM head are whole on every rank.
+"""The Llama-family decoder (Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma 3, and the
+mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE): pure math over flat token batches.
+Built from one tensor-parallel rank's `ModelConfig.shard`, it holds that rank's heads and MLP
+(or experts') columns; embedding, norms, routers and LM head are whole on every rank.
 
 Inputs are all the step's tokens flattened to [N]; attention finds each token's sequence and
 cache slots through the forward context, so prefill chunks and decodes share one forward.
@@ -10,6 +10,7 @@ cache slots through the forward context, so prefill chunks and decodes share one
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ _ROTATED = re.compile(r"\.(q_proj|k_proj|q_norm|k_norm)\.(weight|bias)$")
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -37,7 +38,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, [cfg.hidden_size], False, cfg.dtype, parallel="row")
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
+        # Gemma 3's global layers attend past the window its local layers keep to.
+        self.full_attention = index in cfg.full_attention_layers
         self.backend = backend
         self.kv_cache = torch.empty(0)  # bound by the model runner to this layer's pool
 
@@ -46,8 +49,10 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None and self.backend.fuses_qk_norm:
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         qk, v = self.project(x, norm=qk_norm is None)
-        out = self.backend.forward(qk, v, freqs_cis, self.kv_cache, get_attention_metadata(),
-                                   self.scale, qk_norm)
+        meta = get_attention_metadata()
+        if self.full_attention and meta.sliding_window:
+            meta = replace(meta, sliding_window=None)
+        out = self.backend.forward(qk, v, freqs_cis, self.kv_cache, meta, self.scale, qk_norm)
         return self.o_proj(out)
 
     def project(self, x: torch.Tensor, norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,14 +69,24 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        def norm() -> RMSNorm:
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg, backend, index)
+        # Llama's norm before the MLP, where attention's output is added; Gemma's norm of
+        # attention's output, before it is added.
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if cfg.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if cfg.sandwich_norms else None
+        # Gemma 3's local layers turn by their own rotary embedding (the model's `local_rotary`).
+        self.local_rotary = (cfg.local_rope_theta is not None
+                             and not self.self_attn.full_attention)
         self.mlp: MLP | SparseMoeBlock
         if cfg.moe is not None and index in cfg.moe.sparse_layers:
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe, cfg.dtype)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.dtype, act=cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,8 +97,12 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, freqs_cis)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        if self.pre_feedforward_layernorm is None:
+            x, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(x), residual
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        assert self.post_feedforward_layernorm is not None
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -115,26 +134,34 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], False, cfg.dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_positions, cfg.rope_theta,
                                       cfg.rope_scaling, cfg.rotary_dim, max_model_len)
+        self.local_rotary = None if cfg.local_rope_theta is None else RotaryEmbedding(
+            cfg.head_dim, cfg.max_positions, cfg.local_rope_theta, None, cfg.rotary_dim)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [N, hidden] for a flat batch of tokens; with blended prompts, of the
         rows that went on (see worker/blend.py)."""
         x = self.embed_tokens[input_ids]
         freqs_cis = self.rotary(positions)
+        local = None if self.local_rotary is None else self.local_rotary(positions)
         residual = None
         blend = get_selective_recompute()
         for index, layer in enumerate(self.layers):
             if blend is not None and index == blend.layer:
                 (x, freqs_cis), residual = blend.select(layer, x, residual, freqs_cis), None
-            x, residual = layer(x, residual, freqs_cis)
+            x, residual = layer(x, residual, local if layer.local_rotary else freqs_cis)
         return self.norm(x, residual)[0]
 
     def adapt_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Puts q/k rows in the interleaved order the rotary embedding expects (a tensor of the
-        wrong shape passes unchanged, for the loader to report)."""
+        wrong shape passes unchanged, for the loader to report), and adds Gemma's offset to
+        norm weights."""
+        if self.cfg.norm_offset and name.endswith("norm.weight"):
+            tensor = tensor + self.cfg.norm_offset
         if _ROTATED.search(name) and tensor.shape[0] % self.cfg.head_dim == 0:
             return to_interleaved(tensor, self.cfg.head_dim, self.cfg.rotary_dim)
         return tensor
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -81,6 +81,8 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu",
         model.lm_head.load("weight", 0, embedding)
         missing.discard(("lm_head", "weight", 0))
         _prepare("lm_head", model.lm_head)
+    if cfg.embedding_scale != 1.0:  # Gemma's, kept out of a tied LM head
+        model.embed_tokens.mul_(torch.tensor(cfg.embedding_scale, dtype=cfg.dtype))
     if missing:
         names = sorted(f"{n}.{k}" + (f"[shard {s}]" if s else "") for n, k, s in missing)
         raise CheckpointError(f"model: checkpoint {cfg.path!r} lacks tensors: "

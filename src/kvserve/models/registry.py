@@ -1,9 +1,10 @@
 """The architectures kvserve can run, keyed by the `architectures` field of `config.json`.
 
 All are the same pre-norm decoder; they differ in a few switches (Phi-3's checkpoints hold
-q/k/v and gate/up fused, which the loader splits). The mixture-of-experts
-ones (`moe`) route each token's MLP through its top-k experts (see models/moe.py), with the
-router and expert sizes spelled Mixtral's way or Qwen's way in `config.json`.
+q/k/v and gate/up fused, which the loader splits; Gemma 3 norms more, see `gemma`). The
+mixture-of-experts ones (`moe`) route each token's MLP through its top-k experts (see
+models/moe.py), with the router and expert sizes spelled Mixtral's way or Qwen's way in
+`config.json`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class ArchSpec:
     sliding_window_when: Callable[[dict[str, Any]], bool] = lambda raw: False
     # rope_scaling types that name another here (Phi-3's older "su" and "yarn" are LongRoPE)
     rope_aliases: tuple[tuple[str, str], ...] = ()
+    # Gemma 3's layout: norms around attention and the MLP, (1 + w) norm weights, scaled
+    # embeddings, local and global layers (see ModelConfig's Gemma fields)
+    gemma: bool = False
 
     def uses_sliding_window(self, raw: dict[str, Any]) -> bool:
         return bool(raw.get("sliding_window")) and self.sliding_window_when(raw)
@@ -45,6 +49,8 @@ ARCHITECTURES = {
         ArchSpec("MixtralForCausalLM", moe="mixtral", sliding_window_when=lambda raw: True),
         ArchSpec("Qwen2MoeForCausalLM", qkv_bias=True, moe="qwen",
                  sliding_window_when=_qwen_window),
+        ArchSpec("Gemma3ForCausalLM", qk_norm=True, gemma=True,
+                 sliding_window_when=lambda raw: True),
         ArchSpec("Phi3ForCausalLM", sliding_window_when=lambda raw: True,
                  rope_aliases=(("su", "longrope"), ("yarn", "longrope"))),
         ArchSpec("Qwen3MoeForCausalLM", qk_norm=True, moe="qwen",

@@ -76,6 +76,9 @@ PRESETS = {
     "phi4-mini": Preset("phi3", 3072, 8192, 32, 24, 8, 200064, 131072, rope_theta=10000.0,
                         partial_rotary_factor=0.75, original_max_position_embeddings=4096,
                         dtype="bfloat16"),
+    # Gemma-3-1B's shapes: 5 local layers (512-token window) to 1 global, 256-wide heads.
+    "gemma3-1b": Preset("gemma3", 1152, 6912, 26, 4, 1, 262144, 32768, head_dim=256,
+                        sliding_window=512, dtype="bfloat16"),
     # Qwen3-30B-A3B's shapes: 128 experts, 8 a token, 3.3B of 30.5B weights active; the
     # mixture-of-experts model people run on laptops (61 GB in bfloat16).
     "qwen3-30b-a3b": Preset("qwen3_moe", 2048, 6144, 48, 32, 4, 151936, 40960, rope_theta=1e6,
@@ -97,6 +100,7 @@ ARCHES = {
     "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 MOE_ARCHES = tuple(arch for arch, (name, _) in ARCHES.items() if ARCHITECTURES[name].moe)
 
@@ -130,12 +134,15 @@ def make_model(preset: str, output: str | Path, arch: str | None = None, seed: i
         if arch not in ARCHES:
             raise ValueError(f"arch must be one of {sorted(ARCHES)}, got {arch!r}")
         spec = replace(spec, arch=arch)
-    if spec.arch in ("qwen3", "qwen3_moe") and spec.head_dim is None:
+    if spec.arch in ("qwen3", "qwen3_moe", "gemma3") and spec.head_dim is None:
         spec = replace(spec, head_dim=2 * spec.hidden_size // spec.num_heads)
     if spec.arch in MOE_ARCHES:
         spec = _with_experts(spec)
-    if spec.arch == "mistral":
-        spec = replace(spec, sliding_window=sliding_window or spec.max_position_embeddings // 8)
+    if spec.arch in ("mistral", "gemma3"):
+        spec = replace(spec, sliding_window=sliding_window or spec.sliding_window
+                       or spec.max_position_embeddings // 8)
+    if spec.arch == "gemma3":  # its global layers' rotary base; the local ones' is 10,000
+        spec = replace(spec, rope_theta=1e6)
     elif spec.arch in ("mixtral", "phi3"):  # these attend without a window, unless given one
         spec = replace(spec, sliding_window=sliding_window)
     if spec.arch == "phi3":
@@ -224,6 +231,16 @@ def hf_config(spec: Preset) -> dict[str, Any]:
         config["head_dim"] = spec.head_dim
     if spec.arch in ("mistral", "mixtral", "phi3"):
         config["sliding_window"] = spec.sliding_window
+    if spec.arch == "gemma3":
+        # As Gemma 3's files have them: every sixth layer global (every other of a few).
+        pattern = min(6, spec.num_layers)
+        config.update(
+            hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=spec.head_dim,
+            sliding_window=spec.sliding_window, rope_local_base_freq=10000.0,
+            final_logit_softcapping=None, attn_logit_softcapping=None,
+            layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                         for i in range(spec.num_layers)])
+        del config["hidden_act"]
     if spec.arch == "phi3":
         config.update(partial_rotary_factor=spec.partial_rotary_factor,
                       original_max_position_embeddings=spec.original_max_position_embeddings)
@@ -271,6 +288,8 @@ def _separate_tensors(spec: Preset, seed: int) -> Iterator[tuple[str, torch.Tens
     arch = ARCHITECTURES[ARCHES[spec.arch][0]]
     head_dim = spec.head_dim or spec.hidden_size // spec.num_heads
     h = spec.hidden_size
+    # Gemma's files hold norm weights less 1 (its norms multiply by 1 + w).
+    norm_one = 0.0 if arch.gemma else 1.0
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * spec.init_std
@@ -278,19 +297,22 @@ def _separate_tensors(spec: Preset, seed: int) -> Iterator[tuple[str, torch.Tens
     yield "model.embed_tokens.weight", normal(spec.vocab_size, h)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", 1.0 + normal(h)
+        yield p + "input_layernorm.weight", norm_one + normal(h)
         for name, rows in (("q", spec.num_heads), ("k", spec.num_kv_heads),
                            ("v", spec.num_kv_heads)):
             yield p + f"self_attn.{name}_proj.weight", normal(rows * head_dim, h)
             if arch.qkv_bias:
                 yield p + f"self_attn.{name}_proj.bias", normal(rows * head_dim)
         if arch.qk_norm:
-            yield p + "self_attn.q_norm.weight", 1.0 + normal(head_dim)
-            yield p + "self_attn.k_norm.weight", 1.0 + normal(head_dim)
+            yield p + "self_attn.q_norm.weight", norm_one + normal(head_dim)
+            yield p + "self_attn.k_norm.weight", norm_one + normal(head_dim)
         yield p + "self_attn.o_proj.weight", normal(h, spec.num_heads * head_dim)
-        yield p + "post_attention_layernorm.weight", 1.0 + normal(h)
+        yield p + "post_attention_layernorm.weight", norm_one + normal(h)
+        if arch.gemma:
+            yield p + "pre_feedforward_layernorm.weight", normal(h)
+            yield p + "post_feedforward_layernorm.weight", normal(h)
         yield from _mlp_tensors(spec, p, normal)
-    yield "model.norm.weight", 1.0 + normal(h)
+    yield "model.norm.weight", norm_one + normal(h)
     if not spec.tie_word_embeddings:
         yield "lm_head.weight", normal(spec.vocab_size, h)
 
