@@ -10,24 +10,30 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.entrypoints.cli import _resolve_model_arg
 from kvserve.errors import CheckpointError
+from kvserve.tools.make_lora import make_lora
 from tests.conftest import random_prompts
 from tests.models.test_hf_equivalence import run_greedy
 
 COMMITS = {"main": "1" * 40, "v2": "2" * 40}
 
 
+def cache_repo(cache: Path, repo_id: str, ref: str, commit: str, folder: Path) -> None:
+    """`folder` as the snapshot of `repo_id` at `ref` (commit `commit`) in a Hub cache."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+
+
 @pytest.fixture
 def hub_cache(model_dirs, tmp_path, monkeypatch) -> Path:
     """`acme/tiny` at main is the tiny Llama, at v2 the tiny Qwen3; the Hub is unreachable."""
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    repo = tmp_path / "hub" / "models--acme--tiny"
     for (ref, commit), arch in zip(COMMITS.items(), ("llama", "qwen3"), strict=True):
-        shutil.copytree(model_dirs[arch], repo / "snapshots" / commit)
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / ref).write_text(commit)
+        cache_repo(tmp_path / "hub", "acme/tiny", ref, commit, model_dirs[arch])
     return tmp_path / "hub"
 
 
@@ -62,3 +68,22 @@ def test_the_server_serves_a_hub_model_under_its_id(hub_cache):
     _resolve_model_arg(args)
     assert args.served_model_name == "acme/tiny"
     assert Path(args.model).name == COMMITS["v2"]
+
+
+def test_a_lora_adapter_by_its_hub_id(hub_cache, llama_dir, tmp_path, monkeypatch):
+    """As vLLM's --lora-modules, from the Hub's default cache."""
+    make_lora(llama_dir, tmp_path / "adapter", rank=4, seed=1, std=0.2)
+    cache_repo(hub_cache, "acme/sql-lora", "main", COMMITS["main"], tmp_path / "adapter")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub_cache))
+    prompts = random_prompts([5, 30], seed=7)
+
+    def greedy(adapter: str) -> list[list[int]]:
+        llm = LLM(str(llama_dir), lora_modules={"sql": adapter})
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p, "lora_name": "sql"} for p in prompts],
+                               params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    assert greedy("acme/sql-lora") == greedy(str(tmp_path / "adapter"))
+    with pytest.raises(CheckpointError, match="lora 'sql': 'acme/none' is not a folder here"):
+        greedy("acme/none")

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from kvserve.errors import CheckpointError
 from kvserve.layers.linear import Linear
+from kvserve.models.hub import resolve_model
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import checkpoint_target, fused_parts
 from kvserve.models.moe import SparseMoeBlock
@@ -40,8 +41,9 @@ class LoRAAdapter:
 
 
 def load_adapter(name: str, path: str | Path, model: LlamaForCausalLM) -> LoRAAdapter:
-    """Reads a PEFT LoRA folder for `model`; a CheckpointError names what does not fit."""
-    folder = Path(path)
+    """Reads a PEFT LoRA folder (or a Hugging Face Hub adapter, by its id) for `model`; a
+    CheckpointError names what does not fit."""
+    folder = Path(resolve_model(str(path), field=f"lora {name!r}"))
     config_file = folder / "adapter_config.json"
     if not config_file.is_file():
         raise CheckpointError(f"lora {name!r}: no adapter_config.json in {str(folder)!r}")
