@@ -16,7 +16,7 @@ import torch
 from kvserve.errors import CheckpointError
 from kvserve.layers.rotary import ROPE_TYPES
 from kvserve.models.hub import resolve_model
-from kvserve.models.registry import resolve_architecture
+from kvserve.models.registry import MULTIMODAL_LANGUAGE_MODELS, resolve_architecture
 from kvserve.quantization.hub_format import QuantConfig
 from kvserve.sampling_params import SamplingParams
 
@@ -133,6 +133,8 @@ class ModelConfig:
     full_attention_layers: tuple[int, ...] = ()
     local_rope_theta: float | None = None
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # The language model of a multimodal checkpoint, served alone (its other towers skipped).
+    multimodal: bool = False
     quantization: QuantConfig | None = None  # a quantized checkpoint's format
     moe: MoEConfig | None = None  # a mixture-of-experts model's experts
 
@@ -148,6 +150,11 @@ class ModelConfig:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(
                 f"model: config.json in {str(folder)!r} is not valid JSON: {e}") from None
+        language_model = next((MULTIMODAL_LANGUAGE_MODELS[name] for name in
+                               raw.get("architectures") or []
+                               if name in MULTIMODAL_LANGUAGE_MODELS), None)
+        if language_model is not None:
+            raw = _language_model_config(folder, raw, language_model)
         arch = resolve_architecture(raw.get("architectures"))
         for name in _REQUIRED:
             if not isinstance(raw.get(name), int) or raw[name] < 1:
@@ -196,6 +203,7 @@ class ModelConfig:
             hidden_act=hidden_act,
             quantization=quantization,
             moe=moe,
+            multimodal=language_model is not None,
             **gemma,
         )
 
@@ -320,6 +328,24 @@ def cpu_flags() -> set[str]:
         return set()
     return next((set(line.split(":", 1)[1].split()) for line in cpuinfo.splitlines()
                  if line.startswith("flags")), set())
+
+
+def _language_model_config(folder: Path, raw: dict[str, Any], architecture: str
+                           ) -> dict[str, Any]:
+    """A multimodal checkpoint's text config, with the defaults transformers fills in (hub
+    files list only the fields that differ from them), as the config of `architecture`."""
+    from transformers import AutoConfig
+
+    try:
+        text = AutoConfig.from_pretrained(folder).get_text_config().to_dict()
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"model: cannot read the text config of {str(folder)!r}: "
+                              f"{e}") from None
+    for key in ("eos_token_id", "tie_word_embeddings", "quantization_config", "dtype",
+                "torch_dtype"):
+        if key in raw:
+            text[key] = raw[key]
+    return text | {"architectures": [architecture]}
 
 
 def _activation(raw: dict[str, Any], gemma: bool, moe: bool) -> str:

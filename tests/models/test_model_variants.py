@@ -9,10 +9,14 @@ shifts."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import ModelConfig
@@ -171,3 +175,63 @@ def test_gemma3_scales_its_global_layers_only(variant_dirs, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=3)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert_prompt_logprobs_like_hf(path, prompts, outputs)
+
+
+def gemma3_multimodal(text_model: Path, folder: Path) -> Path:
+    """A Gemma3ForConditionalGeneration checkpoint (a tiny vision tower and projector) whose
+    language model is `text_model`'s, saved by transformers."""
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        SiglipVisionConfig,
+    )
+
+    text = AutoModelForCausalLM.from_pretrained(text_model, dtype=torch.float32)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text.config.to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, eos_token_id=2, boi_token_index=2997,
+                          eoi_token_index=2998, image_token_index=2999)
+    model = Gemma3ForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(text_model / name, folder / name)
+    return folder
+
+
+def test_gemma3_multimodal_checkpoints_serve_their_language_model(variant_dirs, tmp_path):
+    """Gemma 3 4B and up: the text config's defaults from transformers, the language
+    model's tensors under either naming, the vision tower's left out."""
+    text_path = variant_dirs["gemma3"]
+    path = gemma3_multimodal(text_path, tmp_path / "multimodal")
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.multimodal and cfg == replace(ModelConfig.from_pretrained(text_path),
+                                             path=str(path), multimodal=True)
+    prompts = random_prompts([5, 100, 300], seed=2)
+    expected = run_greedy(LLM(str(text_path)), prompts)
+    assert run_greedy(LLM(str(path)), prompts) == expected
+    for prompt, tokens in zip(prompts, expected, strict=True):
+        assert_like_hf_greedy(path, prompt, tokens)  # Gemma3ForConditionalGeneration's
+    tensors = load_file(str(path / "model.safetensors"))
+    renamed = {re.sub(r"^language_model\.model\.|^(vision_tower|multi_modal_projector)\.",
+                      lambda m: f"model.{m[1] or 'language_model'}.", name): tensor
+               for name, tensor in tensors.items()}
+    assert any(name.startswith("model.vision_tower.") for name in renamed)
+    save_file(renamed, str(path / "model.safetensors"))
+    assert run_greedy(LLM(str(path)), prompts) == expected
+    # An adapter of the language model, named as PEFT names it in the multimodal model
+    make_lora(text_path, tmp_path / "plain", rank=4, seed=1, std=0.2)
+    shutil.copytree(tmp_path / "plain", tmp_path / "named")
+    adapter = load_file(str(tmp_path / "plain" / "adapter_model.safetensors"))
+    save_file({name.replace("base_model.model.model.",
+                            "base_model.model.model.language_model."): tensor
+               for name, tensor in adapter.items()},
+              str(tmp_path / "named" / "adapter_model.safetensors"))
+    batch = [{"prompt_token_ids": p, "lora_name": "a"} for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = [[o.outputs[0].token_ids for o in LLM(str(model), lora_modules={
+        "a": str(tmp_path / adapter_dir)}).generate(batch, params, use_tqdm=False)]
+        for model, adapter_dir in ((text_path, "plain"), (path, "named"))]
+    assert outputs[0] == outputs[1] != expected

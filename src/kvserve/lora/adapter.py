@@ -24,7 +24,7 @@ from kvserve.errors import CheckpointError
 from kvserve.layers.linear import Linear
 from kvserve.models.hub import resolve_model
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.models.loader import checkpoint_target, fused_parts
+from kvserve.models.loader import checkpoint_target, fused_parts, language_model_name
 from kvserve.models.moe import SparseMoeBlock
 from kvserve.worker.tensor_parallel import rank_slice
 
@@ -128,6 +128,8 @@ def _lora_pairs(tensors: dict[str, torch.Tensor], model: LlamaForCausalLM
         if ".lora_A." not in key:
             continue
         hf_name = key.removeprefix(_PREFIX).replace(".lora_A", "")
+        if model.cfg.multimodal:  # its language model's names (a vision tower's: no target)
+            hf_name = language_model_name(hf_name) or hf_name
         b = tensors.get(key.replace(".lora_A.", ".lora_B."))
         parts = None if b is None else fused_parts(hf_name, model)
         if b is None or parts is None or b.shape[0] != parts[-1][1].stop:

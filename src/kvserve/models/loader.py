@@ -41,8 +41,11 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: str = "cpu",
     parts_left = {name: len(module.checkpoint_parts()) for name, module in modules.items()
                   if isinstance(module, Linear)}
     embedding: torch.Tensor | None = None
-    tensors = dequantize_checkpoint(iter_checkpoint(Path(cfg.path)), cfg.quantization,
-                                    keep_integers=True)
+    tensors = iter_checkpoint(Path(cfg.path))
+    if cfg.multimodal:
+        tensors = ((name, t) for hf_name, t in tensors
+                   if (name := language_model_name(hf_name)) is not None)
+    tensors = dequantize_checkpoint(tensors, cfg.quantization, keep_integers=True)
     for hf_name, tensor in _split_fused(tensors, model):
         if _IGNORED.match(hf_name):
             continue
@@ -143,6 +146,19 @@ def checkpoint_target(hf_name: str, model: LlamaForCausalLM) -> tuple[str, str, 
     if module in known and module:
         return module, kind, 0
     return None
+
+
+_LANGUAGE_MODEL = re.compile(r"^(?:language_model\.model|model\.language_model)\.")
+_OTHER_TOWERS = re.compile(r"(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
+
+
+def language_model_name(hf_name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text model's (Gemma 3's
+    `language_model.model.*`, or `model.language_model.*` as transformers 5 names it in
+    memory), or None for the vision tower's and the projector's."""
+    if _OTHER_TOWERS.match(hf_name):
+        return None
+    return _LANGUAGE_MODEL.sub("model.", hf_name, count=1).removeprefix("language_model.")
 
 
 def fused_parts(hf_name: str, model: LlamaForCausalLM) -> list[tuple[str, slice]] | None:

@@ -59,6 +59,10 @@ ARCHITECTURES = {
 }
 
 
+# Multimodal checkpoints whose language model is one of the above, served as text models.
+MULTIMODAL_LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
 def resolve_architecture(architectures: list[str] | None) -> ArchSpec:
     for name in architectures or []:
         if name in ARCHITECTURES:
