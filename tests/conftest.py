@@ -58,7 +58,7 @@ def llama_dir(model_dirs: dict[str, Path]) -> Path:
 # Beyond the plain Llama layout: YaRN on two of the tiny checkpoints (a 256-token original
 # context stretched 8x, so the limit grows past max_position_embeddings); a Phi-3 checkpoint
 # (fused q/k/v and gate/up, 3/4 of each head rotated, LongRoPE from 256 positions, a sliding
-# window); a Gemma 3 checkpoint (a local layer with the window, then a global one).
+# window); Gemma 2 and Gemma 3 checkpoints (a local layer with the window, then a global one).
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256}
 PHI3_ORIGINAL_CONTEXT = 256
 
@@ -68,7 +68,7 @@ def variant_dirs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathF
               ) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("rope")
     dirs = {arch: make_model("tiny", root / arch, arch=arch, sliding_window=SLIDING_WINDOW)
-            for arch in ("phi3", "gemma3")}
+            for arch in ("phi3", "gemma2", "gemma3")}
     for arch in ("llama", "qwen3"):
         dirs[f"{arch}-yarn"] = path = root / f"{arch}-yarn"
         shutil.copytree(model_dirs[arch], path)

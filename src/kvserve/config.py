@@ -133,6 +133,7 @@ class ModelConfig:
     full_attention_layers: tuple[int, ...] = ()
     local_rope_theta: float | None = None
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # the same, of attention scores (Gemma 2)
     # The language model of a multimodal checkpoint, served alone (its other towers skipped).
     multimodal: bool = False
     quantization: QuantConfig | None = None  # a quantized checkpoint's format
@@ -170,8 +171,8 @@ class ModelConfig:
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
         max_positions = int(raw.get("max_position_embeddings", 2048))
         num_layers = int(raw["num_hidden_layers"])
-        gemma = _gemma_fields(raw, hidden, num_layers) if arch.gemma else {}
-        hidden_act = _activation(raw, arch.gemma, arch.moe is not None)
+        gemma = _gemma_fields(raw, hidden, num_layers, arch.gemma) if arch.gemma else {}
+        hidden_act = _activation(raw, bool(arch.gemma), arch.moe is not None)
         rope = _rope_parameters(gemma.pop("rope", raw), dict(arch.rope_aliases), head_dim,
                                 max_positions)
         rotary_dim = rope.pop("rotary_dim")
@@ -360,36 +361,42 @@ def _activation(raw: dict[str, Any], gemma: bool, moe: bool) -> str:
     return act
 
 
-def _gemma_fields(raw: dict[str, Any], hidden: int, num_layers: int) -> dict[str, Any]:
-    """Gemma 3's ModelConfig fields, and under "rope" the config with its full-attention
-    layers' rotary parameters where a Llama config has them."""
-    if raw.get("attn_logit_softcapping"):
-        raise CheckpointError("model: attn_logit_softcapping is not supported")
+def _gemma_fields(raw: dict[str, Any], hidden: int, num_layers: int, version: int
+                  ) -> dict[str, Any]:
+    """Gemma 2's or 3's ModelConfig fields, with transformers' defaults for each version,
+    and under "rope" the config with its full-attention layers' rotary parameters where a
+    Llama config has them."""
     if raw.get("use_bidirectional_attention"):
         raise CheckpointError("model: use_bidirectional_attention is not supported")
     layer_types = raw.get("layer_types") or [
-        "full_attention" if (i + 1) % raw.get("sliding_window_pattern", 6) == 0
+        "full_attention" if (i + 1) % raw.get("sliding_window_pattern",
+                                              6 if version == 3 else 2) == 0
         else "sliding_attention" for i in range(num_layers)]
     if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention",
                                                                   "sliding_attention"}:
         raise CheckpointError(f"model: layer_types must give each of the {num_layers} layers "
                               "full_attention or sliding_attention")
     params = raw.get("rope_parameters") or {}
-    full = dict(params.get("full_attention") or {})
-    local = dict(params.get("sliding_attention") or {})
-    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+    nested = "full_attention" in params or "sliding_attention" in params
+    full = dict((params.get("full_attention") or {}) if nested else params)
+    local = dict(params.get("sliding_attention") or {}) if nested else {}
+    full.setdefault("rope_theta", raw.get("rope_theta", 1e6 if version == 3 else 1e4))
     if local.get("rope_type", "default") != "default":
         raise CheckpointError("model: the sliding layers' rope_type must be default")
     rope = {key: value for key, value in raw.items() if key != "rope_parameters"}
     rope["rope_scaling"] = full | (raw.get("rope_scaling") or {})
-    cap = raw.get("final_logit_softcapping")
+    # Gemma 2 caps logits unless its config says null; Gemma 3 never by default.
+    caps = {name: raw.get(name, default if version == 2 else None) for name, default in
+            (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0))}
     return {"norm_offset": 1.0, "embedding_scale": hidden ** 0.5, "sandwich_norms": True,
             "attention_scale": float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
             "full_attention_layers": tuple(i for i, kind in enumerate(layer_types)
                                            if kind == "full_attention"),
             "local_rope_theta": float(local.get("rope_theta",
-                                                raw.get("rope_local_base_freq", 10_000.0))),
-            "final_logit_softcapping": float(cap) if cap else None, "rope": rope}
+                                                raw.get("rope_local_base_freq", 10_000.0)))
+            if version == 3 else None,
+            **{name: float(cap) if cap else None for name, cap in caps.items()},
+            "rope": rope}
 
 
 def _rope_parameters(raw: dict[str, Any], aliases: dict[str, str], head_dim: int,

@@ -112,12 +112,17 @@ def test_shifted_keys_keep_the_attention_factor_once(variant_dirs, variant):
 
 
 @pytest.mark.parametrize("budget", [2048, 48])
-def test_gemma3_matches_transformers(variant_dirs, budget):
-    """Greedy tokens, and every prompt token's logprob across the local layer's window."""
-    path = variant_dirs["gemma3"]
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_matches_transformers(variant_dirs, arch, budget):
+    """Greedy tokens, and every prompt token's logprob across the local layer's window;
+    Gemma 2's softcapped attention scores and logits too."""
+    path = variant_dirs[arch]
     cfg = ModelConfig.from_pretrained(path)
+    gemma3 = arch == "gemma3"
     assert (cfg.full_attention_layers, cfg.sliding_window, cfg.local_rope_theta) == (
-        (1,), SLIDING_WINDOW, 10000.0)
+        (1,), SLIDING_WINDOW, 10000.0 if gemma3 else None)
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (
+        (None, None) if gemma3 else (50.0, 30.0))
     llm = LLM(str(path), max_num_batched_tokens=budget)
     prompts = random_prompts([1, 7, 33, 120, 300], seed=budget)
     for prompt, tokens in zip(prompts, run_greedy(llm, prompts), strict=True):

@@ -14,7 +14,13 @@ from kvserve.cpp_extension import cpu_kernels
 logger = logging.getLogger(__name__)
 
 
-def get_attention_backend(device: str, head_dim: int) -> AttentionBackend:
+def get_attention_backend(device: str, head_dim: int, softcap: float | None = None
+                          ) -> AttentionBackend:
+    """`softcap`: Gemma 2's attention logit softcapping, which only the plain torch backend
+    computes."""
+    if softcap is not None:
+        logger.info("attention logit softcapping %s: attention runs in plain torch", softcap)
+        return TorchPagedAttention(softcap)
     if torch.device(device).type == "cuda":
         return _cuda_backend(device, head_dim)
     kernel = cpu_kernels() if device == "cpu" else None

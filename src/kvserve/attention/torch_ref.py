@@ -20,6 +20,12 @@ from kvserve.attention.backend import (
 
 
 class TorchPagedAttention(AttentionBackend):
+    # Gemma 2's: scores become softcap * tanh(scores / softcap) before the mask.
+    softcap: float | None = None
+
+    def __init__(self, softcap: float | None = None) -> None:
+        self.softcap = softcap
+
     def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 qk_norm: QKNorm | None = None) -> torch.Tensor:
@@ -36,7 +42,7 @@ class TorchPagedAttention(AttentionBackend):
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
         """Attention of one query token per sequence over its paged context."""
-        return _decode(q, kv_cache, meta, scale)
+        return _decode(q, kv_cache, meta, scale, self.softcap)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 chunk: PrefillChunk, block_ids: torch.Tensor, window: int | None,
@@ -44,7 +50,8 @@ class TorchPagedAttention(AttentionBackend):
         """Causal attention of one prefill chunk (its rotated queries, keys and values, the
         latter already in the cache) over its context; its queries at `positions` when
         given."""
-        return _prefill(q, k, v, kv_cache, chunk, block_ids, window, scale, positions)
+        return _prefill(q, k, v, kv_cache, chunk, block_ids, window, scale, positions,
+                        self.softcap)
 
 
 def rotate_and_cache(qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
@@ -80,7 +87,7 @@ def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-            scale: float) -> torch.Tensor:
+            scale: float, softcap: float | None = None) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -92,7 +99,10 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
     queries = queries.reshape(num_kv_heads * batch, group, head_dim)
     bias = _decode_bias(seq_lens, keys.shape[1], meta.sliding_window, q.dtype)
     bias = bias.unsqueeze(1).repeat(num_kv_heads, 1, 1)
-    scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale)
+    if softcap is None:
+        scores = torch.baddbmm(bias, queries, keys.transpose(1, 2), alpha=scale)
+    else:
+        scores = _capped(torch.bmm(queries, keys.transpose(1, 2)) * scale, softcap) + bias
     probs = torch.softmax(scores, dim=-1)
     out = torch.bmm(probs, values).view(num_kv_heads, batch, group, head_dim)
     return out.transpose(0, 1).reshape(batch, num_heads * head_dim)
@@ -113,7 +123,8 @@ def _decode_bias(seq_lens: torch.Tensor, width: int, window: int | None,
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              chunk: PrefillChunk, block_ids: torch.Tensor, window: int | None,
-             scale: float, positions: torch.Tensor | None) -> torch.Tensor:
+             scale: float, positions: torch.Tensor | None, softcap: float | None = None
+             ) -> torch.Tensor:
     num_q, ctx = chunk.num_query_tokens, chunk.context_len
     head_dim = q.shape[-1]
     if num_q == ctx and positions is None:  # the new keys are the whole context
@@ -123,15 +134,26 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
         keys = kv_cache[0][:, block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
         values = kv_cache[1][:, block_ids].view(num_kv_heads, -1, head_dim)[:, :ctx]
     mask = None
-    if positions is not None or num_q != ctx or (window is not None and window < ctx):
+    if (positions is not None or num_q != ctx or (window is not None and window < ctx)
+            or softcap is not None):
         if positions is None:
             positions = torch.arange(ctx - num_q, ctx, device=q.device)
         mask = causal_mask(positions, ctx, window)
+    if softcap is not None:  # beyond SDPA: the scores themselves
+        group = q.shape[1] // keys.shape[0]
+        scores = torch.matmul(q.transpose(0, 1), keys.repeat_interleave(group, 0).mT) * scale
+        probs = _capped(scores, softcap).masked_fill(~mask, float("-inf")).softmax(-1)
+        out = torch.matmul(probs, values.repeat_interleave(group, 0))
+        return out.transpose(0, 1).reshape(num_q, -1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
         attn_mask=mask, is_causal=mask is None, scale=scale,
         enable_gqa=q.shape[1] != keys.shape[0])
     return out.squeeze(0).transpose(0, 1).reshape(num_q, -1)
+
+
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return torch.tanh(scores / softcap) * softcap
 
 
 def causal_mask(positions: torch.Tensor, ctx: int, window: int | None) -> torch.Tensor:

@@ -25,9 +25,10 @@ class ArchSpec:
     sliding_window_when: Callable[[dict[str, Any]], bool] = lambda raw: False
     # rope_scaling types that name another here (Phi-3's older "su" and "yarn" are LongRoPE)
     rope_aliases: tuple[tuple[str, str], ...] = ()
-    # Gemma 3's layout: norms around attention and the MLP, (1 + w) norm weights, scaled
-    # embeddings, local and global layers (see ModelConfig's Gemma fields)
-    gemma: bool = False
+    # Gemma's version (2 or 3; 0: not Gemma) for its layout: norms around attention and the
+    # MLP, (1 + w) norm weights, scaled embeddings, local and global layers (see
+    # ModelConfig's Gemma fields)
+    gemma: int = 0
 
     def uses_sliding_window(self, raw: dict[str, Any]) -> bool:
         return bool(raw.get("sliding_window")) and self.sliding_window_when(raw)
@@ -49,7 +50,8 @@ ARCHITECTURES = {
         ArchSpec("MixtralForCausalLM", moe="mixtral", sliding_window_when=lambda raw: True),
         ArchSpec("Qwen2MoeForCausalLM", qkv_bias=True, moe="qwen",
                  sliding_window_when=_qwen_window),
-        ArchSpec("Gemma3ForCausalLM", qk_norm=True, gemma=True,
+        ArchSpec("Gemma2ForCausalLM", gemma=2, sliding_window_when=lambda raw: True),
+        ArchSpec("Gemma3ForCausalLM", qk_norm=True, gemma=3,
                  sliding_window_when=lambda raw: True),
         ArchSpec("Phi3ForCausalLM", sliding_window_when=lambda raw: True,
                  rope_aliases=(("su", "longrope"), ("yarn", "longrope"))),

@@ -100,6 +100,7 @@ ARCHES = {
     "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 MOE_ARCHES = tuple(arch for arch, (name, _) in ARCHES.items() if ARCHITECTURES[name].moe)
@@ -134,11 +135,11 @@ def make_model(preset: str, output: str | Path, arch: str | None = None, seed: i
         if arch not in ARCHES:
             raise ValueError(f"arch must be one of {sorted(ARCHES)}, got {arch!r}")
         spec = replace(spec, arch=arch)
-    if spec.arch in ("qwen3", "qwen3_moe", "gemma3") and spec.head_dim is None:
+    if spec.arch in ("qwen3", "qwen3_moe", "gemma2", "gemma3") and spec.head_dim is None:
         spec = replace(spec, head_dim=2 * spec.hidden_size // spec.num_heads)
     if spec.arch in MOE_ARCHES:
         spec = _with_experts(spec)
-    if spec.arch in ("mistral", "gemma3"):
+    if spec.arch in ("mistral", "gemma2", "gemma3"):
         spec = replace(spec, sliding_window=sliding_window or spec.sliding_window
                        or spec.max_position_embeddings // 8)
     if spec.arch == "gemma3":  # its global layers' rotary base; the local ones' is 10,000
@@ -231,15 +232,19 @@ def hf_config(spec: Preset) -> dict[str, Any]:
         config["head_dim"] = spec.head_dim
     if spec.arch in ("mistral", "mixtral", "phi3"):
         config["sliding_window"] = spec.sliding_window
-    if spec.arch == "gemma3":
-        # As Gemma 3's files have them: every sixth layer global (every other of a few).
-        pattern = min(6, spec.num_layers)
+    if spec.arch in ("gemma2", "gemma3"):
+        # As Gemma's files have them: every other layer global (Gemma 2), every sixth (Gemma
+        # 3, every other of a few); Gemma 2 caps attention scores at 50 and logits at 30.
+        pattern = 2 if spec.arch == "gemma2" else min(6, spec.num_layers)
         config.update(
             hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=spec.head_dim,
-            sliding_window=spec.sliding_window, rope_local_base_freq=10000.0,
-            final_logit_softcapping=None, attn_logit_softcapping=None,
+            sliding_window=spec.sliding_window,
             layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                          for i in range(spec.num_layers)])
+        config.update(final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
+        if spec.arch == "gemma3":
+            config.update(rope_local_base_freq=10000.0, final_logit_softcapping=None,
+                          attn_logit_softcapping=None)
         del config["hidden_act"]
     if spec.arch == "phi3":
         config.update(partial_rotary_factor=spec.partial_rotary_factor,

@@ -50,7 +50,8 @@ def draft_model_config(config: EngineConfig) -> ModelConfig:
 def load_draft_model(config: EngineConfig) -> LlamaForCausalLM:
     """The draft model's weights, loaded before the pools are sized, as the target's are."""
     cfg = draft_model_config(config)
-    return load_model(cfg, get_attention_backend(config.device, cfg.head_dim), config.device,
+    backend = get_attention_backend(config.device, cfg.head_dim, cfg.attn_logit_softcapping)
+    return load_model(cfg, backend, config.device,
                       config.scheduler.max_model_len)
 
 

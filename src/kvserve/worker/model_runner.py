@@ -51,7 +51,8 @@ class ModelRunner:
         self.device = config.device
         if self.device == "cpu":
             retain_freed_memory()
-        self.model = load_model(mc, get_attention_backend(config.device, mc.head_dim),
+        self.model = load_model(mc, get_attention_backend(config.device, mc.head_dim,
+                                                          mc.attn_logit_softcapping),
                                 config.device, config.scheduler.max_model_len)
         spec = config.speculative
         draft_weights = (load_draft_model(config)
