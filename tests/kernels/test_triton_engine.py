@@ -23,7 +23,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def triton_everywhere(monkeypatch):
     """The runner takes the Triton backend on any device."""
     monkeypatch.setattr("kvserve.worker.model_runner.get_attention_backend",
-                        lambda device, head_dim: TritonPagedAttention(num_programs=8))
+                        lambda device, head_dim, softcap=None: TritonPagedAttention(
+                            num_programs=8))
 
 
 @pytest.mark.parametrize("arch,budget", [("llama", 16), ("qwen3", 2048), ("mistral", 48)])
