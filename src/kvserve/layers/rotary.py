@@ -53,15 +53,17 @@ def rope_frequencies(rotary_dim: int, theta: float, scaling: dict[str, Any] | No
         is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(is_medium, smoothed, scaled), 1.0
     assert kind == "yarn", kind
-    return _yarn_frequencies(rotary_dim, theta, factor, old_len, scaling), \
+    return _yarn_frequencies(exponents, theta, factor, old_len, scaling), \
         scaling["attention_factor"]
 
 
-def _yarn_frequencies(rotary_dim: int, theta: float, factor: float, old_len: float,
+def _yarn_frequencies(exponents: torch.Tensor, theta: float, factor: float, old_len: float,
                       scaling: dict[str, Any]) -> torch.Tensor:
     """YaRN: the high frequencies (many turns within the original context) kept, the low ones
     interpolated by `factor`, and a linear ramp between them over the pairs whose turns
     within the original context fall between beta_slow and beta_fast."""
+    rotary_dim = 2 * len(exponents)
+
     def pair_of(turns: float) -> float:
         return rotary_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
@@ -73,7 +75,7 @@ def _yarn_frequencies(rotary_dim: int, theta: float, factor: float, old_len: flo
         high += 0.001
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     kept = 1 - ramp
-    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    pos_freqs = theta ** exponents
     return (1.0 / (factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
 
 

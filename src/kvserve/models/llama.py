@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma 3, and the
+"""The Llama-family decoder (Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma 2 and 3, and the
 mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE): pure math over flat token batches.
 Built from one tensor-parallel rank's `ModelConfig.shard`, it holds that rank's heads and MLP
 (or experts') columns; embedding, norms, routers and LM head are whole on every rank.
@@ -39,7 +39,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
-        # Gemma 3's global layers attend past the window its local layers keep to.
+        # Gemma's global layers attend past the window its local layers keep to.
         self.full_attention = index in cfg.full_attention_layers
         self.backend = backend
         self.kv_cache = torch.empty(0)  # bound by the model runner to this layer's pool
@@ -80,8 +80,8 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = norm() if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = norm() if cfg.sandwich_norms else None
         # Gemma 3's local layers turn by their own rotary embedding (the model's `local_rotary`).
-        self.local_rotary = (cfg.local_rope_theta is not None
-                             and not self.self_attn.full_attention)
+        self.uses_local_rotary = (cfg.local_rope_theta is not None
+                                  and not self.self_attn.full_attention)
         self.mlp: MLP | SparseMoeBlock
         if cfg.moe is not None and index in cfg.moe.sparse_layers:
             self.mlp = SparseMoeBlock(cfg.hidden_size, cfg.moe, cfg.dtype)
@@ -148,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         for index, layer in enumerate(self.layers):
             if blend is not None and index == blend.layer:
                 (x, freqs_cis), residual = blend.select(layer, x, residual, freqs_cis), None
-            x, residual = layer(x, residual, local if layer.local_rotary else freqs_cis)
+            x, residual = layer(x, residual, local if layer.uses_local_rotary else freqs_cis)
         return self.norm(x, residual)[0]
 
     def adapt_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:

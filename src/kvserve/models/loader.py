@@ -166,8 +166,10 @@ def fused_parts(hf_name: str, model: LlamaForCausalLM) -> list[tuple[str, slice]
     of its parts and their rows in it; None otherwise."""
     module, _, kind = hf_name.rpartition(".")
     leaf = module.rpartition(".")[2]
+    if leaf not in model.fused_modules:
+        return None
     target = checkpoint_target(hf_name, model)
-    if leaf not in model.fused_modules or target is None:
+    if target is None:
         return None
     linear = dict(model.named_modules())[target[0]]
     ranks = tp_group().size if linear.parallel == "column" else 1

@@ -235,16 +235,17 @@ def hf_config(spec: Preset) -> dict[str, Any]:
     if spec.arch in ("gemma2", "gemma3"):
         # As Gemma's files have them: every other layer global (Gemma 2), every sixth (Gemma
         # 3, every other of a few); Gemma 2 caps attention scores at 50 and logits at 30.
-        pattern = 2 if spec.arch == "gemma2" else min(6, spec.num_layers)
+        gemma2 = spec.arch == "gemma2"
+        pattern = 2 if gemma2 else min(6, spec.num_layers)
         config.update(
             hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=spec.head_dim,
             sliding_window=spec.sliding_window,
             layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                         for i in range(spec.num_layers)])
-        config.update(final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
-        if spec.arch == "gemma3":
-            config.update(rope_local_base_freq=10000.0, final_logit_softcapping=None,
-                          attn_logit_softcapping=None)
+                         for i in range(spec.num_layers)],
+            final_logit_softcapping=30.0 if gemma2 else None,
+            attn_logit_softcapping=50.0 if gemma2 else None)
+        if not gemma2:
+            config["rope_local_base_freq"] = 10000.0
         del config["hidden_act"]
     if spec.arch == "phi3":
         config.update(partial_rotary_factor=spec.partial_rotary_factor,

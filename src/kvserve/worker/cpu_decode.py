@@ -5,7 +5,7 @@ A batch-1 decode step of a small model is ~300 short kernel calls; issued from P
 calls cost a third of the step. `LlamaDecodeStack` (csrc/llama_decode.cpp) runs the same
 kernels in the same order from C++, so the hidden states are bit-identical to the eager
 forward. It covers what those kernels cover: a single-rank Llama-family model (Qwen3's per-head
-q/k norms and mixture-of-experts MLPs included; not Gemma 3's layers), every linear on the
+q/k norms and mixture-of-experts MLPs included; not Gemma's layers), every linear on the
 blocked GEMM or on any of the CPU's quantized kernels, and the C++ attention backend. Steps
 with a prefill chunk, and everything under `enforce_eager`, run the eager forward.
 """
@@ -54,7 +54,7 @@ class CpuDecodeStack:
         cfg = model.cfg
         if (cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.attention_scale is not None
                 or cfg.full_attention_layers or cfg.local_rope_theta is not None):
-            return False  # Gemma 3's layers
+            return False  # Gemma's layers
         for layer in model.layers:
             attn = layer.self_attn
             linears = [attn.qkv_proj, attn.o_proj, *(m for m in layer.mlp.modules()
