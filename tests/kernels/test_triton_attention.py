@@ -63,12 +63,13 @@ def build_step(seqs, num_heads, num_kv_heads, head_dim, block_size, window=None,
             inputs.attn_metadata, buffers)
 
 
-def run_both(step, scale=0.3):
+def run_both(step, scale=0.3, softcap=None):
     qk, v, freqs, cache, meta = step
     ref_cache, our_cache = cache.clone(), cache.clone()
-    expected = TorchPagedAttention().forward(qk.clone(), v, freqs, ref_cache, meta, scale)
-    got = TritonPagedAttention(num_programs=8).forward(qk.clone(), v, freqs, our_cache, meta,
-                                                       scale)
+    expected = TorchPagedAttention(softcap).forward(qk.clone(), v, freqs, ref_cache, meta,
+                                                    scale)
+    got = TritonPagedAttention(num_programs=8, softcap=softcap).forward(
+        qk.clone(), v, freqs, our_cache, meta, scale)
     return expected, got, ref_cache, our_cache
 
 
@@ -206,6 +207,25 @@ def test_real_shapes_on_cuda():
         make_step(seqs, 32, 8, 128, 16, dtype=torch.bfloat16), scale=128 ** -0.5)
     torch.testing.assert_close(our_cache, ref_cache, **bf16_close())
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_softcapped_scores_match_the_torch_backend(window):
+    """Gemma 2's cap, softcap * tanh(score / softcap), in the decode and varlen kernels, on
+    scores several times the cap; and in the asynchronized softmax, which the cap keeps
+    within its range."""
+    step = make_step(MIXED, 8, 2, 64, 16, window)
+    expected, got, _, _ = run_both(step, scale=1.0, softcap=5.0)
+    uncapped, _, _, _ = run_both(step, scale=1.0)
+    assert not torch.allclose(expected, uncapped, atol=0.1)  # the cap changes the output
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5)
+    qk, _, _, cache, meta = make_step([(90, 1), (300, 1)], 8, 2, 64, 16, seed=3)
+    q = qk[:, :8].clone()
+    exact = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 1.0, None, 4,
+                                   softcap=5.0)
+    unified = paged_decode_attention(q, cache, meta.block_tables, meta.seq_lens, 1.0, None, 4,
+                                     unified_max=5.0, softcap=5.0)
+    torch.testing.assert_close(unified, exact, rtol=1e-5, atol=1e-5)
 
 
 # The interpreter warns when the unified attempt overflows, which is what the fallback is for.

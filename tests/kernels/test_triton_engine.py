@@ -24,7 +24,7 @@ def triton_everywhere(monkeypatch):
     """The runner takes the Triton backend on any device."""
     monkeypatch.setattr("kvserve.worker.model_runner.get_attention_backend",
                         lambda device, head_dim, softcap=None: TritonPagedAttention(
-                            num_programs=8))
+                            num_programs=8, softcap=softcap))
 
 
 @pytest.mark.parametrize("arch,budget", [("llama", 16), ("qwen3", 2048), ("mistral", 48)])
@@ -45,6 +45,17 @@ def test_greedy_matches_transformers_on_triton_attention(model_dirs, triton_ever
     assert run_greedy(llm, prompts, max_tokens=12) == [e[:12] for e in expected]
     assert run_greedy(llm, prompts, max_tokens=3) == [e[:3] for e in expected]
     assert llm.get_stats().prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_matches_transformers_on_triton_attention(variant_dirs, triton_everywhere, arch):
+    """Local layers within the window and global ones past it; Gemma 2's softcapped scores
+    in both kernels."""
+    path = variant_dirs[arch]
+    llm = LLM(str(path), device=DEVICE, dtype="float32", max_num_batched_tokens=32)
+    prompts = random_prompts([5, 70], seed=2)
+    assert run_greedy(llm, prompts, max_tokens=6) == [
+        hf_greedy(path, tuple(p), MAX_TOKENS)[:6] for p in prompts]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -38,7 +38,7 @@ def paged_case(seq_lens, num_heads=6, num_kv_heads=2, head_dim=32, window=None, 
     return q, cache, meta, dense
 
 
-def dense_reference(q, dense, window, scale):
+def dense_reference(q, dense, window, scale, softcap=None):
     outs = []
     for i, kv in enumerate(dense):
         k, v = kv[0], kv[1]
@@ -46,14 +46,17 @@ def dense_reference(q, dense, window, scale):
             k, v = k[:, -window:], v[:, -window:]
         group = q.shape[1] // k.shape[0]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        probs = torch.softmax((q[i].unsqueeze(1) @ k.transpose(1, 2)) * scale, dim=-1)
+        scores = (q[i].unsqueeze(1) @ k.transpose(1, 2)) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        probs = torch.softmax(scores, dim=-1)
         outs.append((probs @ v).reshape(-1))
     return torch.stack(outs)
 
 
 BACKENDS = {"torch": TorchPagedAttention}
 if cpu_kernels() is not None:
-    BACKENDS["cpu-kernel"] = lambda: CpuPagedAttention(cpu_kernels())
+    BACKENDS["cpu-kernel"] = lambda softcap=None: CpuPagedAttention(cpu_kernels(), softcap)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -204,6 +207,67 @@ def test_queries_at_some_positions_match_those_rows_of_the_full_prefill(backend,
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {
         "rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(got.float(), full[positions].float(), **tolerance)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_softcapped_decode_matches_dense_attention(backend, dtype, window):
+    """Gemma 2's cap on scores large enough that it bites: softcap * tanh(score / softcap)
+    where scores reach several times the cap, within one key partition and across three."""
+    q, cache, meta, dense = paged_case([1, 3, 17, 129, 300], window=window)
+    q, cache = (4 * q).to(dtype), cache.to(dtype)
+    dense = [d.to(dtype).float() for d in dense]
+    expected = dense_reference(q.float(), dense, window, 0.25, softcap=2.0)
+    assert not torch.allclose(dense_reference(q.float(), dense, window, 0.25), expected,
+                              atol=0.1)  # the cap changes the output
+    out = BACKENDS[backend](softcap=2.0).decode(q, cache, meta, 0.25)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {
+        "rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(out.float(), expected, **tolerance)
+
+
+@pytest.mark.skipif("cpu-kernel" not in BACKENDS, reason="the CPU kernel did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 70])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_softcapped_prefill_and_fused_decode_match_the_reference(dtype, window, head_dim):
+    """The prefill kernel caps raw scores before its online softmax (64-key tiles, AMX or
+    not), and the fused decode step caps its scores too."""
+    backend = BACKENDS["cpu-kernel"](softcap=2.0)
+    if dtype not in backend.prefill_dtypes:
+        pytest.skip(f"no prefill kernel for {dtype} on this CPU")
+    ctx, num_q = 200, 150
+    _, cache, meta, dense = paged_case([ctx], head_dim=head_dim, seed=9)
+    cache = cache.to(dtype)
+    block_ids = meta.block_tables[0, :-(-ctx // BLOCK)]
+    k, v = (dense[0][i, :, ctx - num_q:].transpose(0, 1).to(dtype) for i in (0, 1))
+    q = (4 * torch.randn(num_q, 6, head_dim, generator=torch.Generator().manual_seed(5))
+         ).to(dtype)
+    chunk = PrefillChunk(seq=0, query_start=0, num_query_tokens=num_q, context_len=ctx)
+    reference = TorchPagedAttention(softcap=2.0)
+    want = reference.prefill(q, k, v, cache, chunk, block_ids, window, 0.25)
+    uncapped = TorchPagedAttention().prefill(q, k, v, cache, chunk, block_ids, window, 0.25)
+    assert not torch.allclose(want.float(), uncapped.float(), atol=0.1)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {
+        "rtol": 2e-2, "atol": 2e-2}
+    got = backend.prefill(q, k, v, cache, chunk, block_ids, window, 0.25)
+    torch.testing.assert_close(got.float(), want.float(), **tolerance)
+
+    lens = [3, 17, 200]
+    _, cache, meta, _ = paged_case(lens, head_dim=head_dim, window=window, seed=2)
+    tables = meta.block_tables
+    slots = [int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK
+             for i, n in enumerate(lens)]
+    meta = replace(meta, slot_mapping=torch.tensor(slots))
+    gen = torch.Generator().manual_seed(1)
+    qk = (4 * torch.randn(len(lens), 6 + 2, head_dim, generator=gen)).to(dtype)
+    v = torch.randn(len(lens), 2, head_dim, generator=gen).to(dtype)
+    angles = torch.randn(len(lens), 1, head_dim // 2, generator=gen)
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    want = reference.forward(qk.clone(), v, freqs, cache.to(dtype).clone(), meta, 0.25)
+    got = backend.forward(qk.clone(), v, freqs, cache.to(dtype).clone(), meta, 0.25)
+    torch.testing.assert_close(got.float(), want.float(), **tolerance)
 
 
 @pytest.mark.skipif("cpu-kernel" not in BACKENDS, reason="the CPU kernel did not build")

@@ -20,7 +20,8 @@ from kvserve.attention.torch_ref import TorchPagedAttention, prefill_chunks, rot
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    def __init__(self, kernel: ModuleType) -> None:
+    def __init__(self, kernel: ModuleType, softcap: float | None = None) -> None:
+        super().__init__(softcap)
         self.kernel = kernel
         # The dtypes the prefill kernel runs in on this CPU.
         self.prefill_dtypes = {dtype for dtype in (torch.float32, torch.bfloat16)
@@ -71,7 +72,7 @@ class CpuPagedAttention(TorchPagedAttention):
         return self.kernel.rotate_cache_and_decode(
             qk, v, rotation, meta.slot_mapping[:qk.shape[0]], kv_cache,
             block_tables.contiguous(), seq_lens, scale, meta.sliding_window or 0,
-            meta.decode_rows_share_sequences)
+            meta.decode_rows_share_sequences, self.softcap or 0.0)
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
@@ -80,7 +81,7 @@ class CpuPagedAttention(TorchPagedAttention):
         block_tables, seq_lens = meta.decode_tables(kv_cache.shape[3])
         out = self.kernel.paged_decode_attention(
             q.contiguous(), kv_cache, block_tables.contiguous(), seq_lens, scale,
-            meta.sliding_window or 0)
+            meta.sliding_window or 0, self.softcap or 0.0)
         return out.view(q.shape[0], -1)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -98,7 +99,7 @@ class CpuPagedAttention(TorchPagedAttention):
                        out: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernel.prefill_attention(
             q, kv_cache, block_ids.contiguous(), chunk.context_len, scale, window or 0,
-            None if positions is None else positions.contiguous(), out)
+            None if positions is None else positions.contiguous(), out, self.softcap or 0.0)
 
     @staticmethod
     def _covers(x: torch.Tensor) -> bool:

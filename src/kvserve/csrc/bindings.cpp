@@ -35,8 +35,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this CPU build has dequantized_linear for x's dtype");
   m.def("dequantized_linear", &kvserve::dequantized_linear, release,
         "x @ W^T for a W4A8/W8A8 weight, dequantized block by block into the GEMM's tiles");
-  m.def("paged_decode_attention", &kvserve::paged_decode_attention, release);
-  m.def("rotate_cache_and_decode", &kvserve::rotate_cache_and_decode, release);
+  // softcap > 0: each score s becomes softcap * tanh(s / softcap) (Gemma 2's).
+  m.def("paged_decode_attention", &kvserve::paged_decode_attention, py::arg("q"),
+        py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("window"), py::arg("softcap") = 0.0, release);
+  m.def("rotate_cache_and_decode", &kvserve::rotate_cache_and_decode, py::arg("qk"),
+        py::arg("v"), py::arg("rotation"), py::arg("slot_mapping"), py::arg("kv_cache"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("window"),
+        py::arg("rows_share_sequences"), py::arg("softcap") = 0.0, release);
   m.def("rotate_and_cache", &kvserve::rotate_and_cache, release,
         "rotary and cache write of rotate_cache_and_decode, without the attention; the queries "
         "are rotated in place");
@@ -44,7 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this CPU build has prefill_attention for q's dtype");
   m.def("prefill_attention", &kvserve::prefill_attention, py::arg("q"), py::arg("kv_cache"),
         py::arg("block_ids"), py::arg("ctx"), py::arg("scale"), py::arg("window"),
-        py::arg("positions") = py::none(), py::arg("out") = py::none(), release,
+        py::arg("positions") = py::none(), py::arg("out") = py::none(),
+        py::arg("softcap") = 0.0, release,
         "causal attention of a prefill chunk (or of some of its positions) over its context");
   m.def("apply_token_bitmask", &kvserve::apply_token_bitmask, release,
         "-inf, in place, for the tokens a grammar's bitmask row leaves out");

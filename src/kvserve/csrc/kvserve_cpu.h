@@ -63,11 +63,12 @@ at::Tensor wxa8_linear(const at::Tensor& x, const at::Tensor& packed,
 // paged_decode.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens,
-                                  double scale, int64_t window);
+                                  double scale, int64_t window, double softcap);
 at::Tensor rotate_cache_and_decode(at::Tensor qk, at::Tensor v, at::Tensor rotation,
                                    at::Tensor slot_mapping, at::Tensor kv_cache,
                                    at::Tensor block_tables, at::Tensor seq_lens,
-                                   double scale, int64_t window, bool rows_share_sequences);
+                                   double scale, int64_t window, bool rows_share_sequences,
+                                   double softcap);
 at::Tensor rotate_and_cache(at::Tensor qk, at::Tensor v, at::Tensor rotation,
                             at::Tensor slot_mapping, at::Tensor kv_cache);
 
@@ -76,7 +77,7 @@ bool prefill_attention_supports(const at::Tensor& q);  // built for q's dtype
 at::Tensor prefill_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor block_ids,
                              int64_t ctx, double scale, int64_t window,
                              c10::optional<at::Tensor> positions,
-                             c10::optional<at::Tensor> out);
+                             c10::optional<at::Tensor> out, double softcap);
 
 // token_mask.cpp
 void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask,

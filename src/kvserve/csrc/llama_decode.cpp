@@ -271,7 +271,7 @@ at::Tensor LlamaDecodeStack::forward(at::Tensor x, const at::Tensor& rotation,
       qk = rms_norm_heads(qk, num_heads_, *layer.q_norm, *layer.k_norm, eps_);
     const at::Tensor attention = rotate_cache_and_decode(
         qk, heads.narrow(1, qk_heads, num_kv_heads_), rotation, slot_mapping, kv_caches[i],
-        block_tables, seq_lens, scale_, window, rows_share_sequences);
+        block_tables, seq_lens, scale_, window, rows_share_sequences, 0.0);
     normed = add_rms_norm(layer.o(attention.view({rows, -1}), hidden_size_, c10::nullopt),
                           layer.post_norm, eps_, residual);
     x = layer.moe ? (*layer.moe)(normed, hidden_size_)

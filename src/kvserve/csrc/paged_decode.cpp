@@ -133,6 +133,28 @@ inline float exp_and_sum(float* s, int64_t n, float max) {
 #endif
 }
 
+// s[i] = cap * tanh(s[i] / cap) for n scores: Gemma 2's attention logit softcapping.
+inline void cap_scores(float* s, int64_t n, float cap) {
+#ifdef __AVX512F__
+  const __m512 c = _mm512_set1_ps(cap), inverse = _mm512_set1_ps(1.f / cap);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 mask = kvserve::simd::first_lanes(n - i);
+    const __m512 x = _mm512_maskz_loadu_ps(mask, s + i);
+    _mm512_mask_storeu_ps(s + i, mask,
+                          _mm512_mul_ps(c, kvserve::simd::tanh(_mm512_mul_ps(x, inverse))));
+  }
+#elif defined(KVSERVE_AVX2_ATTENTION)
+  const __m256 c = _mm256_set1_ps(cap), inverse = _mm256_set1_ps(1.f / cap);
+  for (int64_t i = 0; i < n; i += kHalf) {
+    const __m256 x = _mm256_maskload_ps(s + i, simd::first_avx2_lanes(n - i));
+    simd::store_first_lanes(s + i, _mm256_mul_ps(c, simd::tanh(_mm256_mul_ps(x, inverse))),
+                            n - i);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+#endif
+}
+
 // The products of a tile of up to kTile keys, or values, given as row pointers into the pool
 // (rows past `count` point at zeros), with every query head of a GQA group: scores[g][t] =
 // scale * q_g . key t, and out_g += sum_t p[g][t] * value t. Rows and stride are in elements.
@@ -524,7 +546,7 @@ template <typename T, typename Tiles>
 void attend(const std::vector<Unit>& units, const T* q_ptr, const NewTokens<T>* fresh,
             T* k_base, T* v_base, const int64_t* tables, const int64_t* lens, T* out_ptr,
             int64_t num_heads, int64_t group, int64_t head_stride, int64_t block_size,
-            int64_t width, int64_t head_dim, float scale, float* partials) {
+            int64_t width, int64_t head_dim, float scale, float softcap, float* partials) {
   const int64_t partial_size = group * (2 + head_dim);
   for_each_unit_balanced(units, [&](const Unit& unit) {
     thread_local std::vector<float> rotated, scores, tile, acc, totals;
@@ -603,6 +625,7 @@ void attend(const std::vector<Unit>& units, const T* q_ptr, const NewTokens<T>* 
     float* partial = unit.partial >= 0 ? partials + unit.partial * partial_size : nullptr;
     for (int64_t g = 0; g < group && n > 0; ++g) {
       float* s = scores.data() + g * kPartition;
+      if (softcap > 0.f) cap_scores(s, n, softcap);
       const float max = max_of(s, n);
       totals[g] = exp_and_sum(s, n, max);
       if (partial != nullptr) {
@@ -661,7 +684,7 @@ template <typename T>
 void decode(const T* q_ptr, const NewTokens<T>* fresh, T* k_base, T* v_base,
             const int64_t* tables, const int64_t* lens, T* out_ptr, int64_t batch,
             int64_t num_heads, int64_t num_kv_heads, int64_t head_stride, int64_t block_size,
-            int64_t width, int64_t head_dim, float scale, int64_t window) {
+            int64_t width, int64_t head_dim, float scale, int64_t window, float softcap) {
   const int64_t group = num_heads / num_kv_heads;
   std::vector<Unit> units;
   std::vector<Split> splits;
@@ -684,14 +707,14 @@ void decode(const T* q_ptr, const NewTokens<T>* fresh, T* k_base, T* v_base,
     if (head_dim % BF16PairTiles::kPair == 0) {
       attend<T, BF16PairTiles>(units, q_ptr, fresh, k_base, v_base, tables, lens, out_ptr,
                                num_heads, group, head_stride, block_size, width, head_dim, scale,
-                               partials.data());
+                               softcap, partials.data());
       return merge(splits, partials, out_ptr, num_heads, group, head_dim);
     }
   }
 #endif
   attend<T, WidenedTiles<T>>(units, q_ptr, fresh, k_base, v_base, tables, lens, out_ptr,
                              num_heads, group, head_stride, block_size, width, head_dim, scale,
-                             partials.data());
+                             softcap, partials.data());
   merge(splits, partials, out_ptr, num_heads, group, head_dim);
 }
 
@@ -710,7 +733,7 @@ template <typename T>
 void dispatch(const T* q, const NewTokens<T>* fresh, at::Tensor& kv_cache,
               const at::Tensor& block_tables, const at::Tensor& seq_lens,
               at::Tensor& out, int64_t batch, int64_t num_heads, int64_t head_dim,
-              double scale, int64_t window) {
+              double scale, int64_t window, double softcap) {
   const int64_t num_kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
   const int64_t block_size = kv_cache.size(3);
   const int64_t head_stride = num_blocks * block_size * head_dim;
@@ -727,7 +750,7 @@ void dispatch(const T* q, const NewTokens<T>* fresh, at::Tensor& kv_cache,
   decode(q, fresh, k, k + num_kv_heads * head_stride, block_tables.data_ptr<int64_t>(),
          seq_lens.data_ptr<int64_t>(), out.data_ptr<T>(), batch, num_heads, num_kv_heads,
          head_stride, block_size, block_tables.size(1), head_dim, static_cast<float>(scale),
-         window);
+         window, static_cast<float>(softcap));
 }
 
 // Rotates rows' q and k heads as the fused decode does, writing q back in place (`qk`: the
@@ -756,19 +779,20 @@ namespace kvserve {
 
 // q: [B, Hq, D]; kv_cache: [2, Hkv, num_blocks, block_size, D] of q's dtype; block_tables:
 // [B, W] int64; seq_lens: [B] int64. Keys at positions < seq_len - window are skipped when
-// window > 0.
+// window > 0. With softcap > 0, each score s becomes softcap * tanh(s / softcap).
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens,
-                                  double scale, int64_t window) {
+                                  double scale, int64_t window, double softcap) {
   check_inputs(kv_cache, block_tables, seq_lens, q.scalar_type(), q.size(2));
   TORCH_CHECK(q.is_contiguous(), "paged_decode_attention: inputs must be contiguous");
   auto out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat)
     dispatch<float>(q.data_ptr<float>(), nullptr, kv_cache, block_tables, seq_lens, out,
-                    q.size(0), q.size(1), q.size(2), scale, window);
+                    q.size(0), q.size(1), q.size(2), scale, window, softcap);
   else
     dispatch<at::BFloat16>(q.data_ptr<at::BFloat16>(), nullptr, kv_cache, block_tables,
-                           seq_lens, out, q.size(0), q.size(1), q.size(2), scale, window);
+                           seq_lens, out, q.size(0), q.size(1), q.size(2), scale, window,
+                           softcap);
   return out;
 }
 
@@ -779,7 +803,8 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv_cache,
 at::Tensor rotate_cache_and_decode(at::Tensor qk, at::Tensor v, at::Tensor rotation,
                                    at::Tensor slot_mapping, at::Tensor kv_cache,
                                    at::Tensor block_tables, at::Tensor seq_lens,
-                                   double scale, int64_t window, bool rows_share_sequences) {
+                                   double scale, int64_t window, bool rows_share_sequences,
+                                   double softcap) {
   const int64_t batch = qk.size(0), head_dim = qk.size(2);
   const int64_t num_heads = qk.size(1) - kv_cache.size(1);
   check_inputs(kv_cache, block_tables, seq_lens, qk.scalar_type(), head_dim);
@@ -798,13 +823,13 @@ at::Tensor rotate_cache_and_decode(at::Tensor qk, at::Tensor v, at::Tensor rotat
     const NewTokens<float> fresh{qk.data_ptr<float>(), v.data_ptr<float>(), qk.stride(0),
                                  v.stride(0), rot, slots, rows_share_sequences};
     dispatch<float>(nullptr, &fresh, kv_cache, block_tables, seq_lens, out, batch, num_heads,
-                    head_dim, scale, window);
+                    head_dim, scale, window, softcap);
   } else {
     const NewTokens<at::BFloat16> fresh{qk.data_ptr<at::BFloat16>(),
                                         v.data_ptr<at::BFloat16>(), qk.stride(0), v.stride(0),
                                         rot, slots, rows_share_sequences};
     dispatch<at::BFloat16>(nullptr, &fresh, kv_cache, block_tables, seq_lens, out, batch,
-                           num_heads, head_dim, scale, window);
+                           num_heads, head_dim, scale, window, softcap);
   }
   return out;
 }

@@ -79,6 +79,13 @@ inline __m256 exp(__m256 x) {
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
 }
+
+// tanh(x) in each lane, as 1 - 2 / (e^2x + 1) (tanh(__m512)'s comment).
+inline __m256 tanh(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  return _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f),
+                                          _mm256_add_ps(exp(_mm256_add_ps(x, x)), one)));
+}
 #endif
 }  // namespace kvserve::simd
 #endif
@@ -98,6 +105,14 @@ inline __m512 exp(__m512 x) {
   for (size_t i = 1; i < std::size(kExpTaylor); ++i)
     p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(kExpTaylor[i]));
   return _mm512_scalef_ps(p, n);
+}
+
+// tanh(x) in each lane, as 1 - 2 / (e^2x + 1): within ~1e-7 of it absolutely (not relatively
+// near 0), which is what a softcapped attention score, cap * tanh(score / cap), needs.
+inline __m512 tanh(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f),
+                                          _mm512_add_ps(exp(_mm512_add_ps(x, x)), one)));
 }
 
 // 2^y in each lane as 2^f * 2^floor(y), f = y - floor(y) in [0, 1), with 2^f from the

@@ -25,9 +25,10 @@ class TritonPagedAttention(AttentionBackend):
     takes_padding_rows = True
     fuses_qk_norm = True
 
-    def __init__(self, num_programs: int) -> None:
+    def __init__(self, num_programs: int, softcap: float | None = None) -> None:
         # Decode splits aim to start this many programs; the varlen launch starts as many.
         self.num_programs = num_programs
+        self.softcap = softcap  # Gemma 2's attention logit softcapping
 
     def forward(self, qk: torch.Tensor, v: torch.Tensor, freqs_cis: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -42,18 +43,18 @@ class TritonPagedAttention(AttentionBackend):
             paged_decode_attention(q[:slots], kv_cache, meta.block_tables[:slots],
                                    meta.seq_lens[:slots], scale, meta.sliding_window,
                                    MAX_SPLITS, out=out[:slots], decode_count=meta.decode_count,
-                                   split_target=self.num_programs)
+                                   split_target=self.num_programs, softcap=self.softcap)
         elif num_decodes:
             splits = num_splits_for(num_decodes, num_kv_heads,
                                     int(meta.seq_lens_host[:num_decodes].max()),
                                     self.num_programs)
             paged_decode_attention(q[:num_decodes], kv_cache, meta.block_tables[:num_decodes],
                                    meta.seq_lens[:num_decodes], scale, meta.sliding_window,
-                                   splits, out=out[:num_decodes])
+                                   splits, out=out[:num_decodes], softcap=self.softcap)
         if meta.prefills or meta.decode_count is not None:
             paged_varlen_attention(
                 q, kv_cache, meta.block_tables[num_decodes:],
                 meta.query_start_loc[num_decodes:], meta.seq_lens[num_decodes:], scale,
                 meta.sliding_window, out, self.num_programs, meta.query_positions,
-                decode_count=meta.decode_count)
+                decode_count=meta.decode_count, softcap=self.softcap)
         return out.view(q.shape[0], -1)

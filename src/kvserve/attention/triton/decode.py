@@ -23,7 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kvserve.attention.triton.tiles import MASKED, NO_WINDOW, attend_tile, load_kv_tile
+from kvserve.attention.triton.tiles import (
+    MASKED,
+    NO_WINDOW,
+    attend_tile,
+    load_kv_tile,
+    scores,
+)
 from kvserve.triton_precision import dot_precision
 from kvserve.triton_splits import arrives_last, check_split_groups, rearm, split_counters
 
@@ -37,7 +43,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     SPLITS_POW2: tl.constexpr, MERGE_HEADS: tl.constexpr, PRECISION: tl.constexpr,
     UNIFIED: tl.constexpr, UNIFIED_RANGE: tl.constexpr, COUNTED: tl.constexpr,
-    unified_max,
+    SOFTCAP: tl.constexpr, unified_max,
 ):
     """Program (i, kv_head, split). COUNTED: the first decode_count[0] sequences are the
     decodes, each split on the device into as many pieces (up to NUM_SPLITS) as give about
@@ -60,7 +66,7 @@ def _decode_split_kernel(
             counters_ptr, scale, window, unified_max, seq, tl.program_id(1), split,
             num_splits, stride_qb, stride_qh, stride_kv, stride_kh, stride_kblk, stride_bt,
             stride_ob, stride_oh, GROUP, BLOCK_G, HEAD_DIM, BLOCK_SIZE, BLOCK_N,
-            SPLITS_POW2, MERGE_HEADS, PRECISION, UNIFIED, UNIFIED_RANGE)
+            SPLITS_POW2, MERGE_HEADS, PRECISION, UNIFIED, UNIFIED_RANGE, SOFTCAP)
 
 
 @triton.jit
@@ -71,7 +77,7 @@ def _attend_split(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_POW2: tl.constexpr,
     MERGE_HEADS: tl.constexpr, PRECISION: tl.constexpr, UNIFIED: tl.constexpr,
-    UNIFIED_RANGE: tl.constexpr,
+    UNIFIED_RANGE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Piece `split` of `num_splits` of sequence `seq`'s context, for the heads of `kv_head`:
     written to the output directly when it is the only piece, else stored as a part that
@@ -101,8 +107,7 @@ def _attend_split(
             valid = t < end
             k, v = load_kv_tile(k_base, stride_kv, stride_kblk, table, t, valid, BLOCK_SIZE,
                                 HEAD_DIM)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(valid[None, :], s, MASKED)
+            s = tl.where(valid[None, :], scores(q, k, scale, PRECISION, SOFTCAP), MASKED)
             top = tl.maximum(top, tl.max(s, 1))
             p = tl.exp(s - unified_max)
             l_sum += tl.sum(p, 1)
@@ -120,7 +125,7 @@ def _attend_split(
             k, v = load_kv_tile(k_base, stride_kv, stride_kblk, table, t, valid, BLOCK_SIZE,
                                 HEAD_DIM)
             m, l_sum, acc = attend_tile(q, k, v, valid[None, :], m, l_sum, acc, scale,
-                                        PRECISION)
+                                        PRECISION, SOFTCAP)
 
     keep = g < GROUP
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # an empty context gives 0
@@ -199,14 +204,16 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
                            num_splits: int, out: torch.Tensor | None = None,
                            unified_max: float | None = None, num_warps: int = 4,
                            decode_count: torch.Tensor | None = None,
-                           split_target: int = 0) -> torch.Tensor:
+                           split_target: int = 0, softcap: float | None = None
+                           ) -> torch.Tensor:
     """q: [B, Hq, D] (head-contiguous rows); kv_cache: [2, Hkv, num_blocks, block_size, D];
     block_tables: [B, >= blocks of the longest sequence]; seq_lens: [B]. Returns [B, Hq, D].
     `unified_max` switches to the asynchronized softmax around that fixed value.
     `decode_count`, a [1] device tensor (a padded mixed step's, whose count the host does
     not give its graph): only the first decode_count[0] of the B rows are decodes, and only
     their rows of `out` are written; each is split into up to `num_splits` pieces, as many
-    as give about `split_target` programs. Compiled for an H100, neither 4 nor 8 warps
+    as give about `split_target` programs. `softcap`: scores s become
+    softcap * tanh(s / softcap). Compiled for an H100, neither 4 nor 8 warps
     spill up to head_dim 256 (`scripts/attention_sm90.py`); `bench kernels` times both."""
     batch, num_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = kv_cache.shape
@@ -242,6 +249,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         MERGE_HEADS=merge_heads(group, num_splits, head_dim),
         PRECISION=dot_precision(q.dtype),
         UNIFIED=unified_max is not None, UNIFIED_RANGE=unified_range(q.dtype),
-        COUNTED=decode_count is not None, unified_max=unified_max or 0.0,
+        COUNTED=decode_count is not None, SOFTCAP=softcap or 0.0,
+        unified_max=unified_max or 0.0,
         num_warps=num_warps)
     return out

@@ -26,11 +26,21 @@ def load_kv_tile(kv_head_ptr, stride_kv, stride_kblk, table_ptr, t, valid,
 
 
 @triton.jit
-def attend_tile(q, k, v, visible, m, l_sum, acc, scale, PRECISION: tl.constexpr):
+def scores(q, k, scale, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    """q . k^T * scale; with SOFTCAP > 0 (Gemma 2's), capped to SOFTCAP * tanh(s / SOFTCAP),
+    tanh(x) taken as 2 / (1 + e^-2x) - 1."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if SOFTCAP > 0:
+        s = SOFTCAP * (2.0 / (1.0 + tl.exp(s * (-2.0 / SOFTCAP))) - 1.0)
+    return s
+
+
+@triton.jit
+def attend_tile(q, k, v, visible, m, l_sum, acc, scale, PRECISION: tl.constexpr,
+                SOFTCAP: tl.constexpr):
     """One online-softmax step of queries q over a key tile; returns the new running max,
     sum and unnormalized output."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    s = tl.where(visible, s, MASKED)
+    s = tl.where(visible, scores(q, k, scale, PRECISION, SOFTCAP), MASKED)
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])

@@ -56,7 +56,7 @@ def _varlen_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, HAS_POSITIONS: tl.constexpr,
-    SKIP_DECODES: tl.constexpr,
+    SKIP_DECODES: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Each program takes every num_programs-th (tile, KV head) pair in turn."""
     # Every sequence but a padded step's trailing ones, which start at the last row's end.
@@ -82,7 +82,7 @@ def _varlen_kernel(
                 tl.load(seq_lens_ptr + seq), kv_head,
                 stride_qt, stride_qh, stride_kv, stride_kh, stride_kblk, stride_ot, stride_oh,
                 GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_Q, BLOCK_M, BLOCK_N, PRECISION,
-                HAS_POSITIONS)
+                HAS_POSITIONS, SOFTCAP)
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _attend_query_tile(
     stride_qt, stride_qh, stride_kv, stride_kh, stride_kblk, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, HAS_POSITIONS: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_POSITIONS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Queries first_query .. + BLOCK_Q - 1 of a sequence, each with the GROUP query heads
     of `kv_head`, over their context."""
@@ -122,7 +122,8 @@ def _attend_query_tile(
                             HEAD_DIM)
         visible = ((t[None, :] <= q_pos[:, None]) & (t[None, :] > q_pos[:, None] - window)
                    & in_context[None, :])
-        m, l_sum, acc = attend_tile(q, k, v, visible, m, l_sum, acc, scale, PRECISION)
+        m, l_sum, acc = attend_tile(q, k, v, visible, m, l_sum, acc, scale, PRECISION,
+                                    SOFTCAP)
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=is_query[:, None])
@@ -147,14 +148,16 @@ def paged_varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, window: int | None,
                            out: torch.Tensor, num_programs: int,
                            positions: torch.Tensor | None = None,
-                           decode_count: torch.Tensor | None = None) -> torch.Tensor:
+                           decode_count: torch.Tensor | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """q, out: [num_rows, Hq, D], rows of sequence i at query_start_loc[i] .. [i + 1] - 1,
     all within num_rows; kv_cache: [2, Hkv, num_blocks, block_size, D], already holding the
     new keys; block_tables: [num_seqs, ...]; seq_lens: [num_seqs] context lengths;
     positions: [num_rows] each row's position, when a sequence's queries are not its last
     ones. Rows outside every sequence are left as they are. At most `num_programs` programs
     share the work. `decode_count`, a [1] device tensor: the first decode_count[0]
-    sequences are left out too, for the decode kernel."""
+    sequences are left out too, for the decode kernel. `softcap`: scores s become
+    softcap * tanh(s / softcap)."""
     num_seqs = seq_lens.shape[0]
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     num_rows, num_heads, _ = q.shape
@@ -175,5 +178,6 @@ def paged_varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor,
         BLOCK_Q=block_q,
         BLOCK_M=max(TILE_ROWS, triton.next_power_of_2(group)),
         PRECISION=dot_precision(q.dtype), HAS_POSITIONS=positions is not None,
-        SKIP_DECODES=decode_count is not None, **tile_config(head_dim, block_size))
+        SKIP_DECODES=decode_count is not None, SOFTCAP=softcap or 0.0,
+        **tile_config(head_dim, block_size))
     return out
