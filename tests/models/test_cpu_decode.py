@@ -20,20 +20,32 @@ def greedy_with_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[tuple[
                                                  strict=True)] for o in outputs]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ARCHES)
-def test_decode_stack_equals_the_eager_forward(model_dirs, arch, dtype):
+def assert_stack_equals_the_eager_forward(path, dtype: str) -> None:
     """Batches of 1 to 5 decodes with contexts across block and sliding-window edges."""
     if not cpu_kernels().gemm_supports(torch.empty(16, 2, dtype=getattr(torch, dtype))):
         pytest.skip(f"no blocked {dtype} GEMM on this CPU, so no decode stack")
     prompts = random_prompts([5, 17, 70, 3, 40], seed=4)
-    stacked = LLM(str(model_dirs[arch]), dtype=dtype, max_num_batched_tokens=48)
-    eager = LLM(str(model_dirs[arch]), dtype=dtype, max_num_batched_tokens=48,
-                enforce_eager=True)
+    stacked = LLM(str(path), dtype=dtype, max_num_batched_tokens=48)
+    eager = LLM(str(path), dtype=dtype, max_num_batched_tokens=48, enforce_eager=True)
     assert eager.engine.core.runner.cpu_decode is None
-    assert stacked.engine.core.runner.cpu_decode is not None  # Qwen3's q/k norms included
+    assert stacked.engine.core.runner.cpu_decode is not None
     assert greedy_with_logprobs(stacked, prompts) == greedy_with_logprobs(eager, prompts)
     assert greedy_with_logprobs(stacked, prompts[:1]) == greedy_with_logprobs(eager, prompts[:1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_decode_stack_equals_the_eager_forward(model_dirs, arch, dtype):
+    """Qwen3's q/k norms included."""
+    assert_stack_equals_the_eager_forward(model_dirs[arch], dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_decode_stack_equals_the_eager_forward(variant_dirs, arch, dtype):
+    """Norms around attention and the MLP, GELU, a local layer within the window (with its
+    own rotation in Gemma 3) and a global one past it, Gemma 2's softcapped scores."""
+    assert_stack_equals_the_eager_forward(variant_dirs[arch], dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -124,16 +124,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<at::Tensor, LinearWeights, LinearWeights, at::Tensor,
                     c10::optional<LinearWeights>, c10::optional<LinearWeights>,
                     c10::optional<at::Tensor>, c10::optional<at::Tensor>,
-                    c10::optional<at::Tensor>, c10::optional<MoEWeights>>(),
+                    c10::optional<at::Tensor>, c10::optional<MoEWeights>,
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, bool, bool>(),
            py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"),
            py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias") = py::none(),
            py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
-           py::arg("moe") = py::none());
+           py::arg("moe") = py::none(), py::arg("pre_mlp_norm") = py::none(),
+           py::arg("post_mlp_norm") = py::none(), py::arg("full_attention") = false,
+           py::arg("local_rotation") = false);
   py::class_<LlamaDecodeStack>(m, "LlamaDecodeStack", py::module_local())
       .def(py::init<std::vector<DecoderLayerWeights>, at::Tensor, int64_t, int64_t, int64_t,
-                    int64_t, double, double>(),
+                    int64_t, double, double, bool, double>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("intermediate_size"),
-           py::arg("eps"), py::arg("scale"))
-      .def("forward", &LlamaDecodeStack::forward, release);
+           py::arg("eps"), py::arg("scale"), py::arg("gelu") = false, py::arg("softcap") = 0.0)
+      .def("forward", &LlamaDecodeStack::forward, py::arg("x"), py::arg("rotation"),
+           py::arg("slot_mapping"), py::arg("kv_caches"), py::arg("block_tables"),
+           py::arg("seq_lens"), py::arg("window"), py::arg("rows_share_sequences"),
+           py::arg("local_rotation") = py::none(), release);
 }

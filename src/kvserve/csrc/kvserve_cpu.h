@@ -162,6 +162,10 @@ struct DecoderLayerWeights {
   c10::optional<LinearWeights> gate_up, down;
   c10::optional<at::Tensor> qkv_bias, q_norm, k_norm;  // q/k norms: Qwen3's per-head ones
   c10::optional<MoEWeights> moe;
+  // Gemma's norms before and after the MLP, where post_norm norms attention's output.
+  c10::optional<at::Tensor> pre_mlp_norm, post_mlp_norm;
+  bool full_attention = false;  // Gemma's global layers: no sliding window
+  bool local_rotation = false;  // Gemma 3's local layers: the stack's second rotation
 };
 
 // A decode-only step through every decoder layer in one call (see llama_decode.cpp).
@@ -169,18 +173,24 @@ class LlamaDecodeStack {
  public:
   LlamaDecodeStack(std::vector<DecoderLayerWeights> layers, at::Tensor final_norm,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   int64_t intermediate_size, double eps, double scale);
+                   int64_t intermediate_size, double eps, double scale, bool gelu,
+                   double softcap);
   at::Tensor forward(at::Tensor x, const at::Tensor& rotation,
                      const at::Tensor& slot_mapping,
                      const std::vector<at::Tensor>& kv_caches,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                     int64_t window, bool rows_share_sequences) const;
+                     int64_t window, bool rows_share_sequences,
+                     const c10::optional<at::Tensor>& local_rotation) const;
 
  private:
+  at::Tensor mlp(const DecoderLayerWeights& layer, const at::Tensor& x) const;
+
   std::vector<DecoderLayerWeights> layers_;
   at::Tensor final_norm_;
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_size_, intermediate_size_;
   double eps_, scale_;
+  bool gelu_;  // the MLP's activation: GELU's tanh approximation (Gemma's), else SiLU
+  double softcap_;  // Gemma 2's attention logit softcapping; 0: none
 };
 
 }  // namespace kvserve

@@ -238,23 +238,41 @@ at::Tensor MoEWeights::many_rows(const at::Tensor& x, const at::Tensor& weights,
 LlamaDecodeStack::LlamaDecodeStack(std::vector<DecoderLayerWeights> layers,
                                    at::Tensor final_norm, int64_t num_heads,
                                    int64_t num_kv_heads, int64_t head_dim,
-                                   int64_t intermediate_size, double eps, double scale)
+                                   int64_t intermediate_size, double eps, double scale,
+                                   bool gelu, double softcap)
     : layers_(std::move(layers)), final_norm_(std::move(final_norm)), num_heads_(num_heads),
       num_kv_heads_(num_kv_heads), head_dim_(head_dim), hidden_size_(final_norm_.numel()),
-      intermediate_size_(intermediate_size), eps_(eps), scale_(scale) {
+      intermediate_size_(intermediate_size), eps_(eps), scale_(scale), gelu_(gelu),
+      softcap_(softcap) {
   TORCH_CHECK(!layers_.empty(), "LlamaDecodeStack: no layers");
 }
 
+// The layer's MLP (or experts) on its normed input, as models/mlp.py computes it: GELU on
+// the [gate | up] output's halves, or SiLU fused into the GEMM.
+at::Tensor LlamaDecodeStack::mlp(const DecoderLayerWeights& layer, const at::Tensor& x) const {
+  if (layer.moe) return (*layer.moe)(x, hidden_size_);
+  const int64_t n = intermediate_size_;
+  at::Tensor gated;
+  if (gelu_) {
+    const at::Tensor both = (*layer.gate_up)(x, 2 * n, c10::nullopt);
+    gated = at::gelu(both.narrow(1, 0, n), "tanh") * both.narrow(1, n, n);
+  } else {
+    gated = layer.gate_up->silu_and_mul(x, n);
+  }
+  return (*layer.down)(gated, hidden_size_, c10::nullopt);
+}
+
 // x: [B, hidden] embeddings (used as the residual stream, updated in place); rotation:
-// [B, D / 2, 2] float32; kv_caches: each layer's [2, Hkv, blocks, block_size, D] pool;
-// rows_share_sequences: as in rotate_cache_and_decode. Returns the final norm's output
-// [B, hidden].
+// [B, D / 2, 2] float32, and local_rotation likewise for the layers with `local_rotation`;
+// kv_caches: each layer's [2, Hkv, blocks, block_size, D] pool; rows_share_sequences: as in
+// rotate_cache_and_decode. Returns the final norm's output [B, hidden].
 at::Tensor LlamaDecodeStack::forward(at::Tensor x, const at::Tensor& rotation,
                                      const at::Tensor& slot_mapping,
                                      const std::vector<at::Tensor>& kv_caches,
                                      const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, int64_t window,
-                                     bool rows_share_sequences) const {
+                                     bool rows_share_sequences,
+                                     const c10::optional<at::Tensor>& local_rotation) const {
   TORCH_CHECK(kv_caches.size() == layers_.size(), "LlamaDecodeStack: ", layers_.size(),
               " layers, ", kv_caches.size(), " KV caches");
   const int64_t rows = x.size(0), qk_heads = num_heads_ + num_kv_heads_;
@@ -269,14 +287,22 @@ at::Tensor LlamaDecodeStack::forward(at::Tensor x, const at::Tensor& rotation,
     at::Tensor qk = heads.narrow(1, 0, qk_heads);
     if (layer.q_norm && layer.k_norm)  // each head's row normed, as models/llama.py does
       qk = rms_norm_heads(qk, num_heads_, *layer.q_norm, *layer.k_norm, eps_);
+    TORCH_CHECK(!layer.local_rotation || local_rotation,
+                "LlamaDecodeStack: layer ", i, " turns by a local rotation, none given");
     const at::Tensor attention = rotate_cache_and_decode(
-        qk, heads.narrow(1, qk_heads, num_kv_heads_), rotation, slot_mapping, kv_caches[i],
-        block_tables, seq_lens, scale_, window, rows_share_sequences, 0.0);
-    normed = add_rms_norm(layer.o(attention.view({rows, -1}), hidden_size_, c10::nullopt),
-                          layer.post_norm, eps_, residual);
-    x = layer.moe ? (*layer.moe)(normed, hidden_size_)
-                  : (*layer.down)(layer.gate_up->silu_and_mul(normed, intermediate_size_),
-                                  hidden_size_, c10::nullopt);
+        qk, heads.narrow(1, qk_heads, num_kv_heads_),
+        layer.local_rotation ? *local_rotation : rotation, slot_mapping, kv_caches[i],
+        block_tables, seq_lens, scale_, layer.full_attention ? 0 : window,
+        rows_share_sequences, softcap_);
+    const at::Tensor out = layer.o(attention.view({rows, -1}), hidden_size_, c10::nullopt);
+    if (layer.pre_mlp_norm) {
+      normed = add_rms_norm(add_rms_norm(out, layer.post_norm, eps_, c10::nullopt),
+                            *layer.pre_mlp_norm, eps_, residual);
+    } else {
+      normed = add_rms_norm(out, layer.post_norm, eps_, residual);
+    }
+    x = mlp(layer, normed);
+    if (layer.post_mlp_norm) x = add_rms_norm(x, *layer.post_mlp_norm, eps_, c10::nullopt);
   }
   return add_rms_norm(x, final_norm_, eps_, residual);
 }

@@ -5,7 +5,8 @@ A batch-1 decode step of a small model is ~300 short kernel calls; issued from P
 calls cost a third of the step. `LlamaDecodeStack` (csrc/llama_decode.cpp) runs the same
 kernels in the same order from C++, so the hidden states are bit-identical to the eager
 forward. It covers what those kernels cover: a single-rank Llama-family model (Qwen3's per-head
-q/k norms and mixture-of-experts MLPs included; not Gemma's layers), every linear on the
+q/k norms, mixture-of-experts MLPs, and Gemma's norms around attention and the MLP, GELU,
+local and global layers and softcapped attention scores included), every linear on the
 blocked GEMM or on any of the CPU's quantized kernels, and the C++ attention backend. Steps
 with a prefill chunk, and everything under `enforce_eager`, run the eager forward.
 """
@@ -33,7 +34,9 @@ class CpuDecodeStack:
         self.stack = kernels.LlamaDecodeStack(
             [_layer_weights(layer, kernels) for layer in model.layers], model.norm.weight,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-            cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+            cfg.rms_norm_eps, model.layers[0].self_attn.scale,
+            gelu=cfg.hidden_act == "gelu_pytorch_tanh",
+            softcap=cfg.attn_logit_softcapping or 0.0)
 
     @classmethod
     def build(cls, model: torch.nn.Module, enforce_eager: bool) -> CpuDecodeStack | None:
@@ -51,10 +54,6 @@ class CpuDecodeStack:
         """Whether every layer of `model` runs on the kernels the stack composes."""
         if not isinstance(model, LlamaForCausalLM):
             return False
-        cfg = model.cfg
-        if (cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.attention_scale is not None
-                or cfg.full_attention_layers or cfg.local_rope_theta is not None):
-            return False  # Gemma's layers
         for layer in model.layers:
             attn = layer.self_attn
             linears = [attn.qkv_proj, attn.o_proj, *(m for m in layer.mlp.modules()
@@ -74,11 +73,13 @@ class CpuDecodeStack:
             return None
         model = self.model
         block_tables, seq_lens = meta.decode_tables(model.layers[0].self_attn.kv_cache.shape[3])
-        rotation = torch.view_as_real(model.rotary(inputs.positions)).contiguous()
+        rotation, local = (
+            None if rotary is None else torch.view_as_real(rotary(inputs.positions)).contiguous()
+            for rotary in (model.rotary, model.local_rotary))
         return self.stack.forward(
             model.embed_tokens[inputs.input_ids], rotation, meta.slot_mapping,
             [layer.self_attn.kv_cache for layer in model.layers], block_tables.contiguous(),
-            seq_lens, meta.sliding_window or 0, meta.decode_rows_share_sequences)
+            seq_lens, meta.sliding_window or 0, meta.decode_rows_share_sequences, local)
 
 
 def _layer_weights(layer: torch.nn.Module, kernels: ModuleType) -> object:
@@ -91,4 +92,10 @@ def _layer_weights(layer: torch.nn.Module, kernels: ModuleType) -> object:
         linear_weights(mlp.down_proj, kernels) if dense else None,
         attn.qkv_proj.bias, attn.q_norm.weight if attn.q_norm is not None else None,
         attn.k_norm.weight if attn.k_norm is not None else None,
-        None if dense else mlp.on_cpu_kernels)
+        None if dense else mlp.on_cpu_kernels,
+        _weight(layer.pre_feedforward_layernorm), _weight(layer.post_feedforward_layernorm),
+        attn.full_attention, layer.uses_local_rotary)
+
+
+def _weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
