@@ -701,9 +701,6 @@ class EngineConfig:
                                  f"max_position_embeddings, times a linear or YaRN rope "
                                  f"scaling's factor), got {self.scheduler.max_model_len}")
             self.scheduler.max_model_len = limit
-        if self.cache.streaming_window and self.model.local_rope_theta is not None:
-            raise ValueError("streaming_window is not supported for models whose local and "
-                             "global layers have rotary embeddings of their own (Gemma 3)")
         cache_len = (self.sink_blocks + self.cache.streaming_window) * self.cache.block_size
         if cache_len > self.scheduler.max_model_len:
             raise ValueError(f"attention sinks and streaming_window keep up to {cache_len} "

@@ -6,6 +6,7 @@ is the chunk's own, moved to its new positions; no block is left held."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,6 +50,10 @@ def test_full_recompute_matches_transformers(model_dirs, arch, setting):
     kwargs = dict(SETTINGS[setting])
     if "kv_blocks" in kwargs:
         kwargs["kv_cache_memory"] = kv_bytes_for_blocks(path, kwargs.pop("kv_blocks"))
+    assert_full_recompute_matches_transformers(path, **kwargs)
+
+
+def assert_full_recompute_matches_transformers(path: Path, **kwargs: object) -> None:
     llm = LLM(str(path), blend_recompute_ratio=1.0, **kwargs)
     a, b, c, d, e, question = corpus()
     segment_lists = [[a, b, question], [b, a, c, question], [d, e, a, question],
@@ -77,23 +82,27 @@ def test_chunk_first_in_the_prompt_needs_no_recompute(llama_dir, budget):
 
 
 def test_copied_keys_are_moved_to_their_positions(llama_dir):
-    """The first layer's KV depends on each token and its position alone, so a chunk's KV
-    copied behind another equals the full prefill's there."""
+    assert_copied_keys_are_moved(llama_dir)
+
+
+def assert_copied_keys_are_moved(path: Path, layer: int = 0, ratio: float = 0.0) -> None:
+    """A blended prompt's KV at `layer` equals the full prefill's. The first layer's depends
+    on each token and its position alone, so a chunk's KV copied behind another is moved
+    there exactly; with a ratio above 0, the second layer's is refreshed in context."""
     a, b, *_, question = corpus()
     prompt = a + b + question
-    layer0 = {}
-    for ratio, request in ((None, {"prompt_token_ids": prompt}),
-                           (0.0, {"segments": [a, b, question]})):
-        llm = LLM(str(llama_dir), blend_recompute_ratio=ratio or 0.0,
-                  enable_prefix_caching=True)
+    kvs = {}
+    for blend, request in ((False, {"prompt_token_ids": prompt}),
+                           (True, {"segments": [a, b, question]})):
+        llm = LLM(str(path), blend_recompute_ratio=ratio, enable_prefix_caching=True)
         engine = llm.engine
         engine.add_request(request, SamplingParams(max_tokens=4, ignore_eos=True), "r")
         while not engine.core.scheduler.requests["r"].num_output_tokens:
             engine.step()
         table = engine.core.kv_cache.get_block_ids("r")
-        kv = engine.core.runner.kv_cache[0]  # [K/V, heads, blocks, block_size, dim]
-        layer0[ratio] = kv[:, :, table].flatten(2, 3)[:, :, :len(prompt) - 1].clone()
-    torch.testing.assert_close(layer0[0.0], layer0[None], atol=1e-5, rtol=1e-5)
+        kv = engine.core.runner.kv_cache[layer]  # [K/V, heads, blocks, block_size, dim]
+        kvs[blend] = kv[:, :, table].flatten(2, 3)[:, :, :len(prompt) - 1].clone()
+    torch.testing.assert_close(kvs[True], kvs[False], atol=1e-5, rtol=1e-5)
 
 
 def test_prompt_beyond_the_budget_is_blended_in_chunks(llama_dir):

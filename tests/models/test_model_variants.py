@@ -3,8 +3,8 @@ attention factor scales cos and sin), Phi-3's checkpoints (q/k/v and gate/up fus
 files, three quarters of each head rotated, LongRoPE's short and long factors, a sliding
 window) and Gemma 3's (norms around attention and the MLP, GELU, scaled embeddings, local
 layers with a window and a rotary embedding of their own beside global ones), through
-chunked prefill, tensor parallelism, LoRA adapters, quantized files and attention sinks' key
-shifts."""
+chunked prefill, tensor parallelism, LoRA adapters, quantized files, and attention sinks' and
+CacheBlend's key turns."""
 
 from __future__ import annotations
 
@@ -22,7 +22,12 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import ModelConfig
 from kvserve.quantization.quantize import quantize_model
 from kvserve.tools.make_lora import make_lora
+from kvserve.tools.make_model import make_model
 from tests.conftest import PHI3_ORIGINAL_CONTEXT, SLIDING_WINDOW, random_prompts
+from tests.models.test_blend import (
+    assert_copied_keys_are_moved,
+    assert_full_recompute_matches_transformers,
+)
 from tests.models.test_hf_equivalence import (
     MAX_TOKENS,
     assert_like_hf_greedy,
@@ -32,7 +37,11 @@ from tests.models.test_hf_equivalence import (
 )
 from tests.models.test_lora import merged_greedy
 from tests.models.test_quantized import dequantized_copy
-from tests.models.test_streaming import assert_shifts_keys_exactly
+from tests.models.test_streaming import (
+    assert_shifts_keys_exactly,
+    assert_streams_in_constant_blocks,
+    assert_unslid_window_matches_transformers,
+)
 from tests.models.test_tensor_parallel import greedy
 
 # With MAX_TOKENS, these fit Phi-3's original context, those go past it from the prompt on.
@@ -138,14 +147,25 @@ def test_gemma3_on_two_ranks_matches_one(variant_dirs):
     assert greedy(path, tensor_parallel_size=2) == greedy(path)
 
 
-def test_gemma3_refuses_what_its_two_rotary_embeddings_do_not_support(variant_dirs):
-    path = variant_dirs["gemma3"]
-    with pytest.raises(ValueError, match="streaming_window is not supported for models whose "
-                                         "local and global layers"):
-        LLM(str(path), enable_prefix_caching=False, streaming_window=4)
-    with pytest.raises(ValueError, match=r"segments needs .* a model whose layers "
-                                         r"share one rotary embedding \(not Gemma 3\)"):
-        LLM(str(path)).generate({"segments": [[5, 6, 7], [8, 9]]}, use_tqdm=False)
+def test_gemma3_streams_with_each_layers_keys_shifted(variant_dirs):
+    """Attention sinks turn each layer's cached keys back by that layer's rotary embedding
+    (the local one or the global one)."""
+    path = Path(variant_dirs["gemma3"])
+    assert_shifts_keys_exactly(path)
+    assert_unslid_window_matches_transformers(path)
+    assert_streams_in_constant_blocks(path, budget=1)
+
+
+def test_gemma3_blends_chunks_with_each_layers_keys_turned(tmp_path):
+    """CacheBlend moves each layer's copied keys by that layer's rotary embedding, and its
+    recompute from the second layer on carries both rotations. Three layers: two local, so
+    that the second layer, where the recompute starts, is local."""
+    path = make_model("tiny", tmp_path / "gemma3", arch="gemma3", num_layers=3,
+                      sliding_window=SLIDING_WINDOW)
+    assert ModelConfig.from_pretrained(path).full_attention_layers == (2,)
+    assert_copied_keys_are_moved(path)
+    assert_copied_keys_are_moved(path, layer=1, ratio=0.5)
+    assert_full_recompute_matches_transformers(path)
 
 
 def gemma3_variant(source: Path, folder: Path, **changes: object) -> Path:

@@ -30,14 +30,18 @@ def test_shifted_keys_equal_keys_rotated_at_the_lower_position(llama_dir):
 def assert_shifts_keys_exactly(path: Path) -> None:
     llm = LLM(str(path), **STREAM)
     runner = llm.engine.core.runner
+    model = runner.model
     cache = runner.kv_cache  # [layers, K/V, kv heads, blocks, block_size, head_dim]
     layers, _, heads, _, size, dim = cache.shape
     raw = torch.randn(layers, heads, 2, size, dim)
     positions = torch.arange(100, 100 + 2 * size)
 
     def rotated(at: torch.Tensor) -> torch.Tensor:
-        keys = raw.permute(2, 3, 0, 1, 4).reshape(-1, layers * heads, dim)
-        out = apply_rotary(keys, runner.model.rotary(at))
+        """Each layer's keys turned by its own rotary embedding (Gemma 3's local layers)."""
+        rotations = [rotary(at) for rotary in model.rotaries]
+        keys = raw.permute(2, 3, 0, 1, 4).reshape(-1, layers, heads, dim)
+        out = torch.stack([apply_rotary(keys[:, i], rotations[layer.uses_local_rotary])
+                           for i, layer in enumerate(model.layers)], dim=1)
         return out.reshape(2, size, layers, heads, dim).permute(2, 3, 0, 1, 4)
 
     cache[:, 0, :, 5:7] = rotated(positions)
@@ -47,21 +51,30 @@ def assert_shifts_keys_exactly(path: Path) -> None:
 
 
 def test_a_window_that_never_slides_matches_transformers(llama_dir):
+    assert_unslid_window_matches_transformers(llama_dir)
+
+
+def assert_unslid_window_matches_transformers(path: Path) -> None:
     prompts = random_prompts([7, 40], seed=8)
-    llm = LLM(str(llama_dir), enable_prefix_caching=False, streaming_window=8)
-    assert run_greedy(llm, prompts) == [hf_greedy(llama_dir, tuple(p), MAX_TOKENS)
+    llm = LLM(str(path), enable_prefix_caching=False, streaming_window=8)
+    assert run_greedy(llm, prompts) == [hf_greedy(path, tuple(p), MAX_TOKENS)
                                         for p in prompts]
 
 
 @pytest.mark.parametrize("budget", [1, 32])
 def test_streams_past_max_model_len_in_constant_blocks(llama_dir, budget):
-    llm = LLM(str(llama_dir), max_num_batched_tokens=budget, **STREAM)
+    assert_streams_in_constant_blocks(llama_dir, budget)
+
+
+def assert_streams_in_constant_blocks(path: Path, budget: int) -> None:
+    """Far past max_model_len, with the same output whatever the step budget."""
+    llm = LLM(str(path), max_num_batched_tokens=budget, **STREAM)
     prompts = random_prompts([3, 70], seed=9)
     outputs = run_greedy(llm, prompts, 300)
     assert [len(o) for o in outputs] == [300, 300]  # far past max_model_len (128)
     stats = llm.get_stats()
     assert stats.kv_blocks_peak <= 2 * (1 + 4)  # a sink block and four window blocks each
-    reference = LLM(str(llama_dir), **STREAM)
+    reference = LLM(str(path), **STREAM)
     assert run_greedy(reference, prompts, 300) == outputs
 
 

@@ -130,8 +130,7 @@ class InputProcessor:
         all are strings), the token ids and each segment's length."""
         if not self.limits.blending:
             raise ValueError(f"{field_name} needs prefix caching on (the chunk store is its "
-                             "cache) and a model whose layers share one rotary embedding "
-                             "(not Gemma 3)")
+                             "cache)")
         if not isinstance(segments, list | tuple) or len(segments) < 2:
             raise ValueError(f"{field_name} must be a list of at least 2 segments: the "
                              "reusable chunks, then the rest of the prompt")

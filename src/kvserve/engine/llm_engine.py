@@ -76,8 +76,7 @@ class LLMEngine:
         return RequestLimits(self.max_model_len, self.config.model.vocab_size, kv.block_size,
                              kv.pool.num_blocks,
                              kv.sink_blocks + kv.window_blocks if kv.window_blocks else 0,
-                             blending=(kv.enable_prefix_caching
-                                       and self.config.model.local_rope_theta is None))
+                             blending=kv.enable_prefix_caching)
 
     def add_request(self, prompt: PromptType, params: SamplingParams,
                     request_id: str | None = None) -> str:

@@ -141,15 +141,26 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [N, hidden] for a flat batch of tokens; with blended prompts, of the
         rows that went on (see worker/blend.py)."""
         x = self.embed_tokens[input_ids]
-        freqs_cis = self.rotary(positions)
-        local = None if self.local_rotary is None else self.local_rotary(positions)
+        # Indexed by a layer's `uses_local_rotary`: the global rotation, then the local one.
+        rotations = [rotary(positions) for rotary in self.rotaries]
         residual = None
         blend = get_selective_recompute()
         for index, layer in enumerate(self.layers):
             if blend is not None and index == blend.layer:
-                (x, freqs_cis), residual = blend.select(layer, x, residual, freqs_cis), None
-            x, residual = layer(x, residual, local if layer.uses_local_rotary else freqs_cis)
+                (x, rotations), residual = blend.select(layer, x, residual, rotations), None
+            x, residual = layer(x, residual, rotations[layer.uses_local_rotary])
         return self.norm(x, residual)[0]
+
+    @property
+    def rotaries(self) -> list[RotaryEmbedding]:
+        """The rotary embeddings, indexed by a layer's `uses_local_rotary`."""
+        return [self.rotary] + ([] if self.local_rotary is None else [self.local_rotary])
+
+    def key_turns(self, num_positions: int) -> torch.Tensor:
+        """[layers, head_dim / 2]: the rotation that moves each layer's cached keys
+        `num_positions` on, by that layer's rotary embedding."""
+        turns = [rotary.turn(num_positions) for rotary in self.rotaries]
+        return torch.stack([turns[layer.uses_local_rotary] for layer in self.layers])
 
     def adapt_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Puts q/k rows in the interleaved order the rotary embedding expects (a tensor of the

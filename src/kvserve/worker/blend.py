@@ -57,12 +57,14 @@ class SelectiveRecompute:
         self.kept: torch.Tensor | None = None  # the rows that went on, in their new order
 
     def select(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-               freqs_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               rotations: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The rows that go on through `layer` and after: their hidden state (residual
-        folded in) and rotations. The forward context narrows to them too."""
+        folded in) and rotations (each rotary embedding's, as the model indexes them). The
+        forward context narrows to them too."""
         if residual is not None:
             x = x + residual
         meta = self.meta
+        freqs_cis = rotations[layer.uses_local_rotary]
         going_on = {b.seq: self._rows_going_on(layer, x, freqs_cis, b) for b in self.blends}
         kept, prefills, num_kept = [np.arange(meta.num_decodes)], [], meta.num_decodes
         for chunk in meta.prefills:
@@ -88,7 +90,7 @@ class SelectiveRecompute:
             decode_rows_share_sequences=meta.decode_rows_share_sequences,
             query_positions=self.positions[self.kept],
         ), lora)
-        return x[self.kept], freqs_cis[self.kept]
+        return x[self.kept], [rotation[self.kept] for rotation in rotations]
 
     def restore(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final hidden states back in the step's row order (rows that left: zeros)."""

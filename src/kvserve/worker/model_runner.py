@@ -284,7 +284,7 @@ class ModelRunner:
         (up to rounding, which float32 keeps negligible over a window's shifts)."""
         ids = torch.tensor(block_ids, device=self.kv_cache.device)
         keys = self.kv_cache[:, 0]  # [layers, kv heads, blocks, block_size, head_dim]
-        rotation = self.model.rotary.turn(-num_positions)
+        rotation = self.model.key_turns(-num_positions)[:, None, None, None]
         keys.index_copy_(2, ids, apply_rotary(keys.index_select(2, ids), rotation))
 
     def _copy_chunk(self, copy: ChunkCopy) -> None:
@@ -301,7 +301,7 @@ class ModelRunner:
         dst_t = torch.from_numpy(dst_slots).to(device)
         layers, _, heads, _, _, head_dim = self.kv_cache.shape
         flat = self.kv_cache.view(layers, 2, heads, -1, head_dim)
-        rotation = self.model.rotary.turn(copy.position)
+        rotation = self.model.key_turns(copy.position)[:, None, None]
         flat[:, 0].index_copy_(2, dst_t, apply_rotary(flat[:, 0].index_select(2, src_t),
                                                       rotation))
         flat[:, 1].index_copy_(2, dst_t, flat[:, 1].index_select(2, src_t))
