@@ -26,28 +26,32 @@ TYPES = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "block_tables_ptr": "*i64",
 BLOCK_SIZE = 16
 
 
-def varlen_usage(head_dim: int, group: int) -> dict[str, int]:
+def varlen_usage(head_dim: int, group: int, softcap: float = 0.0) -> dict[str, int]:
+    """`softcap`: Gemma 2's capped scores (50), compiled in where it is above 0."""
     config = varlen.tile_config(head_dim, BLOCK_SIZE)
     constants = {"NUM_KV_HEADS": 8, "GROUP": group, "HEAD_DIM": head_dim,
                  "BLOCK_SIZE": BLOCK_SIZE,
                  "BLOCK_Q": varlen.queries_per_tile(group), "BLOCK_N": config["BLOCK_N"],
                  "BLOCK_M": max(varlen.TILE_ROWS, triton.next_power_of_2(group)),
                  "PRECISION": dot_precision(torch.bfloat16), "HAS_POSITIONS": False,
-                 "SKIP_DECODES": True}
+                 "SKIP_DECODES": True, "SOFTCAP": softcap}
     compiled = compile_for_h100(varlen._varlen_kernel, _with_strides(varlen._varlen_kernel),
                                 constants, {"num_warps": config["num_warps"]},
                                 _head_strides(varlen._varlen_kernel))
     return {"warps": config["num_warps"], "BLOCK_N": config["BLOCK_N"], **resources(compiled)}
 
 
-def decode_usage(head_dim: int, group: int, counted: bool = False) -> dict[str, int]:
-    """`counted`: as a mixed-step graph launches it, the decode count read on the device."""
+def decode_usage(head_dim: int, group: int, counted: bool = False,
+                 softcap: float = 0.0) -> dict[str, int]:
+    """`counted`: as a mixed-step graph launches it, the decode count read on the device;
+    `softcap` as in `varlen_usage`."""
     constants = {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)),
                  "HEAD_DIM": head_dim, "BLOCK_SIZE": BLOCK_SIZE, "BLOCK_N": decode.BLOCK_N,
                  "NUM_SPLITS": decode.MAX_SPLITS, "SPLITS_POW2": decode.MAX_SPLITS,
                  "MERGE_HEADS": decode.merge_heads(group, decode.MAX_SPLITS, head_dim),
                  "PRECISION": dot_precision(torch.bfloat16),
-                 "UNIFIED": False, "UNIFIED_RANGE": 60.0, "COUNTED": counted}
+                 "UNIFIED": False, "UNIFIED_RANGE": 60.0, "COUNTED": counted,
+                 "SOFTCAP": softcap}
     compiled = compile_for_h100(decode._decode_split_kernel,
                                 _with_strides(decode._decode_split_kernel), constants,
                                 {"num_warps": 4}, _head_strides(decode._decode_split_kernel))
@@ -72,7 +76,9 @@ def main() -> None:
     args = parser.parse_args()
     for head_dim in args.head_dims:
         for name, usage in (("varlen", varlen_usage), ("decode", decode_usage),
-                            ("counted decode", lambda *a: decode_usage(*a, counted=True))):
+                            ("counted decode", lambda *a: decode_usage(*a, counted=True)),
+                            ("softcapped varlen", lambda *a: varlen_usage(*a, softcap=50.0)),
+                            ("softcapped decode", lambda *a: decode_usage(*a, softcap=50.0))):
             row = usage(head_dim, args.group)
             print(f"{name} head_dim {head_dim}, group {args.group}: {row['warps']} warps, "
                   f"key tiles of {row['BLOCK_N']}: {row['REG']} registers, "

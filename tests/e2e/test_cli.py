@@ -130,8 +130,12 @@ def test_the_varlen_attention_kernel_compiles_for_an_h100_without_spilling():
     spills = dict(re.findall(r"^varlen head_dim (\d+),.* (\d+) bytes spilled", run.stdout,
                              re.MULTILINE))
     assert spills == {"64": "0", "128": "0"}
+    capped = dict(re.findall(r"^softcapped varlen head_dim (\d+),.* (\d+) bytes spilled",
+                             run.stdout, re.MULTILINE))
+    assert capped == {"64": "0", "128": "0"}
     assert run.stdout.count("\ndecode head_dim") == 2
     assert run.stdout.count("counted decode head_dim") == 2
+    assert run.stdout.count("softcapped decode head_dim") == 2
 
 
 def test_the_split_k_linear_and_lora_kernels_compile_for_an_h100():
