@@ -66,16 +66,16 @@ def test_streams_past_max_model_len_in_constant_blocks(llama_dir, budget):
     assert_streams_in_constant_blocks(llama_dir, budget)
 
 
-def assert_streams_in_constant_blocks(path: Path, budget: int) -> None:
-    """Far past max_model_len, with the same output whatever the step budget."""
+def assert_streams_in_constant_blocks(path: Path, budget: int, num_tokens: int = 300) -> None:
+    """Past max_model_len (128), with the same output whatever the step budget."""
     llm = LLM(str(path), max_num_batched_tokens=budget, **STREAM)
     prompts = random_prompts([3, 70], seed=9)
-    outputs = run_greedy(llm, prompts, 300)
-    assert [len(o) for o in outputs] == [300, 300]  # far past max_model_len (128)
+    outputs = run_greedy(llm, prompts, num_tokens)
+    assert [len(o) for o in outputs] == [num_tokens, num_tokens]
     stats = llm.get_stats()
     assert stats.kv_blocks_peak <= 2 * (1 + 4)  # a sink block and four window blocks each
     reference = LLM(str(path), **STREAM)
-    assert run_greedy(reference, prompts, 300) == outputs
+    assert run_greedy(reference, prompts, num_tokens) == outputs
 
 
 def test_a_stream_is_cut_where_it_would_be_alone(llama_dir):
