@@ -90,8 +90,7 @@ def _layer_weights(layer: torch.nn.Module, kernels: ModuleType) -> object:
         linear_weights(attn.o_proj, kernels), layer.post_attention_layernorm.weight,
         linear_weights(mlp.gate_up_proj, kernels) if dense else None,
         linear_weights(mlp.down_proj, kernels) if dense else None,
-        attn.qkv_proj.bias, attn.q_norm.weight if attn.q_norm is not None else None,
-        attn.k_norm.weight if attn.k_norm is not None else None,
+        attn.qkv_proj.bias, _weight(attn.q_norm), _weight(attn.k_norm),
         None if dense else mlp.on_cpu_kernels,
         _weight(layer.pre_feedforward_layernorm), _weight(layer.post_feedforward_layernorm),
         attn.full_attention, layer.uses_local_rotary)
