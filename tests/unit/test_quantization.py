@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -305,10 +306,13 @@ def test_wxa8_kernel_computes_its_integer_products_exactly(bits):
     _check_wxa8_products(gemm, bits)
 
 
+WXA8_MODULE = Path(__file__).parent / "wxa8_module.cpp"
+
+
 @pytest.fixture(scope="module", params=["avx2", "avx_vnni"])
 def avx2_kernels(request) -> tuple[str, ModuleType]:
-    """The CPU kernels built as for a CPU with AVX2 and nothing newer (no AVX-512 or AMX), with
-    AVX-VNNI or without (named): code paths this CPU's own build leaves out."""
+    """The W4A8/W8A8 kernels built as for a CPU with AVX2 and nothing newer (no AVX-512 or
+    AMX), with AVX-VNNI or without (named): code paths this CPU's own build leaves out."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512" or cpu_kernels() is None:
         pytest.skip("this CPU's own build is the AVX2 one, or there is none")
     flags = ["-mno-avx512f", "-mno-amx-tile"]
@@ -316,8 +320,9 @@ def avx2_kernels(request) -> tuple[str, ModuleType]:
         flags.append("-mno-avxvnni")
     elif "avx_vnni" not in cpu_flags():
         pytest.skip("no AVX-VNNI on this CPU")
-    built = build("kvserve_cpu", sorted(CSRC.glob("*.cpp")), f"{request.param} CPU kernels",
-                  flags)
+    sources = [CSRC / name for name in ("gemm.cpp", "norm_activation.cpp", "wxa8.cpp")]
+    built = build("kvserve_wxa8", [*sources, WXA8_MODULE], f"{request.param} W4A8/W8A8 kernels",
+                  [f"-I{CSRC}", *flags])
     assert built is not None
     return request.param, built
 
