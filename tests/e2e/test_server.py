@@ -380,6 +380,9 @@ COMPLETIONS = "/v1/completions"
 @pytest.mark.parametrize(("path", "body", "status", "param", "words"), [
     (COMPLETIONS, b'{"prompt": "x", ', 400, None, "not valid JSON"),
     (COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, None, "not valid JSON"),
+    (COMPLETIONS, b'{"prompt": "a\\ud800b"}', 400, "prompt",  # JSON's escape, unpaired
+     "not valid Unicode: a lone surrogate (U+D800) at character 1"),
+    ("/tokenize", b'{"prompt": "\\udc00"}', 400, "prompt", "lone surrogate (U+DC00)"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "integer"),
     (COMPLETIONS, {"prompt": 5}, 400, None, "prompt"),
     (COMPLETIONS, {"prompt": "x", "n": 100000}, 400, "n", "[1, 128]"),

@@ -121,6 +121,7 @@ def test_bad_segments_name_the_field(llama_dir):
     a, *_ = corpus()
     for segments, message in (([a], "at least 2 segments"), ([a, ""], r"segments\[1\]"),
                               ([a, [10**9]], "out of the vocabulary"),
+                              ([a, "x\udfff"], r"segments\[1\] is not valid Unicode"),
                               ("text", "at least 2 segments")):
         with pytest.raises(ValueError, match=message):
             llm.generate({"segments": segments}, GREEDY, use_tqdm=False)

@@ -115,13 +115,23 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"{field_name} must not be empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            return prompt, self.encode(prompt, field_name)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = self.check_token_ids(prompt["prompt_token_ids"],
                                         f"{field_name}.prompt_token_ids")
             return prompt.get("prompt"), ids
         raise ValueError(f"{field_name} must be a string or a dict with 'prompt' or "
                          f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def encode(self, text: str, field_name: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids. JSON's escapes can spell a lone surrogate (\\ud800), which
+        Python keeps in a str but no tokenizer takes: it is refused by name instead."""
+        try:
+            text.encode()
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{field_name} is not valid Unicode: a lone surrogate "
+                             f"(U+{ord(text[e.start]):04X}) at character {e.start}") from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def tokenize_segments(self, segments: Any, field_name: str = "prompt.segments"
                           ) -> tuple[str | None, list[int], tuple[int, ...]]:
@@ -138,7 +148,7 @@ class InputProcessor:
         lens = []
         for i, segment in enumerate(segments):
             if isinstance(segment, str) and segment:
-                tokens = self.tokenizer.encode(segment, add_special_tokens=i == 0)
+                tokens = self.encode(segment, f"{field_name}[{i}]", add_special_tokens=i == 0)
             elif isinstance(segment, list | tuple):
                 tokens = self.check_token_ids(segment, f"{field_name}[{i}]")
             else:

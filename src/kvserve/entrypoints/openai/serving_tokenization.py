@@ -18,8 +18,7 @@ class TokenizationServer(Serving):
         if request.messages is not None:
             ids = request.prompt_token_ids(inputs)
         else:
-            ids = inputs.tokenizer.encode(request.prompt,
-                                          add_special_tokens=request.add_special_tokens)
+            ids = inputs.encode(request.prompt, "prompt", request.add_special_tokens)
         strs = inputs.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return {"count": len(ids), "max_model_len": inputs.max_model_len, "tokens": ids,
                 "token_strs": strs}
