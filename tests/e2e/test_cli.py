@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvserve import __version__
 from kvserve.benchmarks.hf_baseline import hf_cannot_run
 from kvserve.benchmarks.step import percent
 from kvserve.entrypoints.cli import main
@@ -38,6 +39,12 @@ def usage_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
         logger.setLevel(level)
     assert exited.value.code == 2
     return capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"kvserve {__version__}\n"
 
 
 def test_make_model_then_generate(tmp_path):

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+import kvserve
 from kvserve.arg_types import non_negative_int, port, positive_float, positive_int
 from kvserve.config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING_REQUESTS, GiB
 from kvserve.engine_args import add_engine_args, engine_kwargs
@@ -125,7 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.tools.make_lora import FUSED_TARGETS, TARGETS
     from kvserve.tools.make_model import ARCHES, PRESETS
 
-    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="LLM inference and serving for Hugging Face checkpoints.",
+        epilog="`kvserve COMMAND --help` lists a command's flags; e.g. `kvserve serve "
+               "Qwen/Qwen2.5-0.5B-Instruct` serves the OpenAI API on port 8000.")
+    parser.add_argument("--version", action="version", version=f"kvserve {kvserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts (arguments or stdin)")
