@@ -41,9 +41,10 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                      help="weights and compute dtype; auto: bfloat16 on CUDA and on CPUs "
                           "that multiply it natively (AVX512-BF16 or AMX), else float32")),
     ("--max-num-batched-tokens", dict(type=int, default=2048,
-                                      help="token budget of one step")),
-    ("--max-num-seqs", dict(type=int, default=128, help="most sequences running at once")),
-    ("--block-size", dict(type=int, default=16, help="tokens per KV block")),
+                                      help="token budget of one step (default 2048)")),
+    ("--max-num-seqs", dict(type=int, default=128,
+                            help="most sequences running at once (default 128)")),
+    ("--block-size", dict(type=int, default=16, help="tokens per KV block (default 16)")),
     ("--kv-cache-memory", dict(type=float, default=None,
                                help="KV cache size in GiB (default: on CUDA, what "
                                     "--gpu-memory-utilization leaves; on the CPU 2; either "
@@ -54,9 +55,10 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                            "weights, a step's activations and the KV cache "
                                            "take together, where --kv-cache-memory is not "
                                            "given (default 0.9)")),
-    ("--max-model-len", dict(type=int, default=None, help="context limit per request")),
+    ("--max-model-len", dict(type=int, default=None,
+                             help="context limit per request (default: the model's context)")),
     ("--seed", dict(type=int, default=0)),
-    ("--device", dict(default="cpu", help="cpu, cuda or cuda:N")),
+    ("--device", dict(default="cpu", help="cpu (default), cuda or cuda:N")),
     ("--scheduler-policy", dict(default="chunked", choices=SCHEDULER_POLICIES,
                                 help="chunked: stall-free chunked prefill beside decodes "
                                      "(default); prefill_first: whole prompts before decodes "
