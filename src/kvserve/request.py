@@ -43,9 +43,10 @@ class Request:
     """A sequence: its prompt, the tokens generated so far and how many have KV in the cache.
 
     `num_computed_tokens` counts tokens whose KV is written; the tokens still to compute are
-    `all_token_ids[num_computed_tokens:]`. Preemption by recompute resets it to zero. A
-    streaming request (attention sinks and a window) has dropped `num_evicted_tokens` of them
-    from after its sinks, and its cached tokens sit at positions that many lower.
+    those after them, prompt then output (`token_ids_slice`). Preemption by recompute resets
+    it to zero. A streaming request (attention sinks and a window) has dropped
+    `num_evicted_tokens` of them from after its sinks, and its cached tokens sit at positions
+    that many lower.
     """
 
     request_id: str
@@ -118,10 +119,6 @@ class Request:
     def num_tokens_with_pending(self) -> int:
         """Its tokens once the step in flight has sampled: the tokens the scheduler plans for."""
         return self.num_tokens + self.num_pending_tokens
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         n = self.num_prompt_tokens

@@ -52,7 +52,7 @@ class DiskKVStore:
         self.folder = Path(root) / identity
         self.folder.mkdir(parents=True, exist_ok=True)
         self.block_bytes = block_bytes
-        self.num_written = self.num_read = self.num_damaged = 0
+        self.num_read = self.num_damaged = 0
 
     def _path(self, block_hash: bytes) -> Path:
         return self.folder / (block_hash.hex() + _SUFFIX)
@@ -81,7 +81,6 @@ class DiskKVStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
-        self.num_written += 1
 
     def read_into(self, block_hash: bytes, block: torch.Tensor) -> bool:
         """Fills `block` from its file; False (and the file deleted) when it is missing or
