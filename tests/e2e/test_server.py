@@ -381,8 +381,10 @@ COMPLETIONS = "/v1/completions"
     (COMPLETIONS, b'{"prompt": "x", ', 400, None, "not valid JSON"),
     (COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, None, "not valid JSON"),
     (COMPLETIONS, b'{"prompt": "a\\ud800b"}', 400, "prompt",  # JSON's escape, unpaired
-     "not valid Unicode: a lone surrogate (U+D800) at character 1"),
+     "not valid Unicode: it holds a lone surrogate (U+D800)"),
     ("/tokenize", b'{"prompt": "\\udc00"}', 400, "prompt", "lone surrogate (U+DC00)"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\udbff"}]}', 400, "messages",
+     "lone surrogate (U+DBFF)"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "integer"),
     (COMPLETIONS, {"prompt": 5}, 400, None, "prompt"),
     (COMPLETIONS, {"prompt": "x", "n": 100000}, 400, "n", "[1, 128]"),

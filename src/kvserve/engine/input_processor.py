@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import json
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,16 @@ PromptType = str | dict[str, Any]
 _RENDER_ARGUMENTS = frozenset(
     inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
     "self", "kwargs"} | {"messages"}
+
+
+def _check_unicode(text: str, field_name: str) -> None:
+    """JSON's escapes can spell a lone surrogate (\\ud800), which Python keeps in a str but
+    no tokenizer takes: it is refused by name, not by the tokenizer's TypeError."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field_name} is not valid Unicode: it holds a lone surrogate "
+                         f"(U+{ord(text[e.start]):04X})") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,13 +135,8 @@ class InputProcessor:
                          f"'prompt_token_ids', got {type(prompt).__name__}")
 
     def encode(self, text: str, field_name: str, add_special_tokens: bool = True) -> list[int]:
-        """`text`'s token ids. JSON's escapes can spell a lone surrogate (\\ud800), which
-        Python keeps in a str but no tokenizer takes: it is refused by name instead."""
-        try:
-            text.encode()
-        except UnicodeEncodeError as e:
-            raise ValueError(f"{field_name} is not valid Unicode: a lone surrogate "
-                             f"(U+{ord(text[e.start]):04X}) at character {e.start}") from None
+        """`text`'s token ids."""
+        _check_unicode(text, field_name)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def tokenize_segments(self, segments: Any, field_name: str = "prompt.segments"
@@ -187,6 +193,8 @@ class InputProcessor:
             raise ValueError(f"{field_name} must not be empty")
         if not self.tokenizer.chat_template:
             raise ValueError(f"{field_name}: the model has no chat template")
+        _check_unicode(json.dumps([conversation, tools], ensure_ascii=False, default=str),
+                       field_name)
         if continue_final_message and (add_generation_prompt
                                        or conversation[-1]["role"] != "assistant"):
             raise ValueError("continue_final_message: needs add_generation_prompt false and "
