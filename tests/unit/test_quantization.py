@@ -33,7 +33,7 @@ from kvserve.quantization.packing import (
     unpack_gptq,
     unpack_rows,
 )
-from kvserve.quantization.squeezellm import squeezellm
+from kvserve.quantization.squeezellm import _nearest, squeezellm
 from kvserve.quantization.torch_int4 import Int4Weight, cuda_nibble_pairs, int4_weight_fits
 
 GEN = torch.Generator().manual_seed(0)
@@ -223,6 +223,20 @@ def test_squeezellm_keeps_sensitive_weights_closer_and_outliers_exact():
     row, col = divmod(int(fisher.argmax()), w.shape[1])
     assert int(both.sparse_rows[-1]) == 3
     assert abs(both.dequantize()[row, col] - w[row, col]) < 2e-3
+
+
+def test_squeezellm_finds_each_weights_nearest_centroid():
+    """The k-means finds each weight's nearest centroid by a binary search among the
+    midpoints of its row's ascending centroids: the value argmin over all of them picks (the
+    lower of two as near), with 256 centroids, and with repeated ones at whole numbers, the
+    weights at halves: on a centroid or exactly between two."""
+    centroids = torch.randn(6, 256, generator=GEN).sort(dim=1).values
+    centroids[:2] = torch.randint(-3, 4, (2, 256), generator=GEN).sort(dim=1).values.float()
+    w = torch.randn(6, 512, generator=GEN)
+    w[:2] = torch.randint(-8, 9, (2, 512), generator=GEN) / 2
+    distances = (w.unsqueeze(2) - centroids.unsqueeze(1)).abs()
+    nearest = centroids.gather(1, distances.argmin(dim=2))
+    assert torch.equal(centroids.gather(1, _nearest(w, centroids)), nearest)
 
 
 def _bf16_reference(x: torch.Tensor, q) -> torch.Tensor:  # noqa: ANN001

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-ROWS_PER_CHUNK = 256  # bounds the [rows, in, 2^bits] distance tensor of the k-means
+ROWS_PER_CHUNK = 256  # torch.quantile takes at most 2^24 values
 
 
 @dataclass(frozen=True)
@@ -137,13 +137,22 @@ def squeezellm(weight: torch.Tensor, fisher: torch.Tensor, bits: int,
 def _weighted_kmeans(w: torch.Tensor, weight: torch.Tensor, k: int, iterations: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of w, k centroids minimizing the weighted squared error; starts from the
-    row's quantiles. Returns the centroids [rows, k] and each value's centroid index."""
+    row's quantiles. Returns the centroids [rows, k], ascending, and each value's centroid
+    index."""
     levels = (torch.arange(k, dtype=torch.float32) + 0.5) / k
     centroids = torch.quantile(w, levels, dim=1).t().contiguous()
     for _ in range(iterations):
-        index = (w.unsqueeze(2) - centroids.unsqueeze(1)).abs().argmin(dim=2)
+        index = _nearest(w, centroids)
         mass = torch.zeros_like(centroids).scatter_add_(1, index, weight)
         moment = torch.zeros_like(centroids).scatter_add_(1, index, weight * w)
         centroids = torch.where(mass > 0, moment / mass.clamp(min=1e-30), centroids)
-    index = (w.unsqueeze(2) - centroids.unsqueeze(1)).abs().argmin(dim=2)
-    return centroids, index
+        centroids = centroids.sort(dim=1).values
+    return centroids, _nearest(w, centroids)
+
+
+def _nearest(w: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Each value's nearest centroid of its row's ascending ones (the lower of two as near): a
+    binary search among the midpoints, log2(k) steps a value where comparing with every
+    centroid took k (8-bit tables: 8 against 256)."""
+    midpoints = (centroids[:, 1:] + centroids[:, :-1]) / 2
+    return torch.searchsorted(midpoints.contiguous(), w.contiguous())
