@@ -255,15 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPTQ: quantize input channels by decreasing Hessian diagonal")
     qt.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,
                     help="zero point at the middle of the range (default) or fitted")
-    qt.add_argument("--calibration-samples", type=positive_int, default=128)
-    qt.add_argument("--calibration-len", type=int, default=256, help="tokens per sample")
+    qt.add_argument("--calibration-samples", type=positive_int, default=128,
+                    help="GPTQ and SqueezeLLM: windows of local text to calibrate on "
+                         "(default 128)")
+    qt.add_argument("--calibration-len", type=int, default=256,
+                    help="tokens per calibration window (default 256)")
     qt.add_argument("--seed", type=int, default=0)
     qt.add_argument("--outlier-fraction", type=float, default=0.0045,
                     help="SqueezeLLM: the share of largest weights kept exactly, in a sparse "
-                         "matrix")
+                         "matrix (default 0.0045)")
     qt.add_argument("--sensitive-fraction", type=float, default=0.0005,
                     help="SqueezeLLM: the share of most sensitive weights (Fisher) kept in "
-                         "the sparse matrix too")
+                         "the sparse matrix too (default 0.0005)")
     qt.add_argument("--lm-head", action="store_true",
                     help="quantize the LM head too (untied from the embedding)")
     qt.set_defaults(func=_quantize)

@@ -76,8 +76,9 @@ def run(args: argparse.Namespace) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("perplexity", help="held-out perplexity, beside transformers'")
     add_engine_args(p, model="positional")
-    p.add_argument("--context", type=int, default=256, help="tokens per window")
-    p.add_argument("--num-windows", type=int, default=64)
+    p.add_argument("--context", type=int, default=256, help="tokens per window (default 256)")
+    p.add_argument("--num-windows", type=int, default=64,
+                   help="held-out windows scored (default 64)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers check")
     p.add_argument("--json", default=None)
     p.set_defaults(func=run)
