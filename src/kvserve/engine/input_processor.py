@@ -193,8 +193,6 @@ class InputProcessor:
             raise ValueError(f"{field_name} must not be empty")
         if not self.tokenizer.chat_template:
             raise ValueError(f"{field_name}: the model has no chat template")
-        _check_unicode(json.dumps([conversation, tools], ensure_ascii=False, default=str),
-                       field_name)
         if continue_final_message and (add_generation_prompt
                                        or conversation[-1]["role"] != "assistant"):
             raise ValueError("continue_final_message: needs add_generation_prompt false and "
@@ -218,6 +216,9 @@ class InputProcessor:
             return list(self.tokenizer.apply_chat_template(
                 conversation, tools=tools, tokenize=True, return_dict=False, **options))
         except Exception as e:  # noqa: BLE001 (template errors surface as the caller's error)
+            # A lone surrogate anywhere is named as such, not as the tokenizer's TypeError.
+            _check_unicode(json.dumps([conversation, tools], ensure_ascii=False, default=str),
+                           field_name)
             raise ValueError(f"{field_name}: the chat template rejected it: {e}") from None
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
