@@ -17,9 +17,10 @@ from kvserve.outputs import EngineStats, RequestOutput
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
                     80.0, 160.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-# Tenants beyond this many distinct names share the label "other", so that a client that
-# sends a fresh `user` with every request cannot grow /metrics without bound.
-MAX_TENANT_LABELS = 100
+# Priorities and tenants beyond this many distinct values each share the label "other", so
+# that a client that sends a fresh `priority` or `user` with every request cannot grow
+# /metrics without bound.
+MAX_CLASS_LABELS = 100
 
 
 @dataclass(slots=True)
@@ -31,6 +32,20 @@ class RequestTimes:
     labels: tuple[str, str, str]  # model, priority, tenant: of the per-class histograms
     first_token: float | None = None
     num_output_tokens: int = 0
+
+
+class BoundedLabels:
+    """The first `limit` distinct values of a client-chosen label; later ones read "other"."""
+
+    def __init__(self, limit: int = MAX_CLASS_LABELS) -> None:
+        self._limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if value not in self._seen and len(self._seen) >= self._limit:
+            return "other"
+        self._seen.add(value)
+        return value
 
 
 class EngineMetrics:
@@ -65,7 +80,8 @@ class EngineMetrics:
             "kvserve_class_time_per_output_token_seconds",
             "Mean time per output token after the first by priority and tenant",
             buckets=_TPOT_BUCKETS, **by_class)
-        self._tenants: set[str] = set()
+        self._priority_label = BoundedLabels()
+        self._tenant_label = BoundedLabels()
         self.running = Gauge("kvserve_num_requests_running", "Sequences in the running batch",
                              **labels)
         self.waiting = Gauge("kvserve_num_requests_waiting", "Sequences waiting to be scheduled",
@@ -122,20 +138,13 @@ class EngineMetrics:
         """A request this engine now serves; one migrated in brings `num_output_tokens`,
         and its first token, counted where it was produced, is not counted again."""
         self._times[request_id] = RequestTimes(
-            arrival, num_completions, (self._model, str(priority), self._tenant_label(tenant)),
+            arrival, num_completions,
+            (self._model, self._priority_label(str(priority)), self._tenant_label(tenant or "")),
             time.monotonic() if num_output_tokens else None, num_output_tokens)
 
     def on_migrated_out(self, request_id: str) -> None:
         """A request that goes on in another engine, which counts the rest of it."""
         self._times.pop(request_id, None)
-
-    def _tenant_label(self, tenant: str | None) -> str:
-        if tenant is None:
-            return ""
-        if tenant not in self._tenants and len(self._tenants) >= MAX_TENANT_LABELS:
-            return "other"
-        self._tenants.add(tenant)
-        return tenant
 
     def on_abort(self, request_id: str) -> None:
         times = self._times.pop(request_id, None)
