@@ -3,6 +3,7 @@ yield, who is preempted, and that nobody starves."""
 
 import time
 
+from kvserve.core.scheduler import policy
 from kvserve.request import RequestStatus
 from tests.unit.scheduling import add, chunks, make_scheduler, step
 
@@ -109,6 +110,26 @@ def test_fair_tenant_returning_from_idle_gets_no_credit():
     assert sched.policy.service["a"] == 4  # nobody else had work: nothing to catch up to
     add(sched, "c0", 4, max_tokens=1, tenant="c")
     assert sched.policy.service["c"] == 4  # the least served of the tenants with work
+
+
+def test_fair_keeps_only_the_most_recently_idle_tenants(monkeypatch):
+    monkeypatch.setattr(policy, "MAX_IDLE_TENANTS", 2)
+    sched = make_scheduler(num_blocks=64, budget=4, max_seqs=8, scheduling_policy="fair")
+    add(sched, "long", 4, max_tokens=30, tenant="busy")
+    for i in range(4):  # one request each, then idle
+        add(sched, f"t{i}", 4, max_tokens=1, tenant=f"t{i}")
+        step(sched)
+        step(sched)
+    assert list(sched.policy.idle) == ["t2", "t3"]
+    assert set(sched.policy.service) == {"busy", "t2", "t3"}
+    assert sched.policy.num_requests == {"busy": 1}
+    served = sched.policy.service["busy"]
+    add(sched, "back", 4, max_tokens=1, tenant="t0")  # forgotten: it comes back as new
+    assert sched.policy.service["t0"] == served and list(sched.policy.idle) == ["t2", "t3"]
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert list(sched.policy.idle) == ["t0", "busy"] and sched.policy.num_requests == {}
+    sched.kv_cache.check_integrity()
 
 
 def test_fair_preempts_only_a_tenant_served_a_step_beyond():

@@ -12,7 +12,10 @@ preemption victims.
   tenant's counter grows by every token scheduled for it, and the tenant with the smallest
   counter goes first. A tenant that returns after being idle starts at the smallest counter
   of those with work, so idling earns no credit. A waiting request preempts a running one
-  whose tenant has been served more than a step's budget beyond its own.
+  whose tenant has been served more than a step's budget beyond its own. Only the
+  `MAX_IDLE_TENANTS` most recently idle tenants' counters are kept, so a server whose
+  clients send a fresh `user` per end user does not grow without bound; a tenant forgotten
+  that way comes back as a new one would.
 
 Requests wait in first-in-first-out lanes, one per priority level or tenant; a preempted
 request goes back to the front of its lane.
@@ -21,12 +24,13 @@ request goes back to the front of its lane.
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 
 from kvserve.request import Request
 
 DEFAULT_STARVATION_SECONDS = 60.0
+MAX_IDLE_TENANTS = 10_000
 
 
 class SchedulingPolicy:
@@ -87,8 +91,9 @@ class FairPolicy(SchedulingPolicy):
 
     def __init__(self, budget: int) -> None:
         self.margin = budget  # service a tenant must be behind by to preempt another's
-        self.service: dict[str, int] = defaultdict(int)
-        self.num_requests: dict[str, int] = defaultdict(int)  # waiting or running
+        self.service: dict[str, int] = {}  # of the tenants with work and the idle ones kept
+        self.num_requests: dict[str, int] = {}  # waiting or running, of the tenants with work
+        self.idle: dict[str, None] = {}  # tenants without work, the longest idle first
 
     def lane(self, request: Request) -> Hashable:
         return request.tenant_key
@@ -105,14 +110,25 @@ class FairPolicy(SchedulingPolicy):
 
     def on_added(self, request: Request) -> None:
         tenant = request.tenant_key
-        if not self.num_requests[tenant]:
-            active = [self.service[t] for t, n in self.num_requests.items() if n]
-            if active:
-                self.service[tenant] = max(self.service[tenant], min(active))
-        self.num_requests[tenant] += 1
+        if tenant in self.num_requests:
+            self.num_requests[tenant] += 1
+            return
+        self.idle.pop(tenant, None)
+        own = self.service.get(tenant, 0)
+        active = [self.service[t] for t in self.num_requests]
+        self.service[tenant] = max(own, min(active)) if active else own
+        self.num_requests[tenant] = 1
 
     def on_finished(self, request: Request) -> None:
-        self.num_requests[request.tenant_key] -= 1
+        tenant = request.tenant_key
+        self.num_requests[tenant] -= 1
+        if self.num_requests[tenant]:
+            return
+        del self.num_requests[tenant]
+        self.idle[tenant] = None
+        if len(self.idle) > MAX_IDLE_TENANTS:
+            forgotten = next(iter(self.idle))
+            del self.idle[forgotten], self.service[forgotten]
 
 
 def make_policy(name: str, budget: int) -> SchedulingPolicy:
