@@ -163,3 +163,21 @@ def test_on_cuda_the_engine_sizes_its_pool_from_the_memory_left(model_dirs):
     assert 0 < num_blocks < config.most_blocks_used
     out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_device_is_named_as_cpu_cuda_or_cuda_n_and_must_be_there(tmp_path, monkeypatch):
+    folder = llama3_8b_shapes(tmp_path)
+    for bad in ("tpu", "cpu:0", "cuda:x", "CUDA"):
+        with pytest.raises(ValueError, match=f"device must be cpu, cuda or cuda:N, got '{bad}'"):
+            EngineConfig.create(folder, device=bad)
+    EngineConfig.create(folder, device="cpu").check_device()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device cuda: no CUDA device is available"):
+        EngineConfig.create(folder, device="cuda").check_device()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    EngineConfig.create(folder, device="cuda:1").check_device()
+    with pytest.raises(ValueError, match="device cuda:2 needs 3 CUDA devices, and 2 are"):
+        EngineConfig.create(folder, device="cuda:2").check_device()
+    with pytest.raises(ValueError, match="device cuda with tensor_parallel_size 4 needs 4"):
+        EngineConfig.create(folder, device="cuda", tensor_parallel_size=4).check_device()

@@ -41,6 +41,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        config.check_device()
         self.runner = (ModelRunner(config) if config.tensor_parallel_size == 1
                        else TensorParallelExecutor(config))
         self.kv_cache = KVCacheManager(
