@@ -8,14 +8,40 @@ token budget among. Field values are checked twice: types here, ranges in `Sampl
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from kvserve.sampling_params import SamplingParams, StructuredOutputParams
 
 if TYPE_CHECKING:
     from kvserve.engine.input_processor import InputProcessor
+
+
+def one_of(expected: str) -> WrapValidator:
+    """Reports a value that fits no member of a union as `expected`: pydantic's own error
+    names the first member's failure only ("prompt.str: Input should be a valid string")."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            got = repr(value)
+            raise PydanticCustomError("union_type", "must be {expected}, got {got}", {
+                "expected": expected, "got": got if len(got) <= 80 else got[:77] + "..."}
+                ) from None
+
+    return WrapValidator(check)
 
 
 class StreamOptions(BaseModel):
@@ -43,7 +69,7 @@ class SamplingRequest(BaseModel):
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, one_of("a string or a list of strings")] = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -61,7 +87,8 @@ class SamplingRequest(BaseModel):
     priority: int = 0  # under --scheduling-policy priority, lower values go first
     user: str | None = Field(default=None, min_length=1)  # OpenAI's end-user id: the tenant
     response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: Annotated[dict[str, Any] | str | None,
+                           one_of("a JSON schema, as an object or as its text")] = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None  # a Lark grammar
@@ -159,10 +186,13 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]] | None,
+                      one_of("a string, a list of strings, a list of token ids or a list of "
+                             "token-id lists")] = None
     # kvserve's extra, instead of `prompt` (CacheBlend): the prompt as reusable chunks (texts
     # or token ids) and then the rest; each chunk's KV is reused wherever it appears.
-    segments: list[str | list[int]] | None = None
+    segments: list[Annotated[str | list[int],
+                             one_of("a string or a list of token ids")]] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -199,7 +229,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None,
+                       one_of('a string or a list of text parts ({"type": "text", "text": '
+                              '"..."})')] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
@@ -298,7 +330,9 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     # Default: "auto" with tools, "none" without (OpenAI's).
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None,
+                           one_of('"none", "auto", "required" or {"type": "function", '
+                                  '"function": {"name": ...}}')] = None
     parallel_tool_calls: bool = True
 
 
