@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_LOGPROBS = 20
@@ -101,10 +102,22 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # vLLM's: sample among these tokens only
 
     def __post_init__(self) -> None:
+        _normalize_scalars(self)
+        _check(self.structured_output is None
+               or isinstance(self.structured_output, StructuredOutputParams),
+               "structured_output", "must be a StructuredOutputParams", self.structured_output)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        elif self.stop is None:
+            self.stop = []
+        _check(isinstance(self.stop, list | tuple), "stop",
+               "must be a string or a list of strings", self.stop)
+        self.stop = list(self.stop)
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, list | tuple), name,
+                   "must be a list of token ids", value)
+        self.stop_token_ids = _as_ints(self.stop_token_ids or [])
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]",
                self.n)
         _check(0.0 <= self.temperature <= MAX_SCALE, "temperature",
@@ -135,21 +148,25 @@ class SamplingParams:
                "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "must be non-empty strings", self.stop)
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", "must be non-negative integers", self.stop_token_ids)
+        _check(_are_token_ids(self.stop_token_ids), "stop_token_ids",
+               "must be non-negative integers", self.stop_token_ids)
+        _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias",
+               "must be a dict of token id -> bias", self.logit_bias)
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         if self.logit_bias is not None:
             _check(_are_token_ids(self.logit_bias), "logit_bias",
                    "keys must be token ids (non-negative integers)", list(self.logit_bias))
+            self.logit_bias = dict(zip(_as_ints(self.logit_bias), self.logit_bias.values(),
+                                       strict=True))
             _check(all(isinstance(b, int | float) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
                        for b in self.logit_bias.values()), "logit_bias",
                    f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
                    list(self.logit_bias.values()))
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
             _check(bool(self.allowed_token_ids) and _are_token_ids(self.allowed_token_ids),
                    "allowed_token_ids",
                    "must be a non-empty list of token ids", self.allowed_token_ids)
+            self.allowed_token_ids = _as_ints(self.allowed_token_ids)
             # Either could ban every allowed token, leaving nothing to sample.
             _check(not self.min_tokens, "allowed_token_ids",
                    "cannot be set with min_tokens", self.allowed_token_ids)
@@ -179,10 +196,43 @@ class SamplingParams:
                 and not self.frequency_penalty)
 
 
+def is_integer(value: Any) -> bool:
+    """An int, or a numpy or torch integer scalar (as `list(array)` gives), but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _are_token_ids(values: Any) -> bool:
-    """Whether every value is a non-negative int (not a bool); the vocabulary is checked
-    where the model is known."""
-    return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in values)
+    """Whether every value is a non-negative integer; the vocabulary is checked where the
+    model is known."""
+    return all(is_integer(t) and t >= 0 for t in values)
+
+
+def _as_ints(values: Any) -> list[int]:
+    return [int(v) for v in values]
+
+
+# What a scalar field's annotation accepts, and how its error says so.
+_SCALAR_KINDS = {"int": (is_integer, "an integer"),
+                 "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
+                           "a number"),
+                 "bool": (lambda v: isinstance(v, bool), "true or false")}
+
+
+def _normalize_scalars(params: SamplingParams) -> None:
+    """Names a scalar field given a value of another type, before its range is checked,
+    where comparing a string with a number would raise a TypeError that names nothing; and
+    turns numpy scalars into Python's."""
+    for f in fields(params):
+        kind, _, optional = str(f.type).partition(" | ")
+        if kind not in _SCALAR_KINDS:
+            continue
+        value = getattr(params, f.name)
+        if optional == "None" and value is None:
+            continue
+        accepts, expected = _SCALAR_KINDS[kind]
+        _check(accepts(value), f.name,
+               f"must be {expected}{' or None' if optional == 'None' else ''}", value)
+        setattr(params, f.name, {"int": int, "float": float, "bool": bool}[kind](value))
 
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -54,10 +55,30 @@ def assert_engine_intact(llm):
     ("allowed_token_ids", [-2], "allowed_token_ids must be a non-empty list of token ids"),
     ("seed", 2**64, r"seed must be in \[-9223372036854775808, 9223372036854775807\] "
                     r"\(64-bit\), got 18446744073709551616"),
+    ("max_tokens", "5", "max_tokens must be an integer or None, got '5'"),
+    ("temperature", "hot", "temperature must be a number, got 'hot'"),
+    ("n", True, "n must be an integer, got True"),
+    ("seed", 1.5, "seed must be an integer or None, got 1.5"),
+    ("ignore_eos", 1, "ignore_eos must be true or false, got 1"),
+    ("stop", 5, "stop must be a string or a list of strings, got 5"),
+    ("stop_token_ids", 5, "stop_token_ids must be a list of token ids, got 5"),
+    ("logit_bias", [5], "logit_bias must be a dict of token id -> bias, got \\[5\\]"),
+    ("structured_output", {"json": {}}, "structured_output must be a StructuredOutputParams"),
 ])
 def test_invalid_sampling_params(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})
+
+
+def test_numpy_scalars_become_python_numbers():
+    params = SamplingParams(seed=np.int64(3), max_tokens=np.int32(4),
+                            temperature=np.float32(0.5), stop_token_ids=[np.int64(7)],
+                            logit_bias={np.int64(8): 1.0}, allowed_token_ids=(np.int16(9),))
+    assert (params.seed, params.max_tokens, params.temperature) == (3, 4, 0.5)
+    assert type(params.seed) is int and type(params.temperature) is float
+    assert params.stop_token_ids == [7] and type(params.stop_token_ids[0]) is int
+    assert list(params.logit_bias) == [8] and type(next(iter(params.logit_bias))) is int
+    assert params.allowed_token_ids == [9] and type(params.allowed_token_ids[0]) is int
 
 
 def test_min_tokens_above_max_tokens():
@@ -72,7 +93,8 @@ def test_min_tokens_above_max_tokens():
     ({"prompt_token_ids": [1, 3000]},
      r"token id 3000 is out of the vocabulary \[0, 3000\)"),
     ({"prompt_token_ids": [-1]}, r"token id -1 is out of the vocabulary"),
-    ({"prompt_token_ids": ["a"]}, r"token id 'a' is out of the vocabulary"),
+    ({"prompt_token_ids": ["a"]}, r"token ids must be integers, got 'a'"),
+    ({"prompt_token_ids": [1, 2.0]}, r"token ids must be integers, got 2.0"),
     ({"prompt_token_ids": [1] * 256}, r"prompts\[0\] has 256 tokens; the context limit "
                                       r"\(max_model_len\) is 256"),
     (3, r"prompts\[0\] must be a string or a dict with 'prompt' or 'prompt_token_ids', got int"),
@@ -85,6 +107,28 @@ def test_min_tokens_above_max_tokens():
 def test_invalid_prompts(llm, prompt, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([prompt], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert_engine_intact(llm)
+
+
+def test_token_ids_from_numpy_are_taken(llm):
+    ids = np.array([5, 6, 7])
+    out = llm.generate({"prompt_token_ids": list(ids)}, SamplingParams(max_tokens=2),
+                       use_tqdm=False)
+    assert out[0].prompt_token_ids == [5, 6, 7] and type(out[0].prompt_token_ids[0]) is int
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda llm: llm.generate(None), "prompts must be a prompt .* got NoneType"),
+    (lambda llm: llm.generate(b"abc"), "prompts must be a prompt .* got bytes"),
+    (lambda llm: llm.generate("x", {"max_tokens": 2}),
+     "sampling_params must be a SamplingParams or a list of them, got dict"),
+    (lambda llm: llm.generate(["x", "y"], [SamplingParams(), {"max_tokens": 2}]),
+     r"sampling_params\[1\] must be a SamplingParams, got dict"),
+    (lambda llm: llm.chat("hello"), "messages must be a list of message dicts"),
+])
+def test_arguments_of_the_wrong_type(llm, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(llm)
     assert_engine_intact(llm)
 
 

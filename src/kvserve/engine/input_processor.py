@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, is_integer
 
 PromptType = str | dict[str, Any]
 # apply_chat_template's own arguments and the template's conversation: not template variables
@@ -172,10 +172,12 @@ class InputProcessor:
             raise ValueError(f"{field_name} must be a non-empty list")
         vocab = self.limits.vocab_size
         for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            if not is_integer(t):
+                raise ValueError(f"{field_name}: token ids must be integers, got {t!r}")
+            if not 0 <= t < vocab:
                 raise ValueError(f"{field_name}: token id {t!r} is out of the vocabulary "
                                  f"[0, {vocab})")
-        return list(ids)
+        return [int(t) for t in ids]
 
     def apply_chat_template(self, conversation: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
@@ -284,10 +286,10 @@ class InputProcessor:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{field_name}.{name} must be a non-empty string")
         priority = options.get("priority", 0)
-        if not isinstance(priority, int) or isinstance(priority, bool):
+        if not is_integer(priority):
             raise ValueError(f"{field_name}.priority must be an integer, got {priority!r}")
         return ParentRequest(request_id or self.new_request_id(), text, ids,
-                             options.get("cache_salt"), priority,
+                             options.get("cache_salt"), int(priority),
                              options.get("tenant"), options.get("lora_name"),
                              lens), max_tokens
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -65,6 +65,9 @@ class LLM:
         KV is reused wherever it appears."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
+        elif not isinstance(prompts, Iterable) or isinstance(prompts, bytes | bytearray):
+            raise ValueError("prompts must be a prompt (a string or a dict) or a list of "
+                             f"prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
         if priority is not None:
             if len(priority) != len(prompts):
@@ -74,8 +77,17 @@ class LLM:
                        for p, level in zip(prompts, priority, strict=True)]
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, list | tuple):
+            params = list(sampling_params)
+        else:
+            raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got "
+                                 f"{type(p).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for "
                              f"{len(prompts)} prompts")
@@ -90,6 +102,9 @@ class LLM:
         the function `tools` (OpenAI's form) the model may call and the template's own
         variables (`chat_template_kwargs`, e.g. Qwen3's enable_thinking);
         `continue_final_message` leaves the last (assistant) message open to go on with."""
+        if not isinstance(messages, list):
+            raise ValueError("messages must be a list of message dicts, or a list of such "
+                             f"lists, got {type(messages).__name__}")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts: list[PromptType] = []
         for i, conversation in enumerate(conversations):
