@@ -194,7 +194,8 @@ class InputProcessor:
         if not conversation:
             raise ValueError(f"{field_name} must not be empty")
         if not self.tokenizer.chat_template:
-            raise ValueError(f"{field_name}: the model has no chat template")
+            raise ValueError(f"{field_name}: the model has no chat template (give one with "
+                             "chat_template, --chat-template on the command line)")
         if continue_final_message and (add_generation_prompt
                                        or conversation[-1]["role"] != "assistant"):
             raise ValueError("continue_final_message: needs add_generation_prompt false and "
