@@ -451,6 +451,21 @@ def test_bad_requests(server: str, path: str, body: bytes | dict, status: int,
     _check_error(_post(server, path, body), status, param, words)
 
 
+@pytest.mark.parametrize(("body", "content_type", "words"), [
+    (b'{"prompt": "x"}', "application/x-www-form-urlencoded",
+     "must be a JSON object sent as application/json, and it came as "
+     "application/x-www-form-urlencoded (curl -d sends a form"),
+    (b'{"prompt": "x"}', "text/plain; charset=utf-8", "and it came as text/plain (curl"),
+    (b"", "application/json", "the body is empty"),
+    (b"[1]", "application/json", "the body must be a JSON object, got an array"),
+    (b"null", "application/json", "the body must be a JSON object, got null"),
+])
+def test_a_body_that_is_no_json_object(server: str, body: bytes, content_type: str,
+                                       words: str) -> None:
+    _check_error(_post(server, COMPLETIONS, body, {"Content-Type": content_type}), 400, None,
+                 words)
+
+
 def test_structured_outputs_parse(client: openai.OpenAI) -> None:
     """A random model's sampled outputs, held to a schema (OpenAI's response_format), a
     regex and a choice (vLLM's extras)."""

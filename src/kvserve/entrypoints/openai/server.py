@@ -108,6 +108,22 @@ def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param)
 
 
+def whole_body_error(content_type: str, error: dict[str, Any]) -> str:
+    """What is wrong with a body that is not a JSON object at all. FastAPI reads a body
+    sent as a form (curl -d without a JSON Content-Type) as bytes, and its own error would
+    say only that the input should be a dictionary."""
+    if content_type and "json" not in content_type:
+        return (f"the body must be a JSON object sent as application/json, and it came as "
+                f"{content_type.split(';')[0]} (curl -d sends a form unless given "
+                "-H 'Content-Type: application/json')")
+    if error.get("type") == "missing":
+        return "the body is empty: it must be a JSON object"
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number",
+             bool: "true or false", type(None): "null"}
+    return (f"the body must be a JSON object, got "
+            f"{kinds.get(type(error.get('input')), 'something else')}")
+
+
 class BodySizeLimit:
     """Answers 413 to request bodies over the limit, declared or streamed in chunks."""
 
@@ -200,12 +216,15 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
         return e.response()
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
         if first.get("type") == "json_invalid":
             return invalid(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
                            ).response()
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if not loc:
+            return invalid(whole_body_error(request.headers.get("content-type", ""),
+                                            first)).response()
         param = ".".join(loc) or None
         message = first.get("msg")
         if first.get("type") == "value_error":  # a validator's own words, without pydantic's
