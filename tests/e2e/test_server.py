@@ -522,11 +522,54 @@ def test_auth_size_and_overload(server: str) -> None:
     _check_error(httpx.post(f"{server}{COMPLETIONS}", json=body), 401)
     _check_error(_post(server, COMPLETIONS, body, {"Authorization": "Bearer wrong"}), 401)
     _check_error(_post(server, COMPLETIONS, {"prompt": "x" * MAX_BODY}), 413)
-    overload = _post(server, COMPLETIONS, {"prompt": ["x"] * (MAX_WAITING + 1),
-                                           "max_tokens": 2})
-    _check_error(overload, 503, words="max_waiting_requests")
-    assert overload.headers["Retry-After"] == "1"
+    # More than the queue could ever hold: no retry would help.
+    _check_error(_post(server, COMPLETIONS, {"prompt": ["x"] * (MAX_WAITING + 1)}), 400,
+                 "prompt", f"{MAX_WAITING + 1} prompts of n=1 make {MAX_WAITING + 1} "
+                 f"sequences, more than the server queues at once (max_waiting_requests="
+                 f"{MAX_WAITING})")
+    _check_error(_post(server, COMPLETIONS, {"prompt": "x", "n": MAX_WAITING + 1}), 400, "n")
     assert _post(server, COMPLETIONS, body).status_code == 200
+
+
+def test_the_queue_counts_sequences_and_a_full_one_answers_503(llama_dir: Path) -> None:
+    """Each of a request's n sequences takes a place in the waiting queue. The engine thread
+    is held on a command here, so that what is queued stays queued."""
+
+    async def run() -> None:
+        llm = AsyncLLM(str(llama_dir), max_waiting_requests=8)
+        app = build_app(llm, ServerConfig(model_name=MODEL))
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            held.set()
+            release.wait()
+
+        holding = asyncio.create_task(llm.call_on_engine(hold))
+        try:
+            await asyncio.to_thread(held.wait)
+            queued = llm.add_requests(["x", "y", "z"], SamplingParams(n=2, max_tokens=2))
+            assert llm.num_waiting == 6
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://t") as client:
+                full = await client.post(COMPLETIONS, json={"prompt": "x", "n": 3})
+                _check_error(full, 503, None, "the waiting queue is full "
+                                              "(max_waiting_requests=8); retry later")
+                assert full.headers["Retry-After"] == "1"
+            queued += llm.add_requests(["w"], SamplingParams(n=2, max_tokens=2))
+            release.set()
+            await holding
+            for stream in queued:
+                outputs = [out async for out in stream]
+                assert [len(c.token_ids) for c in outputs[-1].outputs] == [2, 2]
+            assert llm.num_waiting == 0
+        finally:
+            release.set()
+            llm.shutdown()
+        kv = llm.engine.core.kv_cache
+        kv.check_integrity()
+        assert kv.num_used_blocks == 0
+
+    asyncio.run(run())
 
 
 def _read(url: str, body: dict, into: list) -> None:

@@ -122,9 +122,7 @@ class ClusterLLM(StreamingLLM):
         if migration_threshold < 0 or migration_threshold == 1:
             raise ValueError(f"migration_threshold must be 0 (off) or >= 2, got "
                              f"{migration_threshold}")
-        if max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
-        super().__init__()
+        super().__init__(max_waiting_requests, data_parallel_size)
         ray = import_ray()
         # Bad options fail here, not in every replica.
         config = EngineConfig.create(model, **engine_options)
@@ -152,7 +150,6 @@ class ClusterLLM(StreamingLLM):
             replica.pid = pid
         self.inputs = InputProcessor(tokenizer, limits, config.sampling_defaults)
         self.router = make_router(router, len(self.layout.entry), limits.num_kv_blocks)
-        self.max_waiting_requests = max_waiting_requests * data_parallel_size
         self.migration_threshold = migration_threshold
         self.metrics = ClusterMetrics(model_name or model)
         self._ray = ray
@@ -190,17 +187,14 @@ class ClusterLLM(StreamingLLM):
 
     @property
     def num_waiting(self) -> int:
-        """Requests sent to replicas that have not produced output yet."""
-        return sum(not r.started for r in self._in_flight.values())
+        """Sequences sent to replicas whose requests have not produced output yet."""
+        return sum(r.params.n for r in self._in_flight.values() if not r.started)
 
     def add_requests(self, prompts: list[PromptType], params: SamplingParams
                      ) -> list[RequestStream]:
         """As `AsyncLLM.add_requests`; each request goes to the replica the router picks."""
         prepared = self.inputs.prepare_requests(prompts, params)
-        if self.num_waiting + len(prepared) > self.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"the waiting queue is full (max_waiting_requests="
-                f"{self.max_waiting_requests // len(self.replicas)} per replica); retry later")
+        self.check_room(len(prepared), params.n)
         self._start_pollers()
         streams = []
         for parent, max_tokens in prepared:

@@ -87,9 +87,33 @@ class StreamingLLM:
     """What one engine (`AsyncLLM`) and a cluster (`ClusterLLM`) share: a request's outputs
     as an async iterator, over their `add_requests`."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_waiting_requests: int, num_engines: int = 1) -> None:
+        """`max_waiting_requests` sequences (prompts times n) may wait on each engine."""
+        if max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
+        self.max_waiting_requests = max_waiting_requests * num_engines
+        self._queue_limit = (f"max_waiting_requests={max_waiting_requests}"
+                             + (" per replica" if num_engines > 1 else ""))
         self._streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()
         self.dead: EngineDeadError | None = None  # set once no request can run any more
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued and not yet started."""
+        raise NotImplementedError
+
+    def check_room(self, num_prompts: int, n: int) -> None:
+        """Raises EngineOverloadedError when the queue cannot take `num_prompts` prompts of
+        `n` sequences each now, and ValueError when it never could: a retry would not help."""
+        sequences = num_prompts * n
+        if sequences > self.max_waiting_requests:
+            raise ValueError(
+                f"{'prompt' if n == 1 else 'n'}: {num_prompts} prompts of n={n} make "
+                f"{sequences} sequences, more than the server queues at once "
+                f"({self._queue_limit})")
+        if self.num_waiting + sequences > self.max_waiting_requests:
+            raise EngineOverloadedError(f"the waiting queue is full ({self._queue_limit}); "
+                                        "retry later")
 
     def _new_stream(self, request_id: str) -> RequestStream:
         stream = RequestStream(request_id, self)
@@ -139,13 +163,10 @@ class AsyncLLM(StreamingLLM):
         """`on_dead` runs on the engine thread once the engine is dead, before anything
         shows it: a replica ends its process there, for its requests to be recovered
         elsewhere rather than failed."""
-        if max_waiting_requests < 1:
-            raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
-        super().__init__()
+        super().__init__(max_waiting_requests)
         self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
         self._on_dead = on_dead
         self.inputs = self.engine.inputs
-        self.max_waiting_requests = max_waiting_requests
         self.metrics = EngineMetrics(model_name or model)
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         # Added on the event loop; the engine thread drops those that finish.
@@ -180,10 +201,7 @@ class AsyncLLM(StreamingLLM):
         if self.dead is not None:
             raise self.dead
         prepared = self.inputs.prepare_requests(prompts, params)
-        if self.num_waiting + len(prepared) > self.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"the waiting queue is full (max_waiting_requests={self.max_waiting_requests});"
-                " retry later")
+        self.check_room(len(prepared), params.n)
         streams = []
         for parent, max_tokens in prepared:
             stream = self._new_stream(parent.request_id)
@@ -198,11 +216,11 @@ class AsyncLLM(StreamingLLM):
         if self.dead is not None:  # died since the caller looked: no thread takes commands
             self._fail_dead(parent.request_id)
             return
-        self._num_submitted += 1
+        self._num_submitted += params.n
         arrival = time.monotonic()
 
         def add() -> None:
-            self._num_added += 1
+            self._num_added += params.n
             try:
                 self.engine.add_validated(parent, params, max_tokens)
             except ValueError as e:
