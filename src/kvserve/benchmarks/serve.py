@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from kvserve.entrypoints.openai.launch import server_process
 @dataclass
 class RequestResult:
     ok: bool
+    error: str = ""  # the server's answer to a request it refused
     ttft: float = 0.0
     e2e: float = 0.0
     output_tokens: int = 0
@@ -63,7 +65,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     result, last, last_token = RequestResult(ok=False), None, None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
-            await response.aread()
+            result.error = f"{response.status_code} {(await response.aread()).decode()[:300]}"
             return result
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -150,24 +152,27 @@ def summarize(results: list[RequestResult], wall: float, health: list[float],
     itl = [x for r in done for x in r.itls]
     tbt = [x for r in done for x in r.tbts]
     e2e = [r.e2e for r in done]
-    ms = 1e3
+
+    def ms(seconds: float) -> float:
+        return round(seconds * 1e3) if math.isfinite(seconds) else seconds
+
     return {
         "completed": len(done), "failed": len(results) - len(done),
         "req/s": round(len(done) / wall, 3),
         "out tok/s": round(sum(r.output_tokens for r in done) / wall, 1),
         "goodput req/s": round(len(good) / wall, 3),
         "SLO met %": round(100 * len(good) / max(1, len(results)), 1),
-        "TTFT p50 ms": round(percentile(ttft, 50) * ms), "TTFT p90 ms":
-            round(percentile(ttft, 90) * ms), "TTFT p99 ms": round(percentile(ttft, 99) * ms),
-        "TPOT p50 ms": round(percentile(tpot, 50) * ms), "TPOT p90 ms":
-            round(percentile(tpot, 90) * ms), "TPOT p99 ms": round(percentile(tpot, 99) * ms),
-        "ITL p50 ms": round(percentile(itl, 50) * ms), "ITL p99 ms":
-            round(percentile(itl, 99) * ms),
-        "TBT p50 ms": round(percentile(tbt, 50) * ms), "TBT p99 ms":
-            round(percentile(tbt, 99) * ms),
+        "TTFT p50 ms": ms(percentile(ttft, 50)), "TTFT p90 ms":
+            ms(percentile(ttft, 90)), "TTFT p99 ms": ms(percentile(ttft, 99)),
+        "TPOT p50 ms": ms(percentile(tpot, 50)), "TPOT p90 ms":
+            ms(percentile(tpot, 90)), "TPOT p99 ms": ms(percentile(tpot, 99)),
+        "ITL p50 ms": ms(percentile(itl, 50)), "ITL p99 ms":
+            ms(percentile(itl, 99)),
+        "TBT p50 ms": ms(percentile(tbt, 50)), "TBT p99 ms":
+            ms(percentile(tbt, 99)),
         "E2E p50 s": round(percentile(e2e, 50), 2), "E2E p99 s": round(percentile(e2e, 99), 2),
-        "health p99 ms": round(percentile(health, 99) * ms, 1),
-        "health max ms": round(max(health, default=float("nan")) * ms, 1),
+        "health p99 ms": round(percentile(health, 99) * 1e3, 1),
+        "health max ms": round(max(health, default=float("nan")) * 1e3, 1),
     }
 
 
@@ -184,7 +189,12 @@ def sweep(url: str, args: argparse.Namespace, label: str) -> list[dict[str, obje
     vocab = (ModelConfig.from_pretrained(args.model, args.dtype, args.device).vocab_size
              if args.model else args.vocab_size)
     warmup = variable(2, (16, 16), (4, 4), vocab, seed=args.seed)
-    asyncio.run(run_load(url, args.served_model_name, warmup, None, 2, args.seed))
+    results, _, _ = asyncio.run(run_load(url, args.served_model_name, warmup, None, 2,
+                                         args.seed))
+    refused = [r.error for r in results if r.error]
+    if refused:  # every request after would be refused the same way
+        raise ValueError(f"the server refused a warm-up request (check --served-model-name "
+                         f"and --vocab-size): {refused[0]}")
     rows = []
     for index, rate in enumerate(args.rates or [None]):
         # Fresh prompts at each rate, the same for every schedule: a prefix cache must not
@@ -224,6 +234,10 @@ def run(args: argparse.Namespace) -> None:
     if bool(args.url) == bool(args.model):
         raise ValueError("give either --url (a running server) or --model (start one per "
                          "--policies entry)")
+    for name in ("prompt", "output"):
+        low, high = getattr(args, f"{name}_min"), getattr(args, f"{name}_max")
+        if low > high:
+            raise ValueError(f"--{name}-min ({low}) must be <= --{name}-max ({high})")
     rows: list[dict[str, object]] = []
     if args.url:
         url = args.url.rstrip("/")
