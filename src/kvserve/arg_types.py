@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from kvserve.devices import check_device
+
 
 def _ranged(kind: type, low: float, inclusive: bool, high: float | None = None
             ) -> Callable[[str], float]:
@@ -31,3 +33,12 @@ positive_float = _ranged(float, 0.0, inclusive=False)  # rates, seconds
 non_negative_float = _ranged(float, 0.0, inclusive=True)  # temperatures
 fraction = _ranged(float, 0.0, inclusive=True, high=1.0)  # shares of a whole
 port = _ranged(int, 0, inclusive=True, high=65535)
+
+
+def available_device(text: str) -> str:
+    """A device this machine has, for the benchmarks that use one without an engine."""
+    try:
+        check_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

@@ -13,6 +13,7 @@ from typing import Any
 import jinja2
 import torch
 
+from kvserve.devices import check_device, check_device_name
 from kvserve.errors import CheckpointError
 from kvserve.layers.rotary import ROPE_TYPES
 from kvserve.models.hub import resolve_model
@@ -683,9 +684,7 @@ class EngineConfig:
     chat_template: str | None = None  # in place of the tokenizer's own
 
     def __post_init__(self) -> None:
-        if not (self.device == "cpu" or self.device == "cuda"
-                or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
-            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        check_device_name(self.device)
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.max_graph_tokens < 0:
@@ -715,22 +714,8 @@ class EngineConfig:
         self._resolve_async_scheduling()
 
     def check_device(self) -> None:
-        """Raises, naming what is missing, when this machine lacks the devices the engine
-        would run on; kept out of `__post_init__` so that configs for CUDA can be built
-        anywhere."""
-        if self.device == "cpu":
-            return
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {self.device}: no CUDA device is available to this "
-                             f"torch ({torch.__version__})")
-        index = int(self.device[5:] or 0)
-        needed = max(index + 1, self.tensor_parallel_size)
-        if needed > torch.cuda.device_count():
-            raise ValueError(f"device {self.device}"
-                             + (f" with tensor_parallel_size {self.tensor_parallel_size}"
-                                if self.tensor_parallel_size > 1 else "")
-                             + f" needs {needed} CUDA devices, and "
-                             f"{torch.cuda.device_count()} are visible")
+        """Kept out of `__post_init__` so that configs for CUDA can be built anywhere."""
+        check_device(self.device, self.tensor_parallel_size)
 
     def _resolve_async_scheduling(self) -> None:
         blocker = ("tensor_parallel_size > 1" if self.tensor_parallel_size > 1

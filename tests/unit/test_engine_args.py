@@ -12,6 +12,7 @@ import torch
 from kvserve import LLM
 from kvserve.config import EngineConfig, GiB, resolve_dtype
 from kvserve.engine_args import add_engine_args, engine_flags, engine_kwargs
+from kvserve.entrypoints.cli import build_parser
 from kvserve.sampling_params import SamplingParams
 from kvserve.tools.checkpoint_files import write_json
 from kvserve.tools.make_model import PRESETS, hf_config
@@ -64,8 +65,6 @@ def test_auto_dtype_on_cpu_follows_native_bfloat16(native: str,
 
 
 def test_bench_serve_hands_every_engine_flag_to_its_servers():
-    from kvserve.entrypoints.cli import build_parser
-
     args = build_parser().parse_args(["bench", "serve", "--model", "m", "--device", "cuda",
                                       "--dtype", "bfloat16", "--kv-cache-memory", "8",
                                       "--max-num-seqs", "256"])
@@ -165,7 +164,8 @@ def test_on_cuda_the_engine_sizes_its_pool_from_the_memory_left(model_dirs):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_a_device_is_named_as_cpu_cuda_or_cuda_n_and_must_be_there(tmp_path, monkeypatch):
+def test_a_device_is_named_as_cpu_cuda_or_cuda_n_and_must_be_there(tmp_path, monkeypatch,
+                                                                   capsys):
     folder = llama3_8b_shapes(tmp_path)
     for bad in ("tpu", "cpu:0", "cuda:x", "CUDA"):
         with pytest.raises(ValueError, match=f"device must be cpu, cuda or cuda:N, got '{bad}'"):
@@ -174,6 +174,10 @@ def test_a_device_is_named_as_cpu_cuda_or_cuda_n_and_must_be_there(tmp_path, mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="device cuda: no CUDA device is available"):
         EngineConfig.create(folder, device="cuda").check_device()
+    for bench in ("kernels", "quantized"):  # they use the device without an engine
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", bench, "--device", "cuda"])
+        assert "argument --device: device cuda: no CUDA device" in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     EngineConfig.create(folder, device="cuda:1").check_device()

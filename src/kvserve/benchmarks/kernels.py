@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvserve.arg_types import positive_int
+from kvserve.arg_types import available_device, positive_int
 from kvserve.attention.backend import AttentionMetadata
 from kvserve.attention.cpu_paged import CpuPagedAttention
 from kvserve.attention.torch_ref import TorchPagedAttention
@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kernels", help="paged decode attention kernels against the KV "
                                        "bandwidth floor")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=available_device, default="cpu",
+                   help="cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                        "float16"],
                    help="auto: bfloat16 on CUDA, float32 elsewhere")

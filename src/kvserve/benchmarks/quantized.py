@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.arg_types import positive_int
+from kvserve.arg_types import available_device, positive_int
 from kvserve.benchmarks.device import BandwidthSamples, device_seconds, past_cache_copies
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.config import resolve_dtype
@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantized", help="quantized GEMM kernels against the dense layer")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=available_device, default="cpu",
+                   help="cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                        "float16"],
                    help="the dense layer's dtype (auto: as the engine picks it for a float32 "
