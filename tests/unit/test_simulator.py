@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvserve.benchmarks import simulate
 from kvserve.cluster.simulator import (
     ClusterSpec,
     SimRequest,
@@ -23,6 +24,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.scheduler.output import StepShape
 from kvserve.engine import llm_engine
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.entrypoints.cli import build_parser
 from kvserve.sampling_params import SamplingParams
 from kvserve.tools.checkpoint_files import write_json
 from kvserve.tools.make_model import PRESETS, hf_config
@@ -174,3 +176,19 @@ def test_migration_evens_out_an_imbalanced_load(config: EngineConfig) -> None:
     assert still[1] == 0 and moved[1] > 0
     assert moved[0] < still[0]
 
+
+
+def test_shared_prefix_workloads_leave_each_prompt_a_tail_and_each_group_a_request():
+    def work(*flags: str):
+        args = build_parser().parse_args(["bench", "simulator", "--model", "m",
+                                          "--workload", "shared-prefix", *flags])
+        return simulate.workload(args, 1000)
+
+    default = work()  # the validation's own defaults make a workload
+    assert len(default.prompts) == 100 and {len(p) for p in default.prompts} == {256}
+    assert len({tuple(p[:192]) for p in default.prompts}) == 10
+    with pytest.raises(ValueError, match=r"--prefix-len \(256\) must be below --prompt-len "
+                                         r"\(256\)"):
+        work("--prefix-len", "256")
+    with pytest.raises(ValueError, match=r"--groups \(101\) must be <= --num-requests"):
+        work("--groups", "101")

@@ -116,6 +116,12 @@ def layouts(value: str, replicas: int) -> list[int]:
 
 def workload(args: argparse.Namespace, vocab: int) -> Workload:
     if args.workload == "shared-prefix":
+        if args.prefix_len >= args.prompt_len:
+            raise ValueError(f"--prefix-len ({args.prefix_len}) must be below --prompt-len "
+                             f"({args.prompt_len}): each prompt ends in a tail of its own")
+        if args.groups > args.num_requests:
+            raise ValueError(f"--groups ({args.groups}) must be <= --num-requests "
+                             f"({args.num_requests})")
         return shared_prefix(args.groups, args.num_requests // args.groups, args.prefix_len,
                              args.prompt_len - args.prefix_len, args.output_len, vocab,
                              args.workload_seed)
@@ -322,7 +328,9 @@ def add_validation_parser(sub: argparse._SubParsersAction) -> None:
                                          "replicas on this machine")
     add_engine_args(p)
     add_workload_args(p)
-    p.set_defaults(num_requests=100, rate=2.0, prompt_len=256, output_len=32)
+    # The shared-prefix shape of `simulate` (3/4 of each prompt shared) at this scale.
+    p.set_defaults(num_requests=100, rate=2.0, prompt_len=256, output_len=32, prefix_len=192,
+                   groups=10)
     p.add_argument("--replicas", type=positive_int, nargs="+", default=[1, 2])
     p.add_argument("--cpus", type=positive_int, default=2, help="cores the replicas share")
     p.set_defaults(func=validate)
