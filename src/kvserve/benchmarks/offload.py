@@ -115,7 +115,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                        "recompute against host and disk offload tiers")
     add_engine_args(p)
     p.add_argument("--chats", type=positive_int, default=32)
-    p.add_argument("--turns", type=non_negative_int, default=6)
+    p.add_argument("--turns", type=positive_int, default=6)
     p.add_argument("--concurrency", type=positive_int, default=4, help="chats served at once")
     p.add_argument("--pool-chats", type=positive_int, default=4,
                    help="size the KV pool to hold this many whole conversations")

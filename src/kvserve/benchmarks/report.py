@@ -8,9 +8,9 @@ from typing import Any
 
 
 def print_table(rows: list[dict[str, object]], title: str | None = None) -> None:
-    if not rows:
-        return
     columns = list(dict.fromkeys(k for row in rows for k in row))
+    if not columns:  # nothing to compare (a ratio table with one policy, say)
+        return
     cells = [[str(row.get(c, "")) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     if title:

@@ -48,6 +48,9 @@ def shared_prefix(num_groups: int, group_size: int, prefix_len: int, suffix_len:
                   output_len: int, vocab_size: int, seed: int = 0) -> Workload:
     """Groups of prompts that share a head (a system prompt, few-shot examples, a document)
     and differ in a short tail, shuffled so that the groups interleave."""
+    if prefix_len + suffix_len < 1:
+        raise ValueError("--prefix-len plus --suffix-len must be >= 1: the prompts would be "
+                         "empty")
     gen = torch.Generator().manual_seed(seed)
     heads = [torch.randint(3, vocab_size, (prefix_len,), generator=gen).tolist()
              for _ in range(num_groups)]
