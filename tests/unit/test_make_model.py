@@ -1,7 +1,11 @@
 import hashlib
 import json
 
-from kvserve.tools.make_model import make_model
+import pytest
+
+from kvserve.tools.checkpoint_files import write_json
+from kvserve.tools.make_lora import make_lora
+from kvserve.tools.make_model import PRESETS, hf_config, make_model
 
 
 def digest(folder):
@@ -31,3 +35,14 @@ def test_num_layers_keeps_the_presets_other_shapes(tmp_path):
                          / "config.json").read_text())
     assert config["num_hidden_layers"] == 3 and config["hidden_size"] == 64
     assert config["num_experts"] == 8 and config["moe_intermediate_size"] == 64
+
+
+def test_a_lora_rank_beyond_the_narrowest_target_is_refused(tmp_path):
+    write_json(tmp_path / "config.json", hf_config(PRESETS["tiny"]))
+    tiny = PRESETS["tiny"]
+    narrowest = tiny.num_kv_heads * tiny.hidden_size // tiny.num_heads  # k_proj's outputs
+    assert make_lora(tmp_path, tmp_path / "ok", rank=narrowest)
+    with pytest.raises(ValueError, match=f"rank must be <= {narrowest}, the narrowest "
+                                         f"targeted layer's smaller dimension, got "
+                                         f"{narrowest + 1}"):
+        make_lora(tmp_path, tmp_path / "wide", rank=narrowest + 1)
