@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -65,6 +66,15 @@ def test_bad_arguments_give_a_clear_error(tmp_path):
     assert run.returncode == 2
     assert "error: model: no config.json in" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_generate_without_prompts_says_where_they_come_from(tmp_path, monkeypatch, capsys):
+    """Before the model loads: with no --prompt and nothing on stdin there is nothing to do."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n  \n"))
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--model", str(tmp_path)])  # no checkpoint there: never loaded
+    assert exited.value.code == 2
+    assert "error: no prompts: give --prompt, or lines on stdin" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -17,6 +17,14 @@ from kvserve.engine_args import add_engine_args, engine_kwargs
 def _generate(args: argparse.Namespace) -> None:
     from kvserve import LLM, SamplingParams
 
+    prompts = args.prompt
+    if not prompts:
+        if sys.stdin.isatty():
+            print("reading prompts from stdin, one per line; end with Ctrl-D",
+                  file=sys.stderr)
+        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        if not prompts:
+            raise ValueError("no prompts: give --prompt, or lines on stdin")
     llm = LLM(**engine_kwargs(args))  # type: ignore[arg-type]
     given = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k",
                                                     "max_tokens")
@@ -25,7 +33,6 @@ def _generate(args: argparse.Namespace) -> None:
     defaults = {"temperature": 0.0, "max_tokens": 64, **llm.engine.inputs.sampling_defaults}
     params = SamplingParams(**{**defaults, **given}, seed=args.sampling_seed,
                             stop=args.stop or [], ignore_eos=args.ignore_eos)
-    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
@@ -135,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text for prompts (arguments or stdin)")
     add_engine_args(gen)
-    gen.add_argument("--prompt", action="append", help="repeat for several prompts")
+    gen.add_argument("--prompt", action="append",
+                     help="repeat for several prompts (default: each line of stdin)")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     for flag, kind, fallback in (("--max-tokens", int, "64"), ("--temperature", float, "0"),
                                  ("--top-p", float, "1"), ("--top-k", int, "-1: off")):
