@@ -531,6 +531,29 @@ def test_auth_size_and_overload(server: str) -> None:
     assert _post(server, COMPLETIONS, body).status_code == 200
 
 
+def test_a_server_answers_to_each_of_its_names(llama_dir: Path) -> None:
+    """vLLM's `--served-model-name a b`: requests may use any name; responses carry the
+    first."""
+
+    async def run() -> None:
+        llm = AsyncLLM(str(llama_dir))
+        app = build_app(llm, ServerConfig(model_name=MODEL, aliases=("gpt-4o",)))
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://t") as client:
+                listed = (await client.get("/v1/models")).json()["data"]
+                assert [m["id"] for m in listed] == [MODEL, "gpt-4o"]
+                done = await client.post(COMPLETIONS, json={"model": "gpt-4o", "prompt": "x",
+                                                            "max_tokens": 1})
+                assert done.status_code == 200 and done.json()["model"] == MODEL
+                other = await client.post(COMPLETIONS, json={"model": "x", "prompt": "x"})
+                _check_error(other, 404, "model", f"this server serves ['gpt-4o', '{MODEL}']")
+        finally:
+            llm.shutdown()
+
+    asyncio.run(run())
+
+
 def test_the_queue_counts_sequences_and_a_full_one_answers_503(llama_dir: Path) -> None:
     """Each of a request's n sequences takes a place in the waiting queue. The engine thread
     is held on a command here, so that what is queued stays queued."""

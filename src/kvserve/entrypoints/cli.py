@@ -49,9 +49,9 @@ def _serve(args: argparse.Namespace) -> None:
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    name = args.served_model_name or args.model
+    name, *aliases = args.served_model_name or [args.model]
     # The server's options fail here, before the model loads.
-    config = ServerConfig(model_name=name, api_key=args.api_key or None,
+    config = ServerConfig(model_name=name, aliases=tuple(aliases), api_key=args.api_key or None,
                           max_request_bytes=args.max_request_bytes,
                           tool_call_parser=args.tool_call_parser
                           if args.enable_auto_tool_choice else None,
@@ -162,9 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                      help="require 'Authorization: Bearer KEY' on /v1 routes "
                           "(default: $KVSERVE_API_KEY)")
-    srv.add_argument("--served-model-name", default=None,
-                     help="the model name clients use (default: the model argument, "
-                          "folder or Hub id)")
+    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="the model names clients may use; responses carry the first "
+                          "(default: the model argument, folder or Hub id)")
     srv.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                      help="beyond this many queued requests, answer 503 with Retry-After")
     srv.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -297,7 +297,7 @@ def _resolve_model_arg(args: argparse.Namespace) -> None:
     if not isinstance(model, str):
         return
     if hasattr(args, "served_model_name") and args.served_model_name is None:
-        args.served_model_name = model
+        args.served_model_name = [model]
     args.model = resolve_model(model, getattr(args, "revision", None),
                                getattr(args, "download_dir", None))
 

@@ -59,7 +59,8 @@ RETRY_AFTER_SECONDS = 1
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model_name: str
+    model_name: str  # the name responses carry
+    aliases: tuple[str, ...] = ()  # more names requests may use (vLLM's further names)
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tool_call_parser: str | None = None  # set: tool_choice "auto" finds calls with it
@@ -277,10 +278,12 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
 
+    names = (config.model_name, *config.aliases)
+
     def check_model(name: str | None) -> None:
-        if name is not None and name != config.model_name and name not in llm.lora_names:
+        if name is not None and name not in names and name not in llm.lora_names:
             raise APIError(404, f"model {name!r} does not exist; this server serves "
-                                f"{sorted({config.model_name, *llm.lora_names})}",
+                                f"{sorted({*names, *llm.lora_names})}",
                            "invalid_request_error", "model", "model_not_found")
 
     @app.get("/health")
@@ -309,7 +312,7 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
     async def models() -> dict[str, Any]:
         base = {"object": "model", "created": now(), "owned_by": "kvserve",
                 "max_model_len": llm.inputs.max_model_len}
-        return {"object": "list", "data": [{"id": config.model_name, **base}] + [
+        return {"object": "list", "data": [{"id": name, **base} for name in names] + [
             {"id": name, "parent": config.model_name, **base} for name in sorted(llm.lora_names)]}
 
     @app.post("/v1/load_lora_adapter")
