@@ -100,6 +100,11 @@ def test_values_only_a_run_can_check_are_refused_by_name(llama_dir, tmp_path, ca
     assert "group_size must be -1 (one group per row) or >= 1, got 0" in usage_error(
         capsys, "quantize", str(llama_dir), "--method", "rtn", "--group-size", "0",
         "--output", str(tmp_path / "q"))
+    hidden = json.loads((llama_dir / "config.json").read_text())["hidden_size"]
+    assert (f"input features (--group-size {hidden // 2} does; -1 is one group per row)"
+            in usage_error(capsys, "quantize", str(llama_dir), "--method", "rtn",
+                           "--group-size", str(hidden // 2 + hidden // 4),
+                           "--output", str(tmp_path / "q")))
 
 
 def test_cuda_suite_checks_its_parts_and_runs_one_on_the_cpu(tmp_path):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator
@@ -252,8 +253,10 @@ def _rounded_shapes(source: Path, tied: bool, config: QuantConfig
 def _check_shape(name: str, in_features: int, out_features: int, bits: int,
                  group_size: int) -> None:
     if group_size != -1 and in_features % group_size:
+        fitting = math.gcd(in_features, 1 << (group_size.bit_length() - 1))
         raise ValueError(f"group_size {group_size} does not divide {name}'s "
-                         f"{in_features} input features")
+                         f"{in_features} input features (--group-size {fitting} does; -1 is "
+                         "one group per row)")
     if (in_features * bits) % 32 or (out_features * bits) % 32:
         raise ValueError(f"{name} ({in_features} -> {out_features}) does not pack "
                          f"into 32-bit words at {bits} bits")
