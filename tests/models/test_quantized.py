@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -156,6 +157,19 @@ def test_quantize_refuses_what_it_cannot_quantize_by_name(trained_tiny, tmp_path
     out = quantize_model(trained_tiny, tmp_path / "q", "rtn", 4, group_size=32)
     with pytest.raises(ValueError, match=r"is already quantized \(gptq, 4 bits\)"):
         quantize_model(out, tmp_path / "q2", "rtn", 4, group_size=32)
+
+
+def test_the_default_group_is_the_largest_power_of_two_to_128_that_fits(trained_tiny,
+                                                                         tmp_path):
+    config = json.loads((trained_tiny / "config.json").read_text())
+    widths = [config["hidden_size"], config["intermediate_size"]]
+    expected = math.gcd(128, *widths)  # tiny is 64 wide: 128 would not divide it
+    assert expected < 128
+    out = quantize_model(trained_tiny, tmp_path / "q", "rtn", 4)
+    written = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert written["group_size"] == expected
+    assert json.loads((quantize_model(trained_tiny, tmp_path / "q8", "rtn", 8) / "config.json"
+                       ).read_text())["quantization_config"]["group_size"] == -1
 
 
 @pytest.mark.parametrize("method,bits,group_size,act_order,lm_head,choice,kernel", [

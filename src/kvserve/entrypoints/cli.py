@@ -257,8 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     qt.add_argument("--method", choices=["rtn", "gptq", "squeezellm"], default="gptq")
     qt.add_argument("--bits", type=int, choices=[2, 3, 4, 8], default=4)
     qt.add_argument("--group-size", type=int, default=None,
-                    help="input channels per scale; -1: one per row (default: 128, and -1 at "
-                         "8 bits, the layout the CPU int8 kernel runs)")
+                    help="input channels per scale; -1: one per row (default: 128, or the "
+                         "largest power of two below it that divides every layer; -1 at 8 "
+                         "bits, the layout the CPU int8 kernel runs)")
     qt.add_argument("--act-order", action="store_true",
                     help="GPTQ: quantize input channels by decreasing Hessian diagonal")
     qt.add_argument("--sym", action=argparse.BooleanOptionalAction, default=True,

@@ -49,6 +49,7 @@ from kvserve.worker.cpu_allocator import retain_freed_memory
 logger = logging.getLogger(__name__)
 
 METHODS = ("rtn", "gptq", "squeezellm")
+DEFAULT_GROUP_SIZE = 128  # below 8 bits, where it divides every layer's inputs
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                 "special_tokens_map.json")
 
@@ -103,9 +104,7 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
         raise ValueError(f"bits must be 2, 3, 4 or 8, got {bits}")
     if num_samples < 1 or seq_len < 2:
         raise ValueError("calibration needs at least 1 sample of at least 2 tokens")
-    if group_size is None:
-        group_size = -1 if bits == 8 else 128
-    if group_size < 1 and group_size != -1:
+    if group_size is not None and group_size < 1 and group_size != -1:
         raise ValueError(f"group_size must be -1 (one group per row) or >= 1, got {group_size}")
     source, out = Path(model_dir), Path(output)
     # A checkpoint at all? (In the dtype the layers are quantized in: `auto` would log.)
@@ -118,6 +117,8 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
         raise ValueError("output: the quantized checkpoint needs a folder of its own, not "
                          "the model's")
     tied = source_config.tie_word_embeddings
+    if group_size is None:
+        group_size = -1 if bits == 8 else _default_group_size(source, tied, lm_head)
     config = (QuantConfig("squeezellm", bits, -1, lm_head=lm_head) if method == "squeezellm"
               else QuantConfig("gptq", bits, group_size, act_order and method == "gptq", sym,
                                lm_head=lm_head))
@@ -248,6 +249,20 @@ def _rounded_shapes(source: Path, tied: bool, config: QuantConfig
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if _rounds(name, config) or _heads_tied_lm_head(name, tied, config):
                     yield name, tuple(f.get_slice(name).get_shape())
+
+
+def _default_group_size(source: Path, tied: bool, lm_head: bool) -> int:
+    """128 (the hub's usual group), or the largest power of two below it that divides every
+    quantized layer's inputs (64 for a model 576 wide); one group per row below 32."""
+    probe = QuantConfig("gptq", 4, DEFAULT_GROUP_SIZE, lm_head=lm_head)
+    group = DEFAULT_GROUP_SIZE
+    for _, (_, in_features) in _rounded_shapes(source, tied, probe):
+        group = math.gcd(group, in_features)
+    group = group if group >= 32 else -1
+    if group != DEFAULT_GROUP_SIZE:
+        logger.info("group_size %d: the default %d does not divide every layer's inputs",
+                    group, DEFAULT_GROUP_SIZE)
+    return group
 
 
 def _check_shape(name: str, in_features: int, out_features: int, bits: int,
