@@ -166,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model names clients may use; responses carry the first "
                           "(default: the model argument, folder or Hub id)")
     srv.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
-                     help="beyond this many queued requests, answer 503 with Retry-After")
+                     help="beyond this many queued sequences (each prompt counts n), "
+                          "answer 503 with Retry-After")
     srv.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
                      help="larger request bodies get 413")
     srv.add_argument("--shutdown-timeout", type=non_negative_int, default=0,
