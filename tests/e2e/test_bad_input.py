@@ -333,3 +333,11 @@ def test_pickle_checkpoints_are_never_loaded(broken_dir):
     (broken_dir / "model.safetensors").rename(broken_dir / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="pickled .bin checkpoints are not loaded"):
         LLM(str(broken_dir))
+
+
+def test_an_unknown_engine_option_is_named_with_the_nearest_known_one(llama_dir):
+    with pytest.raises(ValueError, match=r"max_num_seq is not an engine option \(did you mean "
+                                         r"max_num_seqs\?\)"):
+        LLM(str(llama_dir), max_num_seq=4)
+    with pytest.raises(ValueError, match="trust_remote_code is not an engine option; see"):
+        LLM(str(llama_dir), trust_remote_code=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -33,6 +35,7 @@ class LLM:
             raise ValueError(f"prefix_sharing must be one of {', '.join(PREFIX_SHARING)}, "
                              f"got {prefix_sharing!r}")
         self.prefix_sharing = prefix_sharing
+        _check_option_names(engine_options)
         self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
 
     def get_tokenizer(self) -> Any:
@@ -156,3 +159,16 @@ class LLM:
                     self.engine.abort_request(parent.request_id)
                 raise
         return [results[parent.request_id] for parent, _, _ in checked]
+
+
+def _check_option_names(options: dict[str, Any]) -> None:
+    """Names an engine option kvserve does not take, and the nearest it does: an option of
+    vLLM's `LLM` kvserve lacks would otherwise raise a TypeError from `EngineConfig.create`."""
+    known = [name for name in inspect.signature(EngineConfig.create).parameters
+             if name not in ("cls", "model")]
+    for name in options:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            raise ValueError(f"{name} is not an engine option"
+                             + (f" (did you mean {near[0]}?)" if near else "")
+                             + "; see 'Engine options' in the README")
