@@ -66,7 +66,7 @@ def test_the_server_serves_a_hub_model_under_its_id(hub_cache):
     args = argparse.Namespace(model="acme/tiny", served_model_name=None, revision="v2",
                               download_dir=str(hub_cache))
     _resolve_model_arg(args)
-    assert args.served_model_name == "acme/tiny"
+    assert args.served_model_name == ["acme/tiny"]
     assert Path(args.model).name == COMMITS["v2"]
 
 
