@@ -117,9 +117,8 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or isinstance(value, list | tuple), name,
                    "must be a list of token ids", value)
-        self.stop_token_ids = _as_ints(self.stop_token_ids or [])
-        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]",
-               self.n)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}]", self.n)
         _check(0.0 <= self.temperature <= MAX_SCALE, "temperature",
                f"must be in [0, {MAX_SCALE:g}]", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
@@ -150,6 +149,7 @@ class SamplingParams:
                "must be non-empty strings", self.stop)
         _check(_are_token_ids(self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers", self.stop_token_ids)
+        self.stop_token_ids = _as_ints(self.stop_token_ids)
         _check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias",
                "must be a dict of token id -> bias", self.logit_bias)
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None

@@ -48,6 +48,8 @@ def assert_engine_intact(llm):
     ("min_tokens", -1, "min_tokens must be >= 0, got -1"),
     ("stop", [""], "stop must be non-empty strings"),
     ("stop_token_ids", [-1], "stop_token_ids must be non-negative integers"),
+    ("stop_token_ids", [1.5], r"stop_token_ids must be non-negative integers, got \[1.5\]"),
+    ("stop_token_ids", ["a"], "stop_token_ids must be non-negative integers, got \\['a'\\]"),
     ("logit_bias", {5: 100.5}, r"logit_bias values must be in \[-100, 100\], got \[100.5\]"),
     ("logit_bias", {5: float("nan")}, r"logit_bias values must be in \[-100, 100\]"),
     ("logit_bias", {-1: 1.0}, r"logit_bias keys must be token ids \(non-negative integers\)"),
