@@ -211,28 +211,37 @@ def _as_ints(values: Any) -> list[int]:
     return [int(v) for v in values]
 
 
-# What a scalar field's annotation accepts, and how its error says so.
-_SCALAR_KINDS = {"int": (is_integer, "an integer"),
+# What a scalar field's annotation accepts, how its error says so, and the Python type its
+# value becomes (a numpy scalar's included).
+_SCALAR_KINDS = {"int": (is_integer, "an integer", int),
                  "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
-                           "a number"),
-                 "bool": (lambda v: isinstance(v, bool), "true or false")}
+                           "a number", float),
+                 "bool": (lambda v: isinstance(v, bool), "true or false", bool)}
+
+
+@functools.cache
+def _scalar_fields() -> list[tuple[str, str, bool]]:
+    """(name, kind, optional) of SamplingParams' int, float and bool fields."""
+    scalars = []
+    for f in fields(SamplingParams):
+        kind, _, rest = str(f.type).partition(" | ")
+        if kind in _SCALAR_KINDS:
+            scalars.append((f.name, kind, rest == "None"))
+    return scalars
 
 
 def _normalize_scalars(params: SamplingParams) -> None:
     """Names a scalar field given a value of another type, before its range is checked,
     where comparing a string with a number would raise a TypeError that names nothing; and
     turns numpy scalars into Python's."""
-    for f in fields(params):
-        kind, _, optional = str(f.type).partition(" | ")
-        if kind not in _SCALAR_KINDS:
+    for name, kind, optional in _scalar_fields():
+        value = getattr(params, name)
+        if optional and value is None:
             continue
-        value = getattr(params, f.name)
-        if optional == "None" and value is None:
-            continue
-        accepts, expected = _SCALAR_KINDS[kind]
-        _check(accepts(value), f.name,
-               f"must be {expected}{' or None' if optional == 'None' else ''}", value)
-        setattr(params, f.name, {"int": int, "float": float, "bool": bool}[kind](value))
+        accepts, expected, python_type = _SCALAR_KINDS[kind]
+        _check(accepts(value), name, f"must be {expected}{' or None' if optional else ''}",
+               value)
+        setattr(params, name, python_type(value))
 
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:

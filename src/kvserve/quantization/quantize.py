@@ -117,8 +117,9 @@ def quantize_model(model_dir: str | Path, output: str | Path, method: str, bits:
         raise ValueError("output: the quantized checkpoint needs a folder of its own, not "
                          "the model's")
     tied = source_config.tie_word_embeddings
-    if group_size is None:
-        group_size = -1 if bits == 8 else _default_group_size(source, tied, lm_head)
+    if group_size is None:  # SqueezeLLM's lookup tables are per row whatever is given
+        group_size = (-1 if bits == 8 or method == "squeezellm"
+                      else _default_group_size(source, tied, lm_head))
     config = (QuantConfig("squeezellm", bits, -1, lm_head=lm_head) if method == "squeezellm"
               else QuantConfig("gptq", bits, group_size, act_order and method == "gptq", sym,
                                lm_head=lm_head))

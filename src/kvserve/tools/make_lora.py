@@ -36,9 +36,9 @@ def make_lora(model: str | Path, output: str | Path, rank: int = 16, alpha: floa
     if unknown:
         raise ValueError(f"targets must be among {', '.join(shapes)} for this checkpoint, "
                          f"got {sorted(unknown)}")
-    widest = min(min(shapes[t]) for t in targets)
-    if rank > widest:  # a low-rank update no lower than the layer itself
-        raise ValueError(f"rank must be <= {widest}, the narrowest targeted layer's smaller "
+    narrowest = min(min(shapes[t]) for t in targets)
+    if rank > narrowest:  # a low-rank update no lower than the layer itself
+        raise ValueError(f"rank must be <= {narrowest}, the narrowest targeted layer's smaller "
                          f"dimension, got {rank}")
     gen = torch.Generator().manual_seed(seed)
     pairs, tensors = {}, {}
