@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvserve import __version__
 from kvserve.benchmarks.hf_baseline import hf_cannot_run
@@ -321,6 +321,23 @@ def test_eval_perplexity_agrees_with_transformers(llama_dir, tmp_path, capsys):
     assert abs(ours["perplexity"] / theirs["perplexity"] - 1) < 1e-4
     assert "--context (5000) exceeds" in usage_error(capsys, "eval", "perplexity",
                                                      str(llama_dir), "--context", "5000")
+    assert "--context: must be >= 2, got 1" in usage_error(capsys, "eval", "perplexity",
+                                                            str(llama_dir), "--context", "1")
+
+
+def test_eval_perplexity_says_when_the_text_holds_fewer_windows(llama_dir, monkeypatch,
+                                                                 capsys):
+    from kvserve.evals import perplexity
+
+    two_windows = perplexity.heldout_windows(AutoTokenizer.from_pretrained(llama_dir), 8, 2)
+    monkeypatch.setattr(perplexity, "heldout_windows", lambda *_: two_windows)
+    main(["eval", "perplexity", str(llama_dir), "--context", "8", "--num-windows", "5",
+          "--no-hf"])
+    assert ("the held-out text holds 2 windows of 8 tokens, not --num-windows 5"
+            in capsys.readouterr().out)
+    monkeypatch.setattr(perplexity, "heldout_windows", lambda *_: two_windows[:0])
+    assert "--context (8) is longer than the held-out text" in usage_error(
+        capsys, "eval", "perplexity", str(llama_dir), "--context", "8", "--no-hf")
 
 
 def test_eval_perplexity_skips_a_transformers_reference_that_would_be_wrong(llama_dir,
@@ -404,3 +421,14 @@ def test_streaming_eval_and_bench_keep_the_cache_bounded(llama_dir, tmp_path, ca
     assert saved["summary"]["peak KV blocks"] == 5  # a sink block and a window of four
     assert "needs --streaming-window" in usage_error(capsys, "bench", "streaming", "--model",
                                                      str(llama_dir))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--window-tokens", "100"], "--window-tokens (100) must be a multiple of --block-size (16)"),
+    (["--window-tokens", "32"], "--window-tokens (32) must hold the --sinks (4) and a window "
+                                "of 2 blocks of 16 tokens: at least 48"),
+    (["--window-tokens", "64", "--sinks", "0"], "must exceed --window-tokens (64)"),
+])
+def test_a_streaming_eval_whose_window_cannot_slide_is_refused(capsys, args, message):
+    """Before any model loads ("m" is none)."""
+    assert message in usage_error(capsys, "eval", "streaming", "m", "--num-tokens", "64", *args)

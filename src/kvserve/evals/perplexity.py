@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from kvserve.arg_types import at_least_two, positive_int
 from kvserve.benchmarks.device import synchronize
 from kvserve.benchmarks.report import print_table, save_json
 from kvserve.engine_args import add_engine_args, engine_kwargs
@@ -43,14 +44,17 @@ def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
     from kvserve.benchmarks.hf_baseline import load_hf
 
-    if args.context < 2 or args.num_windows < 1:
-        raise ValueError("--context must be at least 2 and --num-windows at least 1")
     llm = LLM(**engine_kwargs(args))
     cfg, device = llm.engine.config.model, llm.engine.config.device
     if args.context > llm.engine.max_model_len:
         raise ValueError(f"--context ({args.context}) exceeds the model's max length "
                          f"({llm.engine.max_model_len})")
     windows = heldout_windows(llm.get_tokenizer(), args.context, args.num_windows).tolist()
+    if not windows:
+        raise ValueError(f"--context ({args.context}) is longer than the held-out text")
+    if len(windows) < args.num_windows:
+        print(f"the held-out text holds {len(windows)} windows of {args.context} tokens, "
+              f"not --num-windows {args.num_windows}: scoring those")
     num_scored = sum(len(w) - 1 for w in windows)
 
     def row(engine: str, nll: float, seconds: float) -> dict[str, object]:
@@ -76,8 +80,9 @@ def run(args: argparse.Namespace) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("perplexity", help="held-out perplexity, beside transformers'")
     add_engine_args(p, model="positional")
-    p.add_argument("--context", type=int, default=256, help="tokens per window (default 256)")
-    p.add_argument("--num-windows", type=int, default=64,
+    p.add_argument("--context", type=at_least_two, default=256,
+                   help="tokens per window (default 256)")
+    p.add_argument("--num-windows", type=positive_int, default=64,
                    help="held-out windows scored (default 64)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers check")
     p.add_argument("--json", default=None)

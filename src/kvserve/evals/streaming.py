@@ -43,14 +43,40 @@ def perplexity(nlls: list[float | None]) -> float:
     return math.exp(sum(scored) / len(scored))
 
 
+def check_shape(args: argparse.Namespace) -> None:
+    """Refuses, before a model loads, a cache in which the window could not slide."""
+    window, block = args.window_tokens, args.block_size
+    if window % block:
+        raise ValueError(f"--window-tokens ({window}) must be a multiple of --block-size "
+                         f"({block})")
+    sink_blocks = -(-args.sinks // block)
+    if window // block - sink_blocks < 2:
+        raise ValueError(f"--window-tokens ({window}) must hold the --sinks ({args.sinks}) "
+                         f"and a window of 2 blocks of {block} tokens: at least "
+                         f"{(sink_blocks + 2) * block}")
+    if args.num_tokens <= window:
+        raise ValueError(f"--num-tokens ({args.num_tokens}) must exceed --window-tokens "
+                         f"({window}): the tokens after the first window are compared")
+
+
 def run(args: argparse.Namespace) -> None:
     from kvserve import LLM
 
+    check_shape(args)
     base = {**engine_kwargs(args), "enable_prefix_caching": False,
             "max_num_batched_tokens": args.block_size}
     dense = LLM(**base)
-    text = corpus_tokens(dense.get_tokenizer(), "heldout", args.num_tokens).tolist()
     window = args.window_tokens
+    if window > dense.engine.max_model_len:
+        raise ValueError(f"--window-tokens ({window}) exceeds the model's max length "
+                         f"({dense.engine.max_model_len})")
+    text = corpus_tokens(dense.get_tokenizer(), "heldout", args.num_tokens).tolist()
+    if len(text) <= window:
+        raise ValueError(f"the held-out text holds {len(text)} tokens, no more than "
+                         f"--window-tokens ({window})")
+    if len(text) < args.num_tokens:
+        print(f"the held-out text holds {len(text)} tokens, not --num-tokens "
+              f"{args.num_tokens}: scoring those")
     # In-window: position p of the text is scored within its own window (never its first).
     windows = [text[start:start + window] for start in range(0, len(text), window)]
     in_window = token_nlls(dense, windows)
