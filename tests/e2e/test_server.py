@@ -57,11 +57,15 @@ def llm(llama_dir: Path) -> LLM:
     return LLM(str(llama_dir))
 
 
-def metric(server: str, name: str) -> float:
+def metric(server: str, name: str, label: str = "") -> float:
+    """The sum of `name`'s series whose labels hold `label` (e.g. 'finish_reason="length"'):
+    which series comes first depends on what the server served before."""
     text = httpx.get(f"{server}/metrics").text
-    match = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
-    assert match, f"{name} missing from /metrics"
-    return float(match.group(1))
+    values = [float(value) for labels, value
+              in re.findall(rf"^{name}{{([^}}]*)}} (\S+)$", text, re.MULTILINE)
+              if label in labels]
+    assert values, f"{name}{{{label}}} missing from /metrics"
+    return sum(values)
 
 
 def wait_idle(server: str) -> None:
@@ -308,7 +312,7 @@ def test_concurrent_streams_and_disconnects_free_all_blocks(server: str) -> None
     wait_idle(server)
     assert metric(server, "kvserve_kv_blocks_used") == 0
     assert metric(server, "kvserve_kv_blocks_total") > 0
-    assert metric(server, "kvserve_requests_finished_total") >= 32
+    assert metric(server, "kvserve_requests_finished_total", 'finish_reason="length"') >= 32
 
 
 def test_metrics_exposition(server: str, client: openai.OpenAI) -> None:
@@ -445,6 +449,9 @@ COMPLETIONS = "/v1/completions"
      400, "continue_final_message", "add_generation_prompt false"),
     (COMPLETIONS, {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, 400, None,
      "at most one"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}],
+            "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "stream_options: only allowed when stream is true"),
 ])
 def test_bad_requests(server: str, path: str, body: bytes | dict, status: int,
                       param: str | None, words: str) -> None:

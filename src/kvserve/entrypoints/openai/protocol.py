@@ -16,6 +16,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
     field_validator,
@@ -101,6 +102,15 @@ class SamplingRequest(BaseModel):
     use_beam_search: bool = False
     # The LoRA adapter that `model` names, set by the server.
     _lora_name: str | None = PrivateAttr(default=None)
+
+    @field_validator("stream_options")
+    @classmethod
+    def only_with_stream(cls, options: StreamOptions | None, info: ValidationInfo
+                         ) -> StreamOptions | None:
+        """As OpenAI's API: options of a stream that is not asked for are a mistake."""
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return options
 
     @property
     def include_usage(self) -> bool:
