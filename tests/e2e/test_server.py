@@ -80,8 +80,20 @@ def wait_idle(server: str) -> None:
 
 def test_models_health_version(server: str, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="model 'gpt-4o' does not exist"):
+        client.models.retrieve("gpt-4o")
     assert httpx.get(f"{server}/health").status_code == 200
     assert httpx.get(f"{server}/version").json()["version"]
+
+
+def test_a_wrong_route_or_method_says_what_the_server_has(server: str) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    _check_error(httpx.post(f"{server}/v1/embeddings", json={}, headers=headers), 404, None,
+                 "POST /v1/embeddings: no such route; this server has GET /health, ")
+    wrong_method = httpx.get(f"{server}/v1/completions", headers=headers)
+    _check_error(wrong_method, 405, None, "GET /v1/completions: use POST")
+    assert wrong_method.headers["allow"] == "POST"
 
 
 def test_greedy_completion_equals_offline(client: openai.OpenAI, llm: LLM) -> None:
@@ -550,6 +562,9 @@ def test_a_server_answers_to_each_of_its_names(llama_dir: Path) -> None:
                                          base_url="http://t") as client:
                 listed = (await client.get("/v1/models")).json()["data"]
                 assert [m["id"] for m in listed] == [MODEL, "gpt-4o"]
+                one = (await client.get("/v1/models/org/gpt-4o")).json()["error"]["message"]
+                assert "model 'org/gpt-4o' does not exist" in one
+                assert (await client.get("/v1/models/gpt-4o")).json()["id"] == "gpt-4o"
                 done = await client.post(COMPLETIONS, json={"model": "gpt-4o", "prompt": "x",
                                                             "max_tokens": 1})
                 assert done.status_code == 200 and done.json()["model"] == MODEL

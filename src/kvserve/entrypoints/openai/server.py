@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -233,10 +234,16 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
         return invalid(f"{param or 'body'}: {message}", param).response()
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         message = str(e.detail)
         if e.status_code == 400:  # raised by FastAPI for bodies it cannot decode
             message = f"the body is not valid JSON in UTF-8: {message}"
+        elif e.status_code == 404:
+            message = (f"{request.method} {request.url.path}: no such route; this server "
+                       f"has {', '.join(sorted(routes(app)))}")
+        elif e.status_code == 405:
+            allowed = {k.lower(): v for k, v in (e.headers or {}).items()}.get("allow")
+            message = f"{request.method} {request.url.path}: use {allowed or 'another method'}"
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
         return APIError(e.status_code, message, kind, headers=e.headers).response()
 
@@ -308,12 +315,21 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
     async def migrate(body: MigrateRequest) -> list[dict[str, Any]]:
         return await llm.migrate(body.source, body.destination, body.num_requests)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    def model_cards() -> list[dict[str, Any]]:
         base = {"object": "model", "created": now(), "owned_by": "kvserve",
                 "max_model_len": llm.inputs.max_model_len}
-        return {"object": "list", "data": [{"id": name, **base} for name in names] + [
-            {"id": name, "parent": config.model_name, **base} for name in sorted(llm.lora_names)]}
+        return [{"id": name, **base} for name in names] + [
+            {"id": name, "parent": config.model_name, **base} for name in sorted(llm.lora_names)]
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        """OpenAI's `client.models.retrieve(name)`; a model's name may hold slashes."""
+        check_model(model)
+        return next(card for card in model_cards() if card["id"] == model)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRARequest) -> Response:
@@ -362,6 +378,12 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
         return await respond(chat, body, request)
 
     return app
+
+
+def routes(app: FastAPI) -> set[str]:
+    """The routes a client may call, each as `METHOD /path`."""
+    return {f"{method} {route.path.replace(':path}', '}')}" for route in app.routes
+            if isinstance(route, APIRoute) for method in route.methods}
 
 
 def serve(llm: ServingBackend, config: ServerConfig, host: str, port: int) -> None:
