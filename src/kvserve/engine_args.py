@@ -15,6 +15,7 @@ from kvserve.config import (
     SCHEDULING_POLICIES,
     GiB,
 )
+from kvserve.vllm_flags import add_vllm_flags
 
 
 def _json_object(value: str) -> dict[str, Any]:
@@ -37,9 +38,11 @@ def _lora_module(value: str) -> tuple[str, str]:
 MODEL_HELP = "HF checkpoint folder, or a Hugging Face Hub model id (org/name)"
 # (flag, argparse options); each flag's dest is an `EngineConfig.create` keyword.
 ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("--dtype", dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                     help="weights and compute dtype; auto: bfloat16 on CUDA and on CPUs "
-                          "that multiply it natively (AVX512-BF16 or AMX), else float32")),
+    ("--dtype", dict(default="auto",
+                     choices=["auto", "float32", "bfloat16", "float16", "float", "half"],
+                     help="weights and compute dtype (float and half: vLLM's names of "
+                          "float32 and float16); auto: bfloat16 on CUDA and on CPUs that "
+                          "multiply it natively (AVX512-BF16 or AMX), else float32")),
     ("--max-num-batched-tokens", dict(type=int, default=2048,
                                       help="token budget of one step (default 2048)")),
     ("--max-num-seqs", dict(type=int, default=128,
@@ -150,6 +153,10 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 
 
+# vLLM's short spellings of the same flags.
+SHORT_FLAGS = {"--tensor-parallel-size": ("-tp",)}
+
+
 def _dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
 
@@ -163,7 +170,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model: str = "required") ->
         parser.add_argument("--model", required=model == "required", default=None,
                             help=MODEL_HELP)
     for flag, options in ENGINE_ARGS:
-        parser.add_argument(flag, **options)
+        parser.add_argument(flag, *SHORT_FLAGS.get(flag, ()), **options)
+    for flag, policy in (("--enable-chunked-prefill", "chunked"),
+                         ("--no-enable-chunked-prefill", "prefill_first")):  # vLLM's
+        parser.add_argument(flag, dest="scheduler_policy", action="store_const", const=policy,
+                            help=argparse.SUPPRESS)
+    add_vllm_flags(parser)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

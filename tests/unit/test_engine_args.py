@@ -185,3 +185,43 @@ def test_a_device_is_named_as_cpu_cuda_or_cuda_n_and_must_be_there(tmp_path, mon
         EngineConfig.create(folder, device="cuda:2").check_device()
     with pytest.raises(ValueError, match="device cuda with tensor_parallel_size 4 needs 4"):
         EngineConfig.create(folder, device="cuda", tensor_parallel_size=4).check_device()
+
+
+def test_a_vllm_command_line_runs_where_its_meaning_holds(caplog):
+    caplog.set_level(logging.INFO, logger="kvserve")
+    args = build_parser().parse_args([
+        "serve", "m", "--dtype", "half", "-tp", "2", "--no-enable-chunked-prefill",
+        "--trust-remote-code", "--kv-cache-dtype", "auto", "--disable-log-requests",
+        "--uvicorn-log-level", "warning"])
+    kwargs = engine_kwargs(args)
+    assert resolve_dtype(kwargs["dtype"], {}) == torch.float16
+    assert kwargs["tensor_parallel_size"] == 2
+    assert kwargs["scheduler_policy"] == "prefill_first"
+    assert args.uvicorn_log_level == "warning"
+    assert "vLLM's --trust-remote-code changes nothing: kvserve runs its own" in caplog.text
+    assert "vLLM's --kv-cache-dtype auto changes nothing" in caplog.text
+    assert engine_kwargs(build_parser().parse_args(
+        ["serve", "m", "--scheduler-policy", "prefill_first", "--enable-chunked-prefill"])
+    )["scheduler_policy"] == "chunked"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "m", "--kv-cache-dtype", "fp8"], "kvserve serve: error: argument "
+     "--kv-cache-dtype: vLLM's --kv-cache-dtype fp8 is not supported: the KV cache is kept "
+     "in the model's dtype"),
+    (["serve", "m", "-pp", "2"], "vLLM's -pp 2 is not supported: kvserve splits a model"),
+    (["generate", "--model", "m", "--quantization", "gptq"],
+     "vLLM's --quantization gptq is not supported: kvserve reads the method from the "
+     "checkpoint's quantization_config"),
+    (["serve", "m", "--max-num-sequences", "4"], "unrecognized arguments: "
+     "--max-num-sequences 4 (--max-num-sequences: did you mean --max-num-seqs?)"),
+    (["serve", "m", "--prot=8000", "x"], "unrecognized arguments: --prot=8000 x (--prot: did "
+     "you mean --port?)"),
+    (["bench", "latency", "--model", "m", "--runz", "3"],
+     "kvserve bench latency: error: unrecognized arguments: --runz 3 (--runz: did you mean "
+     "--runs?)"),
+])
+def test_a_flag_kvserve_does_not_take_is_refused_with_what_it_has(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert message in capsys.readouterr().err

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
 import sys
+from collections.abc import Iterable
+from typing import Any
 
 import kvserve
 from kvserve.arg_types import non_negative_int, port, positive_float, positive_int
@@ -59,6 +62,7 @@ def _serve(args: argparse.Namespace) -> None:
                           shutdown_timeout=args.shutdown_timeout,
                           allowed_origins=_origins(args.allowed_origins),
                           access_log=not args.disable_uvicorn_access_log,
+                          log_level=args.uvicorn_log_level,
                           timeout_keep_alive=args.timeout_keep_alive,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
     options = dict(engine_kwargs(args), model_name=name,
@@ -123,6 +127,25 @@ def _quantize(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A parser (and, as its class, each subcommand's) whose unknown flags are refused by the
+    subcommand that got them, with the flag it has that comes closest."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and self._subparsers is None:
+            self.error(unknown_flags_message(extras, self._option_string_actions))
+        return namespace, extras
+
+
+def unknown_flags_message(extras: list[str], known: Iterable[str]) -> str:
+    flags = [extra.partition("=")[0] for extra in extras if extra.startswith("-")]
+    hints = [f"{flag}: did you mean {close[0]}?" for flag in flags
+             if (close := difflib.get_close_matches(flag, known, n=1))]
+    return f"unrecognized arguments: {' '.join(extras)}" + (
+        f" ({'; '.join(hints)})" if hints else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.benchmarks import simulate
     from kvserve.benchmarks.cli import add_bench_parser
@@ -133,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.tools.make_lora import FUSED_TARGETS, TARGETS
     from kvserve.tools.make_model import ARCHES, PRESETS
 
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="kvserve", description="LLM inference and serving for Hugging Face checkpoints.",
         epilog="`kvserve COMMAND --help` lists a command's flags; e.g. `kvserve serve "
                "Qwen/Qwen2.5-0.5B-Instruct` serves the OpenAI API on port 8000.")
@@ -187,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "--ssl-certfile)")
     srv.add_argument("--ssl-certfile", default=None,
                      help="serve HTTPS: the PEM file of the server's certificate (chain)")
+    srv.add_argument("--uvicorn-log-level", default="info",
+                     choices=["critical", "error", "warning", "info", "debug", "trace"],
+                     help="the HTTP server's log level (default info)")
     srv.add_argument("--disable-uvicorn-access-log", action="store_true",
                      help="no log line per HTTP request")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -305,9 +331,9 @@ def _resolve_model_arg(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
     logging.basicConfig(format="%(name)s: %(message)s")
-    logging.getLogger("kvserve").setLevel(logging.INFO)
+    logging.getLogger("kvserve").setLevel(logging.INFO)  # before parsing: flags log notes
+    args = build_parser().parse_args(argv)
     try:
         _resolve_model_arg(args)
         args.func(args)

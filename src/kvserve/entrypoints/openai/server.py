@@ -70,6 +70,7 @@ class ServerConfig:
     # CORS: the origins whose browser pages may call the API ("*": any, as vLLM's default)
     allowed_origins: tuple[str, ...] = ("*",)
     access_log: bool = True  # a log line per HTTP request
+    log_level: str = "info"  # uvicorn's
     # Seconds an idle keep-alive connection stays open: longer than clients keep theirs
     # (httpx and the OpenAI SDK 5, aiohttp 15, a cloud load balancer's 60), so that the client
     # always closes first. At uvicorn's default, 5, the server closed connections that a client
@@ -422,7 +423,7 @@ def serve(llm: ServingBackend, config: ServerConfig, host: str, port: int) -> No
 
 
 def uvicorn_config(app: FastAPI, config: ServerConfig, host: str, port: int) -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, log_level="info",
+    return uvicorn.Config(app, host=host, port=port, log_level=config.log_level,
                           access_log=config.access_log,
                           timeout_keep_alive=config.timeout_keep_alive,
                           ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile)

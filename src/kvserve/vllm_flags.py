@@ -1,0 +1,94 @@
+"""vLLM's engine and server flags that kvserve has no flag of its own for, so that a `vllm
+serve` command line runs as `kvserve serve` unchanged where its meaning holds here, and is
+refused by name, with what kvserve does instead, where it does not.
+
+A flag kvserve already satisfies (`--trust-remote-code`, `--kv-cache-dtype auto`) is taken
+with a note that says why it changes nothing; one asking for what kvserve does not do
+(`--kv-cache-dtype fp8`, `--quantization awq`) is a usage error. Flags whose meaning kvserve
+has under its own name are aliases in `engine_args` (`-tp`, `--enable-chunked-prefill`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ANY = None  # every value holds
+
+
+@dataclass(frozen=True)
+class VllmFlag:
+    names: tuple[str, ...]
+    # The values whose meaning kvserve already has: ANY (and every flag without a value)
+    # holds whatever it is given, () never holds.
+    holds: tuple[str, ...] | None
+    why: str  # what kvserve does, which makes the flag hold or not
+    takes_value: bool = True
+
+
+VLLM_FLAGS: tuple[VllmFlag, ...] = (
+    VllmFlag(("--trust-remote-code",), ANY, "kvserve runs its own implementation of each "
+             "architecture and no code from a checkpoint", takes_value=False),
+    VllmFlag(("--disable-log-requests", "--enable-log-requests"), ANY, "kvserve logs each "
+             "HTTP request's line (uvicorn's access log), never its prompt or output",
+             takes_value=False),
+    VllmFlag(("--max-log-len",), ANY, "kvserve never logs a prompt"),
+    VllmFlag(("--disable-log-stats",), ANY, "kvserve logs no periodic stats; /metrics has "
+             "them", takes_value=False),
+    VllmFlag(("--disable-frontend-multiprocessing",), ANY, "the HTTP front end and the engine "
+             "share one process", takes_value=False),
+    VllmFlag(("--enable-lora",), ANY, "adapters load with --lora-modules or POST "
+             "/v1/load_lora_adapter", takes_value=False),
+    VllmFlag(("--max-lora-rank",), ANY, "adapters of any rank load"),
+    VllmFlag(("--guided-decoding-backend",), ANY, "structured output runs on llguidance"),
+    VllmFlag(("--task", "--runner"), ("auto", "generate"), "kvserve serves text generation"),
+    VllmFlag(("--tokenizer-mode",), ("auto",), "the tokenizer is the one transformers' "
+             "AutoTokenizer loads from the checkpoint"),
+    VllmFlag(("--load-format",), ("auto", "safetensors"), "kvserve loads safetensors "
+             "checkpoints"),
+    VllmFlag(("--kv-cache-dtype",), ("auto",), "the KV cache is kept in the model's dtype "
+             "(--dtype)"),
+    VllmFlag(("--pipeline-parallel-size", "-pp"), ("1",), "kvserve splits a model over "
+             "devices by tensor parallelism (--tensor-parallel-size) and serves replicas "
+             "with --data-parallel-size"),
+    VllmFlag(("--quantization", "-q"), (), "kvserve reads the method from the checkpoint's "
+             "quantization_config; `kvserve quantize` writes GPTQ, RTN and SqueezeLLM ones"),
+    VllmFlag(("--tokenizer",), (), "kvserve loads the tokenizer from the model's folder"),
+    VllmFlag(("--cpu-offload-gb",), ("0",), "weights stay on the device; "
+             "--kv-offload-host-gib offloads KV blocks to host memory"),
+    VllmFlag(("--max-seq-len-to-capture",), (), "kvserve's --max-graph-tokens sets the "
+             "largest step that replays a CUDA graph"),
+    VllmFlag(("--num-scheduler-steps",), ("1",), "each step is scheduled on its own; "
+             "--async-scheduling overlaps scheduling with the device"),
+)
+
+
+class _VllmFlagAction(argparse.Action):
+    """Takes a vLLM flag whose meaning holds, with a note saying why it changes nothing;
+    refuses one that does not hold, naming what kvserve does instead."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, vllm: VllmFlag,
+                 **kwargs: Any) -> None:
+        self.vllm = vllm
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                         nargs=None if vllm.takes_value else 0, help=argparse.SUPPRESS,
+                         **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        given = f"{option_string} {values}" if self.vllm.takes_value else option_string
+        if self.vllm.holds is not ANY and values not in self.vllm.holds:
+            raise argparse.ArgumentError(self, f"vLLM's {given} is not supported: "
+                                               f"{self.vllm.why}")
+        logger.info("vLLM's %s changes nothing: %s", given, self.vllm.why)
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """Adds the flags, left out of `--help` (the README lists them)."""
+    for vllm in VLLM_FLAGS:
+        parser.add_argument(*vllm.names, action=_VllmFlagAction, vllm=vllm)
