@@ -696,6 +696,12 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size}")
         self.model.shard(self.tensor_parallel_size)  # raises if the heads do not divide
+        for name in ("swap_space", "kv_offload_host", "kv_offload_disk"):
+            size = getattr(self.cache, name)
+            if 0 < size < self.kv_bytes_per_block:  # vLLM's swap_space=4 means 4 GiB
+                raise ValueError(f"{name} ({size} bytes) holds no KV block, of "
+                                 f"{self.kv_bytes_per_block} bytes: it is a size in bytes "
+                                 f"(4 GiB: 4 << 30); 0 turns it off")
         limit = self.model.max_positions
         if self.scheduler.max_model_len == 0 or self.scheduler.max_model_len > limit:
             if self.scheduler.max_model_len > limit:

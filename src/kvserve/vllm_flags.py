@@ -1,6 +1,7 @@
 """vLLM's engine and server flags that kvserve has no flag of its own for, so that a `vllm
 serve` command line runs as `kvserve serve` unchanged where its meaning holds here, and is
-refused by name, with what kvserve does instead, where it does not.
+refused by name, with what kvserve does instead, where it does not; the same for the
+keywords of vLLM's `LLM(...)`.
 
 A flag kvserve already satisfies (`--trust-remote-code`, `--kv-cache-dtype auto`) is taken
 with a note that says why it changes nothing; one asking for what kvserve does not do
@@ -68,6 +69,37 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
 )
 
 
+def _keyword(vllm: VllmFlag) -> str:
+    return vllm.names[0].removeprefix("--").replace("-", "_")
+
+
+def _holds(vllm: VllmFlag, value: Any) -> bool:
+    return vllm.holds is ANY or value in vllm.holds
+
+
+def take_vllm_options(options: dict[str, Any]) -> dict[str, Any]:
+    """`LLM(...)`'s keywords with vLLM's ones turned into kvserve's: `enable_chunked_prefill`
+    into `scheduler_policy`, those that change nothing dropped with a note; one that would
+    change something kvserve does not do raises ValueError."""
+    options = dict(options)
+    if "enable_chunked_prefill" in options:
+        if "scheduler_policy" in options:
+            raise ValueError("give scheduler_policy or vLLM's enable_chunked_prefill, not both")
+        chunked = options.pop("enable_chunked_prefill")
+        options["scheduler_policy"] = "prefill_first" if chunked is False else "chunked"
+    for vllm in VLLM_FLAGS:
+        name = _keyword(vllm)
+        if name not in options:
+            continue
+        value = options.pop(name)
+        if value is None:  # vLLM's default: unset
+            continue
+        if vllm.takes_value and not _holds(vllm, str(value)):
+            raise ValueError(f"vLLM's {name}={value!r} is not supported: {vllm.why}")
+        logger.info("vLLM's %s=%r changes nothing: %s", name, value, vllm.why)
+    return options
+
+
 class _VllmFlagAction(argparse.Action):
     """Takes a vLLM flag whose meaning holds, with a note saying why it changes nothing;
     refuses one that does not hold, naming what kvserve does instead."""
@@ -82,7 +114,7 @@ class _VllmFlagAction(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
         given = f"{option_string} {values}" if self.vllm.takes_value else option_string
-        if self.vllm.holds is not ANY and values not in self.vllm.holds:
+        if not _holds(self.vllm, values):
             raise argparse.ArgumentError(self, f"vLLM's {given} is not supported: "
                                                f"{self.vllm.why}")
         logger.info("vLLM's %s changes nothing: %s", given, self.vllm.why)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -341,5 +342,23 @@ def test_an_unknown_engine_option_is_named_with_the_nearest_known_one(llama_dir)
     with pytest.raises(ValueError, match=r"max_num_seq is not an engine option \(did you mean "
                                          r"max_num_seqs\?\)"):
         LLM(str(llama_dir), max_num_seq=4)
-    with pytest.raises(ValueError, match="trust_remote_code is not an engine option; see"):
-        LLM(str(llama_dir), trust_remote_code=True)
+    with pytest.raises(ValueError, match="num_gpu_blocks_override is not an engine option; "
+                                         "see"):
+        LLM(str(llama_dir), num_gpu_blocks_override=4)
+
+
+def test_vllms_llm_keywords_run_where_their_meaning_holds(llama_dir, caplog):
+    caplog.set_level(logging.INFO, logger="kvserve")
+    llm = LLM(str(llama_dir), trust_remote_code=True, quantization=None, kv_cache_dtype="auto",
+              enable_chunked_prefill=False)
+    assert llm.engine.config.scheduler.policy == "prefill_first"
+    assert "vLLM's trust_remote_code=True changes nothing" in caplog.text
+    with pytest.raises(ValueError, match="vLLM's kv_cache_dtype='fp8' is not supported: the KV "
+                                         "cache is kept in the model's dtype"):
+        LLM(str(llama_dir), kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="scheduler_policy or vLLM's enable_chunked_prefill"):
+        LLM(str(llama_dir), enable_chunked_prefill=True, scheduler_policy="chunked")
+    # vLLM's swap_space is in GiB, kvserve's in bytes: a count of GiB holds no block.
+    with pytest.raises(ValueError, match=r"swap_space \(4 bytes\) holds no KV block, of \d+ "
+                                         r"bytes: it is a size in bytes"):
+        LLM(str(llama_dir), swap_space=4)

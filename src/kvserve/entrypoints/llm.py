@@ -15,6 +15,7 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.prefix_sharing import sharing_order
 from kvserve.outputs import EngineStats, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.vllm_flags import take_vllm_options
 
 PREFIX_SHARING = ("auto", "off")
 
@@ -35,6 +36,7 @@ class LLM:
             raise ValueError(f"prefix_sharing must be one of {', '.join(PREFIX_SHARING)}, "
                              f"got {prefix_sharing!r}")
         self.prefix_sharing = prefix_sharing
+        engine_options = take_vllm_options(engine_options)
         _check_option_names(engine_options)
         self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
 
