@@ -111,6 +111,19 @@ def test_greedy_completion_equals_offline(client: openai.OpenAI, llm: LLM) -> No
     assert "".join(c.choices[0].text for c in streamed) == expected.outputs[0].text
 
 
+def test_a_null_field_is_one_left_out(server: str, llm: LLM) -> None:
+    """OpenAI's API takes null for a field as its default, and clients send it so."""
+    expected = llm.generate("hi", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+    nulls = dict.fromkeys(["n", "top_p", "stop", "seed", "presence_penalty", "stream",
+                           "stream_options", "logit_bias", "user", "logprobs", "echo",
+                           "max_tokens", "suffix", "best_of"])
+    got = _post(server, COMPLETIONS, {"prompt": "hi", "temperature": 0, "ignore_eos": True,
+                                      **nulls})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == expected  # max_tokens: OpenAI's default, 16
+
+
 def test_token_prompts_echo_and_logprobs(client: openai.OpenAI, llm: LLM) -> None:
     ids = [[5, 6, 7, 8], [9, 10]]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -429,6 +442,7 @@ COMPLETIONS = "/v1/completions"
      "--enable-auto-tool-choice"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"7": 101}}, 400, "logit_bias", "[-100, 100]"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", "empty"),
+    (COMPLETIONS, {"prompt": None}, 400, "prompt", "prompt is required (or kvserve's segments)"),
     (COMPLETIONS, {"prompt": [[1, 2], [10**7]]}, 400, None, "vocabulary"),
     (COMPLETIONS, {"prompt": "x", "model": "gpt-5"}, 404, "model", "does not exist"),
     (COMPLETIONS, {"prompt": "x", "cache_salt": ""}, 400, "cache_salt", "at least 1"),

@@ -20,6 +20,7 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     WrapValidator,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -102,6 +103,15 @@ class SamplingRequest(BaseModel):
     use_beam_search: bool = False
     # The LoRA adapter that `model` names, set by the server.
     _lora_name: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_unset(cls, data: Any) -> Any:
+        """OpenAI's API takes null for a field as leaving it out (its default, or the
+        generation config's), and clients send it so."""
+        if isinstance(data, dict):
+            return {name: value for name, value in data.items() if value is not None}
+        return data
 
     @field_validator("stream_options")
     @classmethod

@@ -31,6 +31,8 @@ def prompts_of(request: CompletionRequest) -> list[dict[str, Any]]:
         if prompt is not None:
             raise ValueError("segments: give prompt or segments, not both")
         return [request.engine_prompt({"segments": request.segments})]
+    if prompt is None:
+        raise ValueError("prompt is required (or kvserve's segments)")
     if not prompt:
         raise ValueError("prompt must not be empty")
     if isinstance(prompt, str) or isinstance(prompt[0], int):
