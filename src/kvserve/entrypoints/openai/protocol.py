@@ -62,10 +62,22 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingRequest(BaseModel):
-    """The fields shared by /v1/completions and /v1/chat/completions."""
+class RequestBody(BaseModel):
+    """A route's JSON body: fields it does not know are left alone, and one sent as null is
+    one left out (its default, or the generation config's), as OpenAI's API takes it."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {name: value for name, value in data.items() if value is not None}
+        return data
+
+
+class SamplingRequest(RequestBody):
+    """The fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
     n: int = 1
@@ -103,15 +115,6 @@ class SamplingRequest(BaseModel):
     use_beam_search: bool = False
     # The LoRA adapter that `model` names, set by the server.
     _lora_name: str | None = PrivateAttr(default=None)
-
-    @model_validator(mode="before")
-    @classmethod
-    def null_is_unset(cls, data: Any) -> Any:
-        """OpenAI's API takes null for a field as leaving it out (its default, or the
-        generation config's), and clients send it so."""
-        if isinstance(data, dict):
-            return {name: value for name, value in data.items() if value is not None}
-        return data
 
     @field_validator("stream_options")
     @classmethod
@@ -322,7 +325,7 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatTemplateFields(BaseModel):
+class ChatTemplateFields(RequestBody):
     """How a request's messages go through the chat template: the same for the chat route
     and /tokenize, so /tokenize counts what the chat route would."""
 
@@ -360,8 +363,6 @@ class TokenizeRequest(ChatTemplateFields):
     """POST /tokenize (vLLM's): a prompt, or messages through the chat template, as the
     completions and chat routes would tokenize them."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
@@ -369,7 +370,7 @@ class TokenizeRequest(ChatTemplateFields):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     """POST /detokenize (vLLM's): token ids back to text."""
 
     model: str | None = None
