@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.entrypoints.openai.launch import server_process
 from kvserve.errors import CheckpointError
 from kvserve.tools.make_lora import TARGETS, make_lora
@@ -58,6 +58,40 @@ def test_adapters_and_the_base_model_in_one_batch(model_dirs, tmp_path):
         for i, (name, out) in enumerate(zip(names, outputs, strict=True)):
             assert out.outputs[0].token_ids == expected[name][i % 3], (name, i)
     assert llm.get_stats().prefix_cache_hits > 0
+    assert_no_blocks_held(llm)
+
+
+def test_vllms_lora_request_loads_the_adapter_and_runs_prompts_with_it(model_dirs, tmp_path):
+    base = model_dirs["llama"]
+    write_adapter(base, tmp_path / "first", seed=1)
+    write_adapter(base, tmp_path / "second", seed=2)
+    tagged = LLM(str(base), lora_modules={"first": str(tmp_path / "first"),
+                                          "second": str(tmp_path / "second")})
+    prompts = random_prompts([5, 17, 9], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [out.outputs[0].token_ids for out in tagged.generate(
+        [{"prompt_token_ids": p, **name} for p, name in zip(prompts, [
+            {"lora_name": "first"}, {}, {"lora_name": "second"}], strict=True)],
+        params, use_tqdm=False)]
+    plain = tagged.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
+    assert plain[0].outputs[0].token_ids != expected[0]  # the adapter changes the output
+    llm = LLM(str(base))
+    first = LoRARequest("first", 1, str(tmp_path / "first"))
+    second = LoRARequest("second", 2, str(tmp_path / "second"))
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                       lora_request=[first, None, second])
+    assert [out.outputs[0].token_ids for out in got] == expected
+    assert llm.engine.lora_names == {"first", "second"}
+    again = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False,
+                         lora_request=first)  # loaded already: used as it is
+    assert again[0].outputs[0].token_ids == expected[0]
+    with pytest.raises(ValueError, match="lora_request has 1 entries for 3 prompts"):
+        llm.generate(["a", "b", "c"], params, lora_request=[first])
+    with pytest.raises(ValueError, match="lora_request\\[0\\] must be a LoRARequest or None, "
+                                         "got str"):
+        llm.generate(["a"], params, lora_request=["first"])
+    with pytest.raises(ValueError, match="lora_path must be a non-empty string"):
+        LoRARequest("third", 3, "")
     assert_no_blocks_held(llm)
 
 

@@ -13,6 +13,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.input_processor import ParentRequest, PromptType
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.prefix_sharing import sharing_order
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import EngineStats, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.vllm_flags import take_vllm_options
@@ -59,15 +60,17 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Generates for every prompt; outputs come back in the prompts' order. Every prompt
         is validated before any runs, so one bad prompt raises ValueError naming its index
         and leaves the engine as it was. `priority` (one per prompt, lower first) matters
         under `scheduling_policy="priority"`; a prompt dict may also carry `priority`,
-        `tenant` (for `"fair"`) and `cache_salt`. A prompt `{"segments": [...]}` (texts or
-        token-id lists) is blended (CacheBlend): every segment but the last is a chunk whose
-        KV is reused wherever it appears."""
+        `tenant` (for `"fair"`), `cache_salt` and `lora_name`. `lora_request` (one, or one
+        per prompt) runs prompts with a LoRA adapter as vLLM's does, loading it on first use.
+        A prompt `{"segments": [...]}` (texts or token-id lists) is blended (CacheBlend):
+        every segment but the last is a chunk whose KV is reused wherever it appears."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         elif not isinstance(prompts, Iterable) or isinstance(prompts, bytes | bytearray):
@@ -78,8 +81,10 @@ class LLM:
             if len(priority) != len(prompts):
                 raise ValueError(f"priority has {len(priority)} entries for "
                                  f"{len(prompts)} prompts")
-            prompts = [{**(p if isinstance(p, dict) else {"prompt": p}), "priority": level}
+            prompts = [{**_as_dict(p), "priority": level}
                        for p, level in zip(prompts, priority, strict=True)]
+        if lora_request is not None:
+            prompts = self._with_adapters(prompts, lora_request)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -102,7 +107,9 @@ class LLM:
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Applies the checkpoint's chat template to one conversation or a list of them, with
         the function `tools` (OpenAI's form) the model may call and the template's own
         variables (`chat_template_kwargs`, e.g. Qwen3's enable_thinking);
@@ -118,7 +125,28 @@ class LLM:
                                                          chat_template_kwargs,
                                                          continue_final_message)
             prompts.append({"prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _with_adapters(self, prompts: list[PromptType],
+                       lora_request: LoRARequest | Sequence[LoRARequest | None]
+                       ) -> list[PromptType]:
+        """Each prompt with its LoRARequest's adapter (None: the base model's), loading the
+        adapters not loaded yet."""
+        requests = ([lora_request] * len(prompts) if isinstance(lora_request, LoRARequest)
+                    else list(lora_request))
+        if len(requests) != len(prompts):
+            raise ValueError(f"lora_request has {len(requests)} entries for {len(prompts)} "
+                             "prompts")
+        for i, request in enumerate(requests):
+            if request is not None and not isinstance(request, LoRARequest):
+                raise ValueError(f"lora_request[{i}] must be a LoRARequest or None, got "
+                                 f"{type(request).__name__}")
+        for request in dict.fromkeys(r for r in requests if r is not None):
+            if request.lora_name not in self.engine.lora_names:
+                self.engine.add_lora(request.lora_name, request.lora_path)
+        return [prompt if request is None else {**_as_dict(prompt),
+                                                "lora_name": request.lora_name}
+                for prompt, request in zip(prompts, requests, strict=True)]
 
     def _validate(self, prompts: list[PromptType], params: list[SamplingParams]
                   ) -> list[tuple[ParentRequest, SamplingParams, int]]:
@@ -161,6 +189,10 @@ class LLM:
                     self.engine.abort_request(parent.request_id)
                 raise
         return [results[parent.request_id] for parent, _, _ in checked]
+
+
+def _as_dict(prompt: PromptType) -> dict[str, Any]:
+    return prompt if isinstance(prompt, dict) else {"prompt": prompt}
 
 
 def _check_option_names(options: dict[str, Any]) -> None:
