@@ -100,6 +100,9 @@ class SamplingParams:
     structured_output: StructuredOutputParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
     allowed_token_ids: list[int] | None = None  # vLLM's: sample among these tokens only
+    # vLLM's: keep only the prompt's last k tokens; -1: as many as the context holds beside
+    # max_tokens
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _normalize_scalars(self)
@@ -139,6 +142,9 @@ class SamplingParams:
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1",
                self.max_tokens)
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
+        _check(self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
+               "truncate_prompt_tokens", "must be -1 (the context's room) or >= 1",
+               self.truncate_prompt_tokens)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",

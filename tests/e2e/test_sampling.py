@@ -150,3 +150,27 @@ def test_detokenized_text_equals_full_decode(llm):
     for o in out:
         c = o.outputs[0]
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(llm):
+    """vLLM's left truncation: the last k tokens, as if only they had been given; -1 keeps
+    what the context holds beside max_tokens."""
+    prompt = random_prompts([40], seed=21)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tail = llm.generate(ids([prompt[-9:]]), greedy, use_tqdm=False)[0]
+    cut = llm.generate(ids([prompt]), SamplingParams(temperature=0, max_tokens=6,
+                                                     ignore_eos=True, truncate_prompt_tokens=9),
+                       use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-9:]
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    limit = llm.engine.max_model_len
+    too_long = random_prompts([limit + 50], seed=22)[0]
+    with pytest.raises(ValueError, match="the context limit"):
+        llm.generate(ids([too_long]), greedy, use_tqdm=False)
+    fitted = llm.generate(ids([too_long]), SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, truncate_prompt_tokens=-1),
+        use_tqdm=False)[0]
+    assert fitted.prompt_token_ids == too_long[-(limit - 6):]
+    assert len(fitted.outputs[0].token_ids) == 6
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 .* or >= 1, got 0"):
+        SamplingParams(truncate_prompt_tokens=0)

@@ -124,6 +124,19 @@ def test_a_null_field_is_one_left_out(server: str, llm: LLM) -> None:
     assert got.json()["choices"][0]["text"] == expected  # max_tokens: OpenAI's default, 16
 
 
+def test_truncate_prompt_tokens_echoes_the_tail_it_kept(client: openai.OpenAI,
+                                                         llm: LLM) -> None:
+    prompt = "def fibonacci(n): return n if n < 2 else fibonacci(n - 1)"
+    tail = llm.get_tokenizer().encode(prompt)[-5:]
+    expected = llm.generate({"prompt_token_ids": tail}, SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                    echo=True, extra_body={"ignore_eos": True,
+                                                           "truncate_prompt_tokens": 5})
+    assert got.usage.prompt_tokens == 5
+    assert got.choices[0].text == llm.get_tokenizer().decode(tail) + expected.outputs[0].text
+
+
 def test_token_prompts_echo_and_logprobs(client: openai.OpenAI, llm: LLM) -> None:
     ids = [[5, 6, 7, 8], [9, 10]]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -469,6 +482,8 @@ COMPLETIONS = "/v1/completions"
     (COMPLETIONS, {"prompt": "x", "guided_grammar": "start: ("}, 400, "guided_grammar",
      "grammar"),
     (COMPLETIONS, {"prompt": "x", "bad_words": ["x"]}, 400, "bad_words", "not supported"),
+    (COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens",
+     "must be -1 (the context's room) or >= 1, got 0"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, 400,
      "use_beam_search", "not supported"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},

@@ -265,6 +265,17 @@ class InputProcessor:
                              f"(kv_cache_memory) holds {limits.num_kv_blocks}")
         return max_tokens
 
+    def truncate(self, text: str | None, ids: list[int], params: SamplingParams
+                 ) -> tuple[str | None, list[int]]:
+        """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation); -1
+        keeps as many as the context holds beside max_tokens (or one token to generate)."""
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = max(1, self.limits.max_model_len - (params.max_tokens or 1))
+        if len(ids) <= keep:
+            return text, ids
+        return None, ids[-keep:]  # the text is decoded from the ids where it is needed
+
     def prepare_request(self, prompt: PromptType, params: SamplingParams,
                         request_id: str | None = None, field_name: str = "prompt"
                         ) -> tuple[ParentRequest, int]:
@@ -279,8 +290,13 @@ class InputProcessor:
             if options.get("lora_name") is not None:
                 raise ValueError(f"{field_name}.segments: blended prompts run the base model, "
                                  "not a lora_name")
+            if params.truncate_prompt_tokens is not None:
+                raise ValueError(f"{field_name}.segments: truncate_prompt_tokens would cut "
+                                 "the reused chunks; give a plain prompt")
         else:
             text, ids = self.tokenize(prompt, field_name)
+            if params.truncate_prompt_tokens is not None:
+                text, ids = self.truncate(text, ids, params)
         max_tokens = self.check_request(ids, params, field_name, lens)
         for name in ("cache_salt", "tenant", "lora_name"):
             value = options.get(name)

@@ -109,9 +109,9 @@ class SamplingRequest(RequestBody):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens
     # vLLM's extras this server cannot honor, refused by name rather than ignored.
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
     use_beam_search: bool = False
     # The LoRA adapter that `model` names, set by the server.
     _lora_name: str | None = PrivateAttr(default=None)
@@ -150,7 +150,6 @@ class SamplingRequest(RequestBody):
         place of the request's own."""
         unsupported = [name for name, value in (
             ("bad_words", self.bad_words),
-            ("truncate_prompt_tokens", self.truncate_prompt_tokens),
             ("use_beam_search", self.use_beam_search)) if value not in (None, False)]
         if unsupported:
             raise ValueError(f"{unsupported[0]} is not supported by this server")
@@ -169,7 +168,8 @@ class SamplingRequest(RequestBody):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_output=structured_output or self.structured_output(),
             logit_bias=self.token_biases(),
-            allowed_token_ids=self.allowed_token_ids)
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def token_biases(self) -> dict[int, float] | None:
         if self.logit_bias is None:
