@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from kvserve.vllm_flags import VLLM_SAMPLING_FIELDS
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -75,6 +78,33 @@ class StructuredOutputParams:
         return grammar
 
 
+def _named_fields_only(cls: type) -> type:
+    """Wraps a dataclass's __init__ so that a keyword it lacks is named with the nearest
+    field, or with what kvserve has for one of vLLM's, rather than Python's bare
+    "unexpected keyword argument"."""
+    init = cls.__init__
+    names = [f.name for f in fields(cls)]
+    known = frozenset(names)
+
+    @functools.wraps(init)
+    def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name not in known:
+                raise TypeError(_unknown_field(cls.__name__, name, names))
+        init(self, *args, **kwargs)
+
+    cls.__init__ = checked_init  # type: ignore[method-assign]
+    return cls
+
+
+def _unknown_field(owner: str, name: str, names: list[str]) -> str:
+    if name in VLLM_SAMPLING_FIELDS:
+        return f"{owner} has no field {name!r} (vLLM's): {VLLM_SAMPLING_FIELDS[name]}"
+    near = difflib.get_close_matches(name, names, n=1)
+    return f"{owner} has no field {name!r}" + (f" (did you mean {near[0]}?)" if near else "")
+
+
+@_named_fields_only
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop; names and meanings follow vLLM and OpenAI."""

@@ -100,6 +100,23 @@ def take_vllm_options(options: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+# vLLM's SamplingParams fields kvserve's lacks, and what it has instead.
+VLLM_SAMPLING_FIELDS = {
+    "best_of": "n samples n sequences and returns them all; there is no best_of",
+    "guided_decoding": "structured_output=StructuredOutputParams(json=..., regex=..., "
+                       "choice=..., grammar=...) constrains the output",
+    "structured_outputs": "structured_output=StructuredOutputParams(json=..., regex=..., "
+                          "choice=..., grammar=...) constrains the output",
+    "logits_processors": "logit_bias and allowed_token_ids shape the logits; there are no "
+                         "Python logits processors",
+    "bad_words": "logit_bias can ban single tokens; there is no bad_words",
+    "detokenize": "every output is detokenized",
+    "spaces_between_special_tokens": "special tokens are decoded as the tokenizer decodes "
+                                     "them",
+    "output_kind": "LLM.generate returns finished outputs; AsyncLLM.generate streams them",
+}
+
+
 class _VllmFlagAction(argparse.Action):
     """Takes a vLLM flag whose meaning holds, with a note saying why it changes nothing;
     refuses one that does not hold, naming what kvserve does instead."""

@@ -84,6 +84,17 @@ def test_numpy_scalars_become_python_numbers():
     assert params.allowed_token_ids == [9] and type(params.allowed_token_ids[0]) is int
 
 
+@pytest.mark.parametrize(("field", "message"), [
+    ("max_token", "SamplingParams has no field 'max_token' (did you mean max_tokens?)"),
+    ("best_of", "SamplingParams has no field 'best_of' (vLLM's): n samples n sequences"),
+    ("guided_decoding", "(vLLM's): structured_output=StructuredOutputParams(json=..."),
+])
+def test_a_field_sampling_params_lacks_is_named(field, message):
+    with pytest.raises(TypeError) as error:
+        SamplingParams(**{field: 1})
+    assert message in str(error.value)
+
+
 def test_min_tokens_above_max_tokens():
     with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(4\), got 5"):
         SamplingParams(max_tokens=4, min_tokens=5)
