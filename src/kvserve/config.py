@@ -682,6 +682,7 @@ class EngineConfig:
     # What requests that leave a sampling field out get (see `sampling_defaults`).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None  # in place of the tokenizer's own
+    tokenizer: str | None = None  # a folder holding the tokenizer, in place of the model's
 
     def __post_init__(self) -> None:
         check_device_name(self.device)
@@ -776,11 +777,15 @@ class EngineConfig:
                async_scheduling: bool | None = None, generation_config: str = "auto",
                override_generation_config: dict[str, Any] | None = None,
                chat_template: str | None = None, revision: str | None = None,
-               download_dir: str | None = None) -> EngineConfig:
+               download_dir: str | None = None, tokenizer: str | None = None
+               ) -> EngineConfig:
         """The engine options of the offline and server APIs, with their defaults. `model`
-        (and `speculative_model`) is a checkpoint folder or a Hugging Face Hub model id, at
-        `revision`, downloaded to `download_dir` (default: the Hub's cache)."""
+        (and `speculative_model` and `tokenizer`) is a checkpoint folder or a Hugging Face
+        Hub model id, the model's at `revision`, downloaded to `download_dir` (default: the
+        Hub's cache)."""
         model = resolve_model(model, revision, download_dir)
+        if tokenizer is not None:
+            tokenizer = resolve_model(tokenizer, None, download_dir, "tokenizer")
         if speculative_model not in (None, "ngram"):
             speculative_model = resolve_model(speculative_model, None, download_dir,
                                               "speculative_model")
@@ -816,7 +821,12 @@ class EngineConfig:
             sampling_defaults=sampling_defaults(model, generation_config,
                                                 override_generation_config),
             chat_template=resolve_chat_template(chat_template),
+            tokenizer=tokenizer,
         )
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model.path
 
     @property
     def num_speculative_tokens(self) -> int:

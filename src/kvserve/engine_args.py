@@ -140,6 +140,9 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                              help="a Jinja chat template, or the file that holds one, in place "
                                   "of the tokenizer's own (for a model that has none, or a "
                                   "fixed one)")),
+    ("--tokenizer", dict(default=None,
+                         help="a folder or Hub id holding the tokenizer (and its chat "
+                              "template), in place of the model's")),
     ("--revision", dict(default=None,
                         help="the Hugging Face Hub model's branch, tag or commit (default "
                              "main)")),

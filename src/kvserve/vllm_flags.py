@@ -59,7 +59,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
              "with --data-parallel-size"),
     VllmFlag(("--quantization", "-q"), (), "kvserve reads the method from the checkpoint's "
              "quantization_config; `kvserve quantize` writes GPTQ, RTN and SqueezeLLM ones"),
-    VllmFlag(("--tokenizer",), (), "kvserve loads the tokenizer from the model's folder"),
     VllmFlag(("--cpu-offload-gb",), ("0",), "weights stay on the device; "
              "--kv-offload-host-gib offloads KV blocks to host memory"),
     VllmFlag(("--max-seq-len-to-capture",), (), "kvserve's --max-graph-tokens sets the "

@@ -11,12 +11,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import sampling_defaults
 from kvserve.entrypoints.async_llm import AsyncLLM
 from kvserve.entrypoints.openai.server import ServerConfig, build_app
 from kvserve.errors import CheckpointError
+from kvserve.sampling_params import StructuredOutputParams
 from tests.unit.test_engine_args import parse
 
 PROMPT = "def fibonacci(n):"
@@ -154,3 +156,32 @@ def test_a_chat_template_given_stands_in_for_the_tokenizers_own(llama_dir: Path,
     with pytest.raises(ValueError, match="chat_template: not a valid Jinja template "
                                          r"\(line 1: "):
         LLM(str(bare), chat_template="{% for m in messages %}")
+
+
+def test_a_tokenizer_given_stands_in_for_the_models_own(llama_dir: Path, tmp_path: Path):
+    """vLLM's `--tokenizer`: another folder's tokenizer, with its chat template, for the chat
+    route, the token counts and structured output; it must fit the model's vocabulary."""
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    for name in ("tokenizer.json", "special_tokens_map.json"):
+        if (llama_dir / name).exists():
+            (tokenizer / name).symlink_to(llama_dir / name)
+    settings = json.loads((llama_dir / "tokenizer_config.json").read_text())
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({**settings,
+                                                                 "chat_template": ROLES}))
+    llm = LLM(str(llama_dir), tokenizer=str(tokenizer))
+    hello = [{"role": "user", "content": "hello"}]
+    out = llm.chat(hello, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.get_tokenizer().encode("[user] hello\n")
+    choice = SamplingParams(max_tokens=8, structured_output=StructuredOutputParams(
+        choice=["yes", "no"]))
+    assert llm.generate("x", choice, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
+    with pytest.raises(CheckpointError, match="tokenizer: cannot load the tokenizer from"):
+        LLM(str(llama_dir), tokenizer=str(tmp_path / "missing"))
+    grown = AutoTokenizer.from_pretrained(tokenizer)
+    vocab = llm.engine.config.model.vocab_size
+    grown.add_tokens([f"<extra_{i}>" for i in range(vocab - len(grown) + 1)])
+    grown.save_pretrained(tmp_path / "grown")
+    with pytest.raises(ValueError, match=f"tokenizer: its {vocab + 1} tokens do not fit the "
+                                         f"model's vocabulary of {vocab}"):
+        LLM(str(llama_dir), tokenizer=str(tmp_path / "grown"))

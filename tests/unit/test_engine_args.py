@@ -33,12 +33,14 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_flags_round_trip_into_the_same_engine_options():
     args = parse("--model", "m", "--dtype", "bfloat16", "--max-num-seqs", "7",
                  "--kv-cache-memory", "0.5", "--max-model-len", "99", "--device", "cuda:1",
-                 "--scheduler-policy", "prefill_first", "--no-enable-prefix-caching")
+                 "--scheduler-policy", "prefill_first", "--no-enable-prefix-caching",
+                 "--tokenizer", "org/tokenizer")
     again = parse("--model", "m", *engine_flags(args))
     assert vars(again) == vars(args)
     kwargs = engine_kwargs(again)
     assert kwargs["kv_cache_memory"] == GiB // 2 and kwargs["enable_prefix_caching"] is False
     assert kwargs["device"] == "cuda:1" and kwargs["max_model_len"] == 99
+    assert kwargs["tokenizer"] == "org/tokenizer"
 
 
 def test_defaults_survive_the_round_trip():

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> None:
     model = ModelConfig.from_pretrained(args.model, args.dtype, args.device)
     script = chat_script(args.chats, args.turns, args.system_words, args.user_words,
                          args.workload_seed)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
     last = [{"role": "system", "content": script.system}]
     for message in script.user_messages[0]:
         last += [{"role": "user", "content": message}, {"role": "assistant", "content": "x"}]

@@ -27,9 +27,9 @@ from kvserve.engine.input_processor import (
     ParentRequest,
     PromptType,
 )
+from kvserve.engine.llm_engine import engine_tokenizer
 from kvserve.entrypoints.async_llm import RequestStream, StreamingLLM
 from kvserve.errors import EngineOverloadedError, RequestFailedError
-from kvserve.models.loader import load_tokenizer
 from kvserve.outputs import EngineStats, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -129,7 +129,7 @@ class ClusterLLM(StreamingLLM):
         # The template itself, not a file that another node of the cluster may not have.
         engine_options["chat_template"] = config.chat_template
         self.max_num_seqs = config.scheduler.max_num_seqs
-        tokenizer = load_tokenizer(model, config.chat_template)
+        tokenizer = engine_tokenizer(config)
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
             ray.init(address=ray_address, include_dashboard=False, log_to_driver=True,

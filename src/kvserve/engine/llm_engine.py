@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from kvserve.outputs import CompletionOutput, EngineStats, Logprob, RequestOutpu
 from kvserve.request import Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 @dataclass
 class MigratedRequest:
@@ -37,10 +41,22 @@ class MigratedRequest:
     kv: dict[str, torch.Tensor]
 
 
+def engine_tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
+    """The model's tokenizer, or the `tokenizer` option's, which must fit the model's
+    vocabulary."""
+    if config.tokenizer is None:
+        return load_tokenizer(config.model.path, config.chat_template)
+    tokenizer = load_tokenizer(config.tokenizer, config.chat_template, "tokenizer")
+    if len(tokenizer) > config.model.vocab_size:
+        raise ValueError(f"tokenizer: its {len(tokenizer)} tokens do not fit the model's "
+                         f"vocabulary of {config.model.vocab_size}")
+    return tokenizer
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.path, config.chat_template)
+        self.tokenizer = engine_tokenizer(config)
         self.core = EngineCore(config)
         self.inputs = InputProcessor(self.tokenizer, self.request_limits(),
                                      config.sampling_defaults)

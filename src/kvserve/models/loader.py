@@ -205,12 +205,14 @@ def _copy_exact(param: torch.Tensor, tensor: torch.Tensor) -> None:
     param.copy_(tensor)
 
 
-def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:
-    """The checkpoint's tokenizer; `chat_template` replaces the template it came with."""
+def load_tokenizer(path: str, chat_template: str | None = None, field: str = "model"
+                   ) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer; `chat_template` replaces the template it came with.
+    Errors name `field`."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"model: cannot load the tokenizer from {path!r}: {e}") from None
+        raise CheckpointError(f"{field}: cannot load the tokenizer from {path!r}: {e}") from None
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer

@@ -85,7 +85,7 @@ class ModelRunner:
         self.graphs = self._step_graphs()
         self.cpu_decode = CpuDecodeStack.build(self.model, config.enforce_eager)
         self.sampler = Sampler(config.seed, self.device,
-                               GrammarMatchers(mc.path, mc.vocab_size))
+                               GrammarMatchers(config.tokenizer_path, mc.vocab_size))
         self.states: dict[str, SamplingState] = {}
         self.drafter = Drafter(spec) if spec is not None and spec.draft is None else None
         self.draft_model = (DraftModel(config, draft_weights, self.num_blocks, self.sampler)
