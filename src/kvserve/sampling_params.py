@@ -133,6 +133,12 @@ class SamplingParams:
     # vLLM's: keep only the prompt's last k tokens; -1: as many as the context holds beside
     # max_tokens
     truncate_prompt_tokens: int | None = None
+    # vLLM's: words never generated; each, as written and after a space, has its last token
+    # banned wherever the output ends with the tokens before it
+    bad_words: list[str] | None = None
+    # bad_words as token-id sequences, which the engine fills in with the model's tokenizer;
+    # given alone, sequences banned as they are
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         _normalize_scalars(self)
@@ -208,12 +214,33 @@ class SamplingParams:
                    "cannot be set with min_tokens", self.allowed_token_ids)
             _check(self.structured_output is None, "allowed_token_ids",
                    "cannot be set with structured_output", self.allowed_token_ids)
+        self._check_bad_words()
         _check(not (self.structured_output and self.ignore_eos), "ignore_eos",
                "cannot be set with structured_output (the grammar ends the output with EOS)",
                self.ignore_eos)
         _check(not (self.structured_output and self.min_tokens), "min_tokens",
                "cannot be set with structured_output (the grammar decides where the output "
                "ends; banning EOS there would leave no token to pick)", self.min_tokens)
+
+    def _check_bad_words(self) -> None:
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, list | tuple)
+                   and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                   "bad_words", "must be a list of non-empty strings", self.bad_words)
+            self.bad_words = list(self.bad_words) or None
+        if self.bad_words_token_ids is not None:
+            _check(isinstance(self.bad_words_token_ids, list | tuple) and all(
+                isinstance(s, list | tuple) and s and _are_token_ids(s)
+                for s in self.bad_words_token_ids), "bad_words_token_ids",
+                "must be a list of non-empty token-id lists", self.bad_words_token_ids)
+            self.bad_words_token_ids = [_as_ints(s) for s in self.bad_words_token_ids] or None
+        if self.bad_words or self.bad_words_token_ids:
+            # Either could leave no token the bans allow.
+            for name in ("allowed_token_ids", "structured_output"):
+                _check(getattr(self, name) is None, "bad_words", f"cannot be set with {name}",
+                       self.bad_words or self.bad_words_token_ids)
 
     @property
     def is_greedy(self) -> bool:
@@ -224,10 +251,11 @@ class SamplingParams:
     @property
     def allows_drafts(self) -> bool:
         """Whether speculative drafts can be verified for the request: its next token
-        depends on the raw logits alone (no penalties, bias, allowed set, grammar or logprobs;
-        min_tokens aside)."""
+        depends on the raw logits alone (no penalties, bias, allowed set, bad words, grammar
+        or logprobs; min_tokens aside)."""
         return (self.structured_output is None and self.logprobs is None
                 and self.logit_bias is None and self.allowed_token_ids is None
+                and not self.bad_words_token_ids
                 and self.repetition_penalty == 1.0 and not self.presence_penalty
                 and not self.frequency_penalty)
 

@@ -108,7 +108,6 @@ VLLM_SAMPLING_FIELDS = {
                           "choice=..., grammar=...) constrains the output",
     "logits_processors": "logit_bias and allowed_token_ids shape the logits; there are no "
                          "Python logits processors",
-    "bad_words": "logit_bias can ban single tokens; there is no bad_words",
     "detokenize": "every output is detokenized",
     "spaces_between_special_tokens": "special tokens are decoded as the tokenizer decodes "
                                      "them",

@@ -174,3 +174,21 @@ def test_truncate_prompt_tokens_keeps_the_prompts_tail(llm):
     assert len(fitted.outputs[0].token_ids) == 6
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 .* or >= 1, got 0"):
         SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_bad_words_never_appear_in_the_output(llm):
+    """vLLM's bad_words: tokenized as written and after a space; no output holds either."""
+    tokenizer = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = ids(random_prompts([12], seed=31))
+    free = tokens(llm.generate(prompt, greedy, use_tqdm=False))[0]
+    word = next(text for token in free[1:]
+                if (text := tokenizer.decode([token])).strip()
+                and tokenizer.encode(text, add_special_tokens=False) == [token])
+    banned = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, bad_words=[word])
+    out = tokens(llm.generate(prompt, banned, use_tqdm=False))[0]
+    sequences = banned.bad_words_token_ids  # filled in with the model's tokenizer
+    assert [tokenizer.encode(word, add_special_tokens=False)] == sequences[:1]
+    assert out != free and len(out) == 16
+    for seq in sequences:
+        assert all(out[i:i + len(seq)] != seq for i in range(len(out)))

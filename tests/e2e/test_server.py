@@ -137,6 +137,15 @@ def test_truncate_prompt_tokens_echoes_the_tail_it_kept(client: openai.OpenAI,
     assert got.choices[0].text == llm.get_tokenizer().decode(tail) + expected.outputs[0].text
 
 
+def test_bad_words_ban_as_offline(client: openai.OpenAI, llm: LLM) -> None:
+    prompt, words = "def fibonacci(n):", ["return", "fib"]
+    expected = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                   bad_words=words), use_tqdm=False)[0]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True, "bad_words": words})
+    assert got.choices[0].text == expected.outputs[0].text
+
+
 def test_token_prompts_echo_and_logprobs(client: openai.OpenAI, llm: LLM) -> None:
     ids = [[5, 6, 7, 8], [9, 10]]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -481,7 +490,8 @@ COMPLETIONS = "/v1/completions"
     (COMPLETIONS, {"prompt": "x", "guided_choice": []}, 400, "guided_choice", "non-empty"),
     (COMPLETIONS, {"prompt": "x", "guided_grammar": "start: ("}, 400, "guided_grammar",
      "grammar"),
-    (COMPLETIONS, {"prompt": "x", "bad_words": ["x"]}, 400, "bad_words", "not supported"),
+    (COMPLETIONS, {"prompt": "x", "bad_words": [" "]}, 400, "bad_words",
+     "bad_words must be a list of non-empty strings"),
     (COMPLETIONS, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens",
      "must be -1 (the context's room) or >= 1, got 0"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, 400,

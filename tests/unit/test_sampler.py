@@ -3,7 +3,13 @@ import torch
 
 from kvserve.cpp_extension import cpu_kernels
 from kvserve.sampling_params import SamplingParams
-from kvserve.worker.sampler import Sampler, greedy_tokens, logsumexp_and_greater, token_logprobs
+from kvserve.worker.sampler import (
+    Sampler,
+    banned_next_tokens,
+    greedy_tokens,
+    logsumexp_and_greater,
+    token_logprobs,
+)
 from kvserve.worker.structured_output import GrammarMatchers
 
 LOGITS = torch.tensor([2.0, 0.5, float("-inf"), 1.0, -1.0, 3.0, 0.0, float("-inf")])
@@ -90,6 +96,24 @@ def test_allowed_token_ids_are_the_only_ones_drawn():
     assert torch.allclose(freq[[1, 3, 4]], torch.softmax(LOGITS[[1, 3, 4]], dim=-1), atol=0.015)
     assert freq_support(freq) == {1, 3, 4}
     assert not SamplingParams(allowed_token_ids=[1]).allows_drafts
+
+
+def test_a_bad_words_last_token_is_banned_where_the_output_ends_with_the_rest():
+    sequences = [[5], [3, 0], [1, 6, 3]]
+    assert banned_next_tokens(sequences, []) == [5]  # [3, 0] needs a 3 before, [1, 6, 3] 1, 6
+    assert banned_next_tokens(sequences, [4, 3]) == [5, 0]
+    assert banned_next_tokens(sequences, [1, 6]) == [5, 3]
+    assert banned_next_tokens(sequences, [6]) == [5]
+    sampler = Sampler(seed=0, device="cpu", grammars=GrammarMatchers("", 0))
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=sequences)
+    state = sampler.new_state(params, [1], (), output_token_ids=(4, 3))
+    # Token 5 (the best) and 0 (after a 3) are banned: the next best is token 3.
+    assert sampler(LOGITS.unsqueeze(0).clone(), [state]).token_ids == [3]
+    assert not params.allows_drafts and not Sampler.samples_on_device(state)
+    with pytest.raises(ValueError, match="bad_words cannot be set with allowed_token_ids"):
+        SamplingParams(bad_words=["x"], allowed_token_ids=[1])
+    with pytest.raises(ValueError, match="bad_words_token_ids must be a list of non-empty"):
+        SamplingParams(bad_words_token_ids=[[]])
 
 
 def freq_support(freq: torch.Tensor) -> set[int]:

@@ -242,6 +242,8 @@ class InputProcessor:
             self.check_token_ids(list(params.logit_bias), "logit_bias")
         if params.allowed_token_ids:
             self.check_token_ids(params.allowed_token_ids, "allowed_token_ids")
+        for sequence in params.bad_words_token_ids or ():
+            self.check_token_ids(sequence, "bad_words_token_ids")
         if limits.window_blocks:
             max_tokens = sys.maxsize if params.max_tokens is None else params.max_tokens
         else:
@@ -264,6 +266,17 @@ class InputProcessor:
             raise ValueError(f"{field_name} with max_tokens needs {needed} KV blocks but the pool "
                              f"(kv_cache_memory) holds {limits.num_kv_blocks}")
         return max_tokens
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as written and after a space (as it comes mid-text), so that it
+        is banned at the output's start and after another word (vLLM's way)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def truncate(self, text: str | None, ids: list[int], params: SamplingParams
                  ) -> tuple[str | None, list[int]]:
@@ -297,6 +310,8 @@ class InputProcessor:
             text, ids = self.tokenize(prompt, field_name)
             if params.truncate_prompt_tokens is not None:
                 text, ids = self.truncate(text, ids, params)
+        if params.bad_words:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         max_tokens = self.check_request(ids, params, field_name, lens)
         for name in ("cache_salt", "tenant", "lora_name"):
             value = options.get(name)

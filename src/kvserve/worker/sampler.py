@@ -36,6 +36,7 @@ class SamplingState:
     matcher: Any = None  # llguidance's, for a structured output
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias: (token ids, values)
     allowed: torch.Tensor | None = None  # allowed_token_ids, the only tokens it may sample
+    bad_words: list[list[int]] = field(default_factory=list)  # token sequences never output
 
 
 @dataclass(slots=True)
@@ -76,7 +77,8 @@ class Sampler:
         if params.allowed_token_ids is not None:
             allowed = torch.tensor(params.allowed_token_ids, device=self.device)
         return SamplingState(params, prompt_token_ids, stop_ids, list(output_token_ids),
-                             generator, matcher, bias, allowed)
+                             generator, matcher, bias, allowed,
+                             list(params.bad_words_token_ids or []))
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
         scored = [row for row, st in enumerate(states) if st.params.logprobs is not None]
@@ -92,8 +94,8 @@ class Sampler:
         return SamplerOutput(sampled, _gather_logprobs(raw, scored, sampled, states))
 
     def token_ids(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """Each row's next token, left on the device: allowed_token_ids, min_tokens,
-        logit_bias, penalties, then greedy or random choice (no grammar, no logprobs;
+        """Each row's next token, left on the device: allowed_token_ids, min_tokens, bad
+        words, logit_bias, penalties, then greedy or random choice (no grammar, no logprobs;
         `__call__` adds those)."""
         for row, st in enumerate(states):
             if st.allowed is not None:
@@ -102,6 +104,10 @@ class Sampler:
                 logits[row, st.allowed] = kept
             if len(st.output_token_ids) < st.params.min_tokens and st.stop_ids:
                 logits[row, st.stop_ids] = float("-inf")
+            if st.bad_words:
+                banned = banned_next_tokens(st.bad_words, st.output_token_ids)
+                if banned:
+                    logits[row, banned] = float("-inf")
             if st.bias is not None:
                 ids, values = st.bias
                 logits[row, ids] += values.to(logits.dtype)
@@ -116,10 +122,10 @@ class Sampler:
     @staticmethod
     def samples_on_device(st: SamplingState) -> bool:
         """Whether the request's next token needs nothing from the host that its last
-        sampled tokens change (grammar, penalties, min_tokens, logprobs): a step may then
-        sample it before the previous step's token reached the host."""
+        sampled tokens change (grammar, penalties, min_tokens, bad words, logprobs): a step
+        may then sample it before the previous step's token reached the host."""
         p = st.params
-        return (st.matcher is None and p.logprobs is None
+        return (st.matcher is None and p.logprobs is None and not st.bad_words
                 and len(st.output_token_ids) >= p.min_tokens  # the host's count lags
                 and p.repetition_penalty == 1.0 and not p.presence_penalty
                 and not p.frequency_penalty)
@@ -219,6 +225,13 @@ class Sampler:
         total = cdf[:, -1:]
         target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
         return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def banned_next_tokens(sequences: list[list[int]], output: list[int]) -> list[int]:
+    """The last token of each sequence whose other tokens the output ends with: what would
+    complete a bad word."""
+    return [seq[-1] for seq in sequences
+            if len(seq) - 1 <= len(output) and output[len(output) - len(seq) + 1:] == seq[:-1]]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -110,8 +110,8 @@ class SamplingRequest(RequestBody):
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens
-    # vLLM's extras this server cannot honor, refused by name rather than ignored.
     bad_words: list[str] | None = None
+    # vLLM's extra this server cannot honor, refused by name rather than ignored.
     use_beam_search: bool = False
     # The LoRA adapter that `model` names, set by the server.
     _lora_name: str | None = PrivateAttr(default=None)
@@ -148,11 +148,8 @@ class SamplingRequest(RequestBody):
         (its generation_config.json's); `max_tokens` takes its default where it is None.
         `structured_output`: the output's format where the route sets it (a tool choice), in
         place of the request's own."""
-        unsupported = [name for name, value in (
-            ("bad_words", self.bad_words),
-            ("use_beam_search", self.use_beam_search)) if value not in (None, False)]
-        if unsupported:
-            raise ValueError(f"{unsupported[0]} is not supported by this server")
+        if self.use_beam_search:
+            raise ValueError("use_beam_search is not supported by this server")
         chosen = {name: value for name, value in defaults.items()
                   if name != "max_tokens" and name not in self.model_fields_set}
         return SamplingParams(**{
@@ -169,7 +166,8 @@ class SamplingRequest(RequestBody):
             structured_output=structured_output or self.structured_output(),
             logit_bias=self.token_biases(),
             allowed_token_ids=self.allowed_token_ids,
-            truncate_prompt_tokens=self.truncate_prompt_tokens)
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=self.bad_words)
 
     def token_biases(self) -> dict[int, float] | None:
         if self.logit_bias is None:
