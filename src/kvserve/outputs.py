@@ -34,6 +34,14 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the sum of the generated tokens' logprobs, with `logprobs` asked for."""
+        if self.logprobs is None:
+            return None
+        return sum(entry[token].logprob
+                   for token, entry in zip(self.token_ids, self.logprobs, strict=True))
+
 
 @dataclass(slots=True)
 class RequestOutput:

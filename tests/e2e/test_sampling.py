@@ -192,3 +192,13 @@ def test_bad_words_never_appear_in_the_output(llm):
     assert out != free and len(out) == 16
     for seq in sequences:
         assert all(out[i:i + len(seq)] != seq for i in range(len(out)))
+
+
+def test_cumulative_logprob_sums_the_sampled_tokens_logprobs(llm):
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=6, logprobs=2, n=2,
+                            ignore_eos=True)
+    for c in llm.generate(ids(random_prompts([9], seed=5)), params, use_tqdm=False)[0].outputs:
+        each = [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs, strict=True)]
+        assert c.cumulative_logprob == pytest.approx(sum(each)) and c.cumulative_logprob < 0
+    plain = llm.generate(ids([[1, 2]]), SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert plain.outputs[0].cumulative_logprob is None  # as vLLM's, without logprobs
