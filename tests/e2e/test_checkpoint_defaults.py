@@ -153,6 +153,11 @@ def test_a_chat_template_given_stands_in_for_the_tokenizers_own(llama_dir: Path,
     with pytest.raises(ValueError, match="chat_template: neither a Jinja template nor a "
                                          "readable file"):
         LLM(str(bare), chat_template=str(tmp_path / "missing.jinja"))
+    plain = LLM(str(bare))  # vLLM's llm.chat(..., chat_template=...), for one call
+    for given in (ROLES, str(tmp_path / "roles.jinja")):
+        out = plain.chat(hello, SamplingParams(max_tokens=1), use_tqdm=False,
+                         chat_template=given)[0]
+        assert out.prompt_token_ids == plain.get_tokenizer().encode("[user] hello\n")
     with pytest.raises(ValueError, match="chat_template: not a valid Jinja template "
                                          r"\(line 1: "):
         LLM(str(bare), chat_template="{% for m in messages %}")

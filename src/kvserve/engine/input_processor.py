@@ -184,16 +184,17 @@ class InputProcessor:
                             field_name: str = "messages",
                             tools: list[dict[str, Any]] | None = None,
                             template_kwargs: dict[str, Any] | None = None,
-                            continue_final_message: bool = False) -> list[int]:
-        """The token ids of a conversation rendered by the checkpoint's chat template, with
-        the function `tools` (OpenAI's form) it may call and the template's own variables
-        `template_kwargs` (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking). A
-        template that leaves the tools out of what it renders is refused: the model would
-        never see them. `continue_final_message`: the last (assistant) message is left open,
-        for the model to go on with it."""
+                            continue_final_message: bool = False,
+                            chat_template: str | None = None) -> list[int]:
+        """The token ids of a conversation rendered by the checkpoint's chat template (or
+        `chat_template`), with the function `tools` (OpenAI's form) it may call and the
+        template's own variables `template_kwargs` (vLLM's chat_template_kwargs, e.g. Qwen3's
+        enable_thinking). A template that leaves the tools out of what it renders is refused:
+        the model would never see them. `continue_final_message`: the last (assistant)
+        message is left open, for the model to go on with it."""
         if not conversation:
             raise ValueError(f"{field_name} must not be empty")
-        if not self.tokenizer.chat_template:
+        if not (chat_template or self.tokenizer.chat_template):
             raise ValueError(f"{field_name}: the model has no chat template (give one with "
                              "chat_template, --chat-template on the command line)")
         if continue_final_message and (add_generation_prompt
@@ -207,6 +208,8 @@ class InputProcessor:
                              f"by template variables")
         options = {"add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message, **template_kwargs}
+        if chat_template:
+            options["chat_template"] = chat_template
         ids = self._render(conversation, field_name, tools, options)
         if tools and ids == self._render(conversation, field_name, None, options):
             raise ValueError("tools: the model's chat template does not show tools to the "

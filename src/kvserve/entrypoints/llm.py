@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, resolve_chat_template
 from kvserve.engine.input_processor import ParentRequest, PromptType
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.prefix_sharing import sharing_order
@@ -108,22 +108,24 @@ class LLM:
              add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
              continue_final_message: bool = False,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-             ) -> list[RequestOutput]:
-        """Applies the checkpoint's chat template to one conversation or a list of them, with
-        the function `tools` (OpenAI's form) the model may call and the template's own
-        variables (`chat_template_kwargs`, e.g. Qwen3's enable_thinking);
-        `continue_final_message` leaves the last (assistant) message open to go on with."""
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Applies the checkpoint's chat template (or `chat_template`: a Jinja template or the
+        file that holds one) to one conversation or a list of them, with the function `tools`
+        (OpenAI's form) the model may call and the template's own variables
+        (`chat_template_kwargs`, e.g. Qwen3's enable_thinking); `continue_final_message`
+        leaves the last (assistant) message open to go on with."""
         if not isinstance(messages, list):
             raise ValueError("messages must be a list of message dicts, or a list of such "
                              f"lists, got {type(messages).__name__}")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        template = resolve_chat_template(chat_template)
         prompts: list[PromptType] = []
         for i, conversation in enumerate(conversations):
             ids = self.engine.inputs.apply_chat_template(conversation, add_generation_prompt,
                                                          f"messages[{i}]", tools,
                                                          chat_template_kwargs,
-                                                         continue_final_message)
+                                                         continue_final_message, template)
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
