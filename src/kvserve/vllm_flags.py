@@ -12,6 +12,7 @@ has under its own name are aliases in `engine_args` (`-tp`, `--enable-chunked-pr
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,6 +82,10 @@ def take_vllm_options(options: dict[str, Any]) -> dict[str, Any]:
     into `scheduler_policy`, those that change nothing dropped with a note; one that would
     change something kvserve does not do raises ValueError."""
     options = dict(options)
+    if "speculative_config" in options:
+        given = options.pop("speculative_config")
+        if given is not None:
+            options.update(speculative_options(given))
     if "enable_chunked_prefill" in options:
         if "scheduler_policy" in options:
             raise ValueError("give scheduler_policy or vLLM's enable_chunked_prefill, not both")
@@ -97,6 +102,48 @@ def take_vllm_options(options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"vLLM's {name}={value!r} is not supported: {vllm.why}")
         logger.info("vLLM's %s=%r changes nothing: %s", name, value, vllm.why)
     return options
+
+
+SPECULATIVE_KEYS = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+def speculative_options(config: Any) -> dict[str, Any]:
+    """vLLM's `speculative_config` ({"method": "ngram", "num_speculative_tokens": 4} or
+    {"model": DRAFT, ...}) as kvserve's options: `speculative_model` ("ngram" or the draft's
+    folder) and those of SPECULATIVE_KEYS."""
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {config!r}")
+    method, model = config.get("method"), config.get("model")
+    if method == "ngram" and model is None:
+        draft = "ngram"
+    elif method in (None, "draft_model") and isinstance(model, str) and model:
+        draft = model
+    else:
+        raise ValueError(f"speculative_config: method {method!r} with model {model!r} is not "
+                         "supported: kvserve drafts by prompt lookup ({\"method\": \"ngram\"}) "
+                         "or with a draft model ({\"model\": FOLDER})")
+    unknown = sorted(set(config) - {"method", "model", *SPECULATIVE_KEYS})
+    if unknown:
+        raise ValueError(f"speculative_config: {unknown} are not supported; kvserve takes "
+                         f"method, model and {', '.join(SPECULATIVE_KEYS)}")
+    return {"speculative_model": draft, **{k: config[k] for k in SPECULATIVE_KEYS if k in config}}
+
+
+class SpeculativeConfigAction(argparse.Action):
+    """vLLM's `--speculative-config JSON`, set as kvserve's own speculative flags."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        try:
+            config = json.loads(values)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentError(self, f"not valid JSON ({e}): {values!r}") from None
+        try:
+            options = speculative_options(config)
+        except ValueError as e:
+            raise argparse.ArgumentError(self, str(e)) from None
+        for name, value in options.items():
+            setattr(namespace, name, value)
 
 
 # vLLM's SamplingParams fields kvserve's lacks, and what it has instead.
@@ -137,5 +184,8 @@ class _VllmFlagAction(argparse.Action):
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """Adds the flags, left out of `--help` (the README lists them)."""
+    parser.add_argument("--speculative-config", action=SpeculativeConfigAction,
+                        dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
     for vllm in VLLM_FLAGS:
         parser.add_argument(*vllm.names, action=_VllmFlagAction, vllm=vllm)

@@ -16,6 +16,7 @@ from kvserve.entrypoints.cli import build_parser
 from kvserve.sampling_params import SamplingParams
 from kvserve.tools.checkpoint_files import write_json
 from kvserve.tools.make_model import PRESETS, hf_config
+from kvserve.vllm_flags import take_vllm_options
 from kvserve.worker.kv_pool import (
     blocks_in_device_memory,
     graph_pool_bytes,
@@ -227,3 +228,23 @@ def test_a_flag_kvserve_does_not_take_is_refused_with_what_it_has(capsys, argv, 
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_vllms_speculative_config_sets_kvserves_speculative_options(capsys):
+    args = build_parser().parse_args(["serve", "m", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 3, '
+                                      '"prompt_lookup_max": 5}'])
+    kwargs = engine_kwargs(args)
+    assert (kwargs["speculative_model"], kwargs["num_speculative_tokens"]) == ("ngram", 3)
+    assert kwargs["prompt_lookup_max"] == 5
+    assert "--speculative-model ngram" in " ".join(engine_flags(args))
+    assert take_vllm_options({"speculative_config": {"model": "draft"}}) == {
+        "speculative_model": "draft"}
+    for given, message in (('{"method": "eagle", "model": "d"}', "method 'eagle' with model "
+                            "'d' is not supported: kvserve drafts by prompt lookup"),
+                           ('{"method": "ngram", "disable_by_batch_size": 4}',
+                            "['disable_by_batch_size'] are not supported"),
+                           ('{"method"', "not valid JSON")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "m", "--speculative-config", given])
+        assert message in capsys.readouterr().err
