@@ -1,7 +1,8 @@
 """vLLM's engine and server flags that kvserve has no flag of its own for, so that a `vllm
 serve` command line runs as `kvserve serve` unchanged where its meaning holds here, and is
 refused by name, with what kvserve does instead, where it does not; the same for the
-keywords of vLLM's `LLM(...)`.
+keywords of vLLM's `LLM(...)`, and what kvserve has for the fields of its `SamplingParams`
+that kvserve's lacks.
 
 A flag kvserve already satisfies (`--trust-remote-code`, `--kv-cache-dtype auto`) is taken
 with a note that says why it changes nothing; one asking for what kvserve does not do
