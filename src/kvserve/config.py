@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 import logging
 import math
@@ -20,6 +22,7 @@ from kvserve.models.hub import resolve_model
 from kvserve.models.registry import MULTIMODAL_LANGUAGE_MODELS, resolve_architecture
 from kvserve.quantization.hub_format import QuantConfig
 from kvserve.sampling_params import SamplingParams
+from kvserve.vllm_flags import take_vllm_options
 
 _DTYPES = {
     "float32": torch.float32,
@@ -755,6 +758,22 @@ class EngineConfig:
                              f"({draft.max_positions} positions) must be >= max_model_len "
                              f"({self.scheduler.max_model_len})")
         self.scheduler.draft_lookahead = spec.num_speculative_tokens
+
+    @classmethod
+    def from_options(cls, model: str, options: dict[str, Any]) -> EngineConfig:
+        """`create`, from the keywords a caller gave `LLM(...)` or `AsyncLLM(...)`: vLLM's
+        taken as kvserve's where their meaning holds (`take_vllm_options`), and one neither
+        takes named with the nearest it does (rather than create's bare TypeError)."""
+        options = take_vllm_options(options)
+        known = [name for name in inspect.signature(cls.create).parameters
+                 if name not in ("cls", "model")]
+        for name in options:
+            if name not in known:
+                near = difflib.get_close_matches(name, known, n=1)
+                raise ValueError(f"{name} is not an engine option"
+                                 + (f" (did you mean {near[0]}?)" if near else "")
+                                 + "; see 'Engine options' in the README")
+        return cls.create(model, **options)
 
     @classmethod
     def create(cls, model: str, dtype: str = "auto", max_num_batched_tokens: int = 2048,

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, SamplingParams
+from kvserve.entrypoints.async_llm import AsyncLLM
 from kvserve.errors import CheckpointError
 from kvserve.sampling_params import StructuredOutputParams
 
@@ -356,6 +357,8 @@ def test_an_unknown_engine_option_is_named_with_the_nearest_known_one(llama_dir)
     with pytest.raises(ValueError, match="num_gpu_blocks_override is not an engine option; "
                                          "see"):
         LLM(str(llama_dir), num_gpu_blocks_override=4)
+    with pytest.raises(ValueError, match=r"max_num_seq is not an engine option \(did you "):
+        AsyncLLM(str(llama_dir), max_num_seq=4)  # the server's engine takes the same
 
 
 def test_vllms_llm_keywords_run_where_their_meaning_holds(llama_dir, caplog):

@@ -125,7 +125,7 @@ class ClusterLLM(StreamingLLM):
         super().__init__(max_waiting_requests, data_parallel_size)
         ray = import_ray()
         # Bad options fail here, not in every replica.
-        config = EngineConfig.create(model, **engine_options)
+        config = EngineConfig.from_options(model, engine_options)
         # The template itself, not a file that another node of the cluster may not have.
         engine_options["chat_template"] = config.chat_template
         self.max_num_seqs = config.scheduler.max_num_seqs

@@ -164,7 +164,7 @@ class AsyncLLM(StreamingLLM):
         shows it: a replica ends its process there, for its requests to be recovered
         elsewhere rather than failed."""
         super().__init__(max_waiting_requests)
-        self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
+        self.engine = LLMEngine(EngineConfig.from_options(model, engine_options))
         self._on_dead = on_dead
         self.inputs = self.engine.inputs
         self.metrics = EngineMetrics(model_name or model)

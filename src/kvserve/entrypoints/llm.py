@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
-import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -16,7 +14,6 @@ from kvserve.engine.prefix_sharing import sharing_order
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import EngineStats, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.vllm_flags import take_vllm_options
 
 PREFIX_SHARING = ("auto", "off")
 
@@ -37,9 +34,7 @@ class LLM:
             raise ValueError(f"prefix_sharing must be one of {', '.join(PREFIX_SHARING)}, "
                              f"got {prefix_sharing!r}")
         self.prefix_sharing = prefix_sharing
-        engine_options = take_vllm_options(engine_options)
-        _check_option_names(engine_options)
-        self.engine = LLMEngine(EngineConfig.create(model, **engine_options))
+        self.engine = LLMEngine(EngineConfig.from_options(model, engine_options))
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -196,15 +191,3 @@ class LLM:
 def _as_dict(prompt: PromptType) -> dict[str, Any]:
     return prompt if isinstance(prompt, dict) else {"prompt": prompt}
 
-
-def _check_option_names(options: dict[str, Any]) -> None:
-    """Names an engine option kvserve does not take, and the nearest it does: an option of
-    vLLM's `LLM` kvserve lacks would otherwise raise a TypeError from `EngineConfig.create`."""
-    known = [name for name in inspect.signature(EngineConfig.create).parameters
-             if name not in ("cls", "model")]
-    for name in options:
-        if name not in known:
-            near = difflib.get_close_matches(name, known, n=1)
-            raise ValueError(f"{name} is not an engine option"
-                             + (f" (did you mean {near[0]}?)" if near else "")
-                             + "; see 'Engine options' in the README")
