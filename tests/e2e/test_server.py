@@ -84,6 +84,8 @@ def test_models_health_version(server: str, client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError, match="model 'gpt-4o' does not exist"):
         client.models.retrieve("gpt-4o")
     assert httpx.get(f"{server}/health").status_code == 200
+    assert httpx.get(f"{server}/ping").status_code == 200
+    assert httpx.post(f"{server}/ping").status_code == 200
     assert httpx.get(f"{server}/version").json()["version"]
 
 

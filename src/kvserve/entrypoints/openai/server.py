@@ -295,6 +295,7 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
                            "invalid_request_error", "model", "model_not_found")
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for it
     async def health() -> Response:
         if llm.dead is not None:
             raise llm.dead
