@@ -171,6 +171,7 @@ class LLM:
         for index in self._admission_order(checked):
             self.engine.add_validated(*checked[index])
         results: dict[str, RequestOutput] = {}
+        prompt_tokens = output_tokens = 0
         with tqdm(total=len(checked), desc="generate", unit="req",
                   disable=not use_tqdm or len(checked) < 2) as bar:
             try:
@@ -178,6 +179,13 @@ class LLM:
                     for out in self.engine.step():
                         if out.finished:
                             results[out.request_id] = out
+                            prompt_tokens += len(out.prompt_token_ids)
+                            output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                            elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                            # As vLLM's bar: the finished requests' tokens per second so far.
+                            bar.set_postfix_str(f"in {prompt_tokens / elapsed:.0f} tok/s, "
+                                                f"out {output_tokens / elapsed:.0f} tok/s",
+                                                refresh=False)
                             bar.update(1)
             except BaseException:
                 # Ctrl-C or a failed step: end this call's requests, so their KV blocks
