@@ -85,6 +85,10 @@ def test_models_health_version(server: str, client: openai.OpenAI) -> None:
         client.models.retrieve("gpt-4o")
     assert httpx.get(f"{server}/health").status_code == 200
     assert httpx.get(f"{server}/ping").status_code == 200
+    given = httpx.get(f"{server}/v1/models", headers={**AUTH, "X-Request-Id": "trace-7"})
+    assert given.headers["x-request-id"] == "trace-7"
+    fresh = {httpx.get(f"{server}/v1/models").headers["x-request-id"] for _ in range(2)}
+    assert len(fresh) == 2 and all(r.startswith("req-") for r in fresh)  # 401s too
     assert httpx.post(f"{server}/ping").status_code == 200
     assert httpx.get(f"{server}/version").json()["version"]
 

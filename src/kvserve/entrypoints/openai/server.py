@@ -15,6 +15,7 @@ import secrets
 import signal
 import socket
 import ssl
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +126,29 @@ def whole_body_error(content_type: str, error: dict[str, Any]) -> str:
              bool: "true or false", type(None): "null"}
     return (f"the body must be a JSON object, got "
             f"{kinds.get(type(error.get('input')), 'something else')}")
+
+
+class RequestIdHeader:
+    """Every response names its request in X-Request-Id, as OpenAI's API does: the client's
+    own (vLLM's --enable-request-id-headers), for tracing it through proxies, or a fresh
+    one. Plain ASGI: a stream's chunks pass untouched."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id")
+        header = (b"x-request-id", given or f"req-{uuid.uuid4().hex}".encode())
+
+        async def send_named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        await self.app(scope, receive, send_named)
 
 
 class BodySizeLimit:
@@ -281,10 +305,11 @@ def build_app(llm: ServingBackend, config: ServerConfig) -> FastAPI:
         return await call_next(request)
 
     if config.allowed_origins:
-        # Outermost: a browser's preflight is answered before the key check (it carries no
+        # Outside the key check: a browser's preflight is answered before it (it carries no
         # key), and every response, a 401 too, carries the headers that let the page read it.
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(RequestIdHeader)  # outermost: a 401 or a preflight is named too
 
     names = (config.model_name, *config.aliases)
 
