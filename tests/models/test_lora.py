@@ -25,6 +25,13 @@ def write_adapter(base: Path, folder: Path, seed: int, rank: int = 4, alpha: flo
     return make_lora(base, folder, rank, alpha, targets, seed, std=0.2)
 
 
+def two_adapters(base: Path, folder: Path) -> dict[str, str]:
+    """Adapters "first" and "second" of `base` (seeds 1 and 2), as lora_modules."""
+    for seed, name in enumerate(("first", "second"), start=1):
+        write_adapter(base, folder / name, seed=seed)
+    return {name: str(folder / name) for name in ("first", "second")}
+
+
 def merged_greedy(base: Path, pairs: dict, scale: float, prompts: list[list[int]]
                   ) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
@@ -63,10 +70,7 @@ def test_adapters_and_the_base_model_in_one_batch(model_dirs, tmp_path):
 
 def test_vllms_lora_request_loads_the_adapter_and_runs_prompts_with_it(model_dirs, tmp_path):
     base = model_dirs["llama"]
-    write_adapter(base, tmp_path / "first", seed=1)
-    write_adapter(base, tmp_path / "second", seed=2)
-    tagged = LLM(str(base), lora_modules={"first": str(tmp_path / "first"),
-                                          "second": str(tmp_path / "second")})
+    tagged = LLM(str(base), lora_modules=two_adapters(base, tmp_path))
     prompts = random_prompts([5, 17, 9], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = [out.outputs[0].token_ids for out in tagged.generate(
@@ -176,10 +180,7 @@ def test_an_adapter_unloaded_and_reloaded_under_its_name_never_hits_the_old_kv(m
 
 def test_the_server_serves_adapters_as_models(model_dirs, tmp_path):
     base = model_dirs["llama"]
-    write_adapter(base, tmp_path / "first", seed=1)
-    write_adapter(base, tmp_path / "second", seed=2)
-    llm = LLM(str(base), lora_modules={"first": str(tmp_path / "first"),
-                                       "second": str(tmp_path / "second")})
+    llm = LLM(str(base), lora_modules=two_adapters(base, tmp_path))
     prompt = random_prompts([12], seed=5)[0]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
