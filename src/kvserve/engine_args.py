@@ -165,10 +165,14 @@ def _dest(flag: str) -> str:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model: str = "required") -> None:
-    """Adds the engine options; the checkpoint is a positional argument (`model="positional"`),
-    a required `--model` ("required") or an optional one ("optional")."""
+    """Adds the engine options; the checkpoint is a positional argument (`model="positional"`,
+    which takes `--model` too, as vLLM's older command lines give it), a required `--model`
+    ("required") or an optional one ("optional")."""
     if model == "positional":
-        parser.add_argument("model", help=MODEL_HELP)
+        either = parser.add_mutually_exclusive_group(required=True)
+        either.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=MODEL_HELP)
+        either.add_argument("--model", dest="model", default=argparse.SUPPRESS,
+                            help="the same, as a flag")
     else:
         parser.add_argument("--model", required=model == "required", default=None,
                             help=MODEL_HELP)

@@ -248,3 +248,16 @@ def test_vllms_speculative_config_sets_kvserves_speculative_options(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "m", "--speculative-config", given])
         assert message in capsys.readouterr().err
+
+
+def test_a_positional_model_may_come_as_vllms_model_flag(capsys):
+    for argv in (["serve", "m"], ["serve", "--model", "m"], ["serve", "--seed", "1", "--model",
+                                                             "m"]):
+        assert engine_kwargs(build_parser().parse_args(argv))["model"] == "m"
+    for argv, message in ((["serve"], "kvserve serve: error: the model is required: kvserve "
+                                      "serve MODEL (a checkpoint folder or a Hugging Face Hub"),
+                          (["serve", "a", "--model", "b"], "argument --model: not allowed "
+                                                           "with argument model")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        assert message in capsys.readouterr().err

@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import kvserve
 from kvserve.arg_types import non_negative_int, port, positive_float, positive_int
@@ -136,6 +136,12 @@ class CommandParser(argparse.ArgumentParser):
         if extras and self._subparsers is None:
             self.error(unknown_flags_message(extras, self._option_string_actions))
         return namespace, extras
+
+    def error(self, message: str) -> NoReturn:
+        if message == "one of the arguments model --model is required":  # argparse's words
+            message = (f"the model is required: {self.prog} MODEL (a checkpoint folder or a "
+                       "Hugging Face Hub id)")
+        super().error(message)
 
 
 def unknown_flags_message(extras: list[str], known: Iterable[str]) -> str:
