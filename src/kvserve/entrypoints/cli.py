@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts (arguments or stdin)")
-    add_engine_args(gen)
+    add_engine_args(gen, model="positional")
     gen.add_argument("--prompt", action="append",
                      help="repeat for several prompts (default: each line of stdin)")
     gen.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
