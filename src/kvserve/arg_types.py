@@ -35,6 +35,23 @@ fraction = _ranged(float, 0.0, inclusive=True, high=1.0)  # shares of a whole
 port = _ranged(int, 0, inclusive=True, high=65535)
 
 
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def token_count(text: str) -> int:
+    """A count of tokens, also as vLLM writes them: 32k (32,000), 32K (32,768), 1.5m."""
+    scale = _SUFFIXES.get(text[-1:], 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        value = float(number) * scale if scale > 1 else int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a count of tokens such as 4096, 32k or "
+                                         f"32K, got {text!r}") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"must be a whole count of tokens, got {text!r}")
+    return int(value)
+
+
 def available_device(text: str) -> str:
     """A device this machine has, for the benchmarks that use one without an engine."""
     try:

@@ -8,6 +8,7 @@ import argparse
 import json
 from typing import Any
 
+from kvserve.arg_types import token_count
 from kvserve.config import (
     GENERATION_SAMPLING_FIELDS,
     PREEMPTION_MODES,
@@ -43,7 +44,7 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                      help="weights and compute dtype (float and half: vLLM's names of "
                           "float32 and float16); auto: bfloat16 on CUDA and on CPUs that "
                           "multiply it natively (AVX512-BF16 or AMX), else float32")),
-    ("--max-num-batched-tokens", dict(type=int, default=2048,
+    ("--max-num-batched-tokens", dict(type=token_count, default=2048,
                                       help="token budget of one step (default 2048)")),
     ("--max-num-seqs", dict(type=int, default=128,
                             help="most sequences running at once (default 128)")),
@@ -58,8 +59,9 @@ ENGINE_ARGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                            "weights, a step's activations and the KV cache "
                                            "take together, where --kv-cache-memory is not "
                                            "given (default 0.9)")),
-    ("--max-model-len", dict(type=int, default=None,
-                             help="context limit per request (default: the model's context)")),
+    ("--max-model-len", dict(type=token_count, default=None,
+                             help="context limit per request, e.g. 4096, 32k or 32K (32,768) "
+                                  "(default: the model's context)")),
     ("--seed", dict(type=int, default=0)),
     ("--device", dict(default="cpu", help="cpu (default), cuda or cuda:N")),
     ("--scheduler-policy", dict(default="chunked", choices=SCHEDULER_POLICIES,

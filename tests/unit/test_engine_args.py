@@ -261,3 +261,15 @@ def test_a_positional_model_may_come_as_vllms_model_flag(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_token_counts_take_vllms_suffixes(capsys):
+    for text, tokens in (("4096", 4096), ("32k", 32_000), ("32K", 32_768), ("1.5k", 1500),
+                         ("2M", 2 << 20)):
+        assert parse("--model", "m", "--max-model-len", text).max_model_len == tokens
+    assert parse("--model", "m", "--max-num-batched-tokens", "8K").max_num_batched_tokens == 8192
+    for text, message in (("x", "must be a count of tokens such as 4096, 32k or 32K, got 'x'"),
+                          ("0.1K", "must be a whole count of tokens, got '0.1K'")):
+        with pytest.raises(SystemExit):
+            parse("--model", "m", "--max-model-len", text)
+        assert message in capsys.readouterr().err
