@@ -32,6 +32,7 @@ from kvserve.entrypoints.async_llm import RequestStream, StreamingLLM
 from kvserve.errors import EngineOverloadedError, RequestFailedError
 from kvserve.outputs import EngineStats, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.vllm_flags import take_vllm_options
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,9 @@ class ClusterLLM(StreamingLLM):
                              f"{migration_threshold}")
         super().__init__(max_waiting_requests, data_parallel_size)
         ray = import_ray()
-        # Bad options fail here, not in every replica.
+        # Bad options fail here, not in every replica; vLLM's are turned into kvserve's here
+        # too, once, rather than noted again by each replica.
+        engine_options = take_vllm_options(engine_options)
         config = EngineConfig.from_options(model, engine_options)
         # The template itself, not a file that another node of the cluster may not have.
         engine_options["chat_template"] = config.chat_template
